@@ -1,0 +1,140 @@
+"""The ImageFolder pipeline and the synthetic stand-in for ImageNet.
+
+No data set can be downloaded on the machines this is developed and tested on, so the default job
+generates a small ImageFolder of JPEGs once: each class has its own colour and stripe orientation,
+blurred by noise, which a ResNet learns in a few epochs. The real path is the same code with
+``data.root`` pointing at ImageNet's ``train/<wnid>/*.JPEG``.
+
+Augmentation is seeded per sample from (seed, epoch, index): a sample gets the same crop whatever
+the world size, the rank that draws it, or how many restarts came before.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+from torchvision import datasets, transforms
+
+from elastic.config import DataConfig, SyntheticDataConfig
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+SPEC_FILE = ".synthetic.json"
+
+
+def train_root(cfg: DataConfig) -> Path:
+    return Path(cfg.root) / cfg.train_dir
+
+
+def ensure_synthetic(cfg: DataConfig) -> bool:
+    """Generate the synthetic ImageFolder at ``cfg.root`` unless it is already there.
+
+    Returns True when it generated. The folder is built under a temporary name and renamed into
+    place, so concurrent callers (several local nodes, or a killed run) never see half of it.
+    """
+    root = Path(cfg.root)
+    spec = _spec(cfg.generate, cfg.train_dir)
+    spec_path = root / SPEC_FILE
+    if spec_path.exists():
+        if json.loads(spec_path.read_text()) == spec:
+            return False
+        shutil.rmtree(root)  # ours, generated with other settings
+    elif root.exists() and any(root.iterdir()):
+        raise FileExistsError(
+            f"data.root={str(root)!r} exists and is not a generated data set: point data.root at "
+            "an empty or missing folder, or set data.synthetic=false to train on it"
+        )
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=root.name + ".tmp-", dir=root.parent))
+    try:
+        _generate(tmp / cfg.train_dir, cfg.generate)
+        (tmp / SPEC_FILE).write_text(json.dumps(spec))
+        if root.exists():
+            root.rmdir()  # empty, checked above
+        os.rename(tmp, root)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if spec_path.exists() and json.loads(spec_path.read_text()) == spec:
+            return False  # another process won the race with the same data
+        raise
+    return True
+
+
+def _spec(g: SyntheticDataConfig, train_dir: str) -> dict[str, object]:
+    return {
+        "version": 1,
+        "train_dir": train_dir,
+        "classes": g.classes,
+        "images_per_class": g.images_per_class,
+        "image_size": g.image_size,
+        "seed": g.seed,
+    }
+
+
+def _generate(out: Path, g: SyntheticDataConfig) -> None:
+    rng = np.random.default_rng(g.seed)
+    size = g.image_size
+    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32) / size
+    for c in range(g.classes):
+        folder = out / f"class_{c:03d}"
+        folder.mkdir(parents=True)
+        hue = c / g.classes
+        colour = np.array([np.cos(2 * np.pi * (hue + k / 3)) * 0.5 + 0.5 for k in range(3)])
+        angle = np.pi * c / g.classes
+        for i in range(g.images_per_class):
+            theta = angle + rng.normal(0, 0.08)
+            freq = 6 + 2 * (c % 3) + rng.normal(0, 0.3)
+            phase = rng.uniform(0, 2 * np.pi)
+            wave = np.sin(2 * np.pi * freq * (xx * np.cos(theta) + yy * np.sin(theta)) + phase)
+            img = 0.5 + 0.35 * wave[..., None] * colour[None, None, :] * 2 - 0.35 * colour
+            img = img + rng.normal(0, 0.12, img.shape) + rng.uniform(-0.1, 0.1)
+            pixels = (np.clip(img, 0, 1) * 255).astype(np.uint8)
+            Image.fromarray(pixels, "RGB").save(folder / f"img_{i:05d}.jpg", quality=90)
+
+
+def imagenet_transform(crop_size: int) -> transforms.Compose:
+    """The standard ImageNet training transforms (random-resized crop, flip, normalise)."""
+    return transforms.Compose(
+        [
+            transforms.RandomResizedCrop(crop_size),
+            transforms.RandomHorizontalFlip(),
+            transforms.ToTensor(),
+            transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+        ]
+    )
+
+
+class SeededImageFolder(Dataset[tuple[torch.Tensor, int]]):
+    """An ImageFolder indexed by ``(epoch, index)`` whose augmentation is seeded by both."""
+
+    def __init__(self, cfg: DataConfig, seed: int) -> None:
+        root = train_root(cfg)
+        if not root.is_dir():
+            raise FileNotFoundError(
+                f"{root} is not a directory: data.root must hold <data.train_dir>/<class>/<image>"
+            )
+        self.folder = datasets.ImageFolder(str(root))
+        self.transform = imagenet_transform(cfg.crop_size)
+        self.seed = seed
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.folder.classes)
+
+    def __len__(self) -> int:
+        return len(self.folder)
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
+        epoch, index = key
+        image, target = self.folder[index]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed((self.seed * 1_000_003 + epoch) * 100_000_007 + index)
+            return self.transform(image), target

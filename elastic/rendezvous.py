@@ -1,0 +1,433 @@
+"""etcd v3 rendezvous: which nodes are in the job and which round they train in.
+
+Keys under ``<prefix>/<job>/``:
+
+- ``nodes/<node_id>``: a live node, JSON :class:`NodeRecord`, under the node's lease. A dead
+  machine's key vanishes when the lease expires; a node that leaves revokes its lease. A node
+  whose workers crashed bumps ``incarnation`` in place, which tells the others it needs a new round.
+- ``round``: the current :class:`Round`, replaced only by a transaction conditioned on the
+  revision the proposer read (fencing): two proposers can never both win, and a process that tags
+  its work with an older round number can tell that it is stale.
+- ``done``: put under a lease by the first node whose workers finished the job.
+
+Every agent keeps a local :class:`JobView` up to date from one prefix watch, applying events one by
+one (no re-reading of all nodes per change), so a membership change costs O(nodes) work in total.
+Only the leader, the live node that joined first, proposes rounds. A round closes when at least
+``min_nodes`` are live and either ``max_nodes`` are or membership has been still for ``settle_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from elastic.config import RendezvousConfig
+from elastic.events import EventLog
+
+log = logging.getLogger(__name__)
+
+
+class NodeIdInUse(RuntimeError):
+    """Another live node registered the same node id."""
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """What a node publishes about itself under its lease."""
+
+    node_id: str
+    host: str
+    store_port: int  # the agent's c10d TCPStore, used when this node holds rank 0
+    slots: int  # workers this node runs
+    incarnation: int = 0
+    joined_rev: int = 0  # etcd create_revision of the node key: the join order
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        del data["joined_rev"]
+        return json.dumps(data)
+
+    @classmethod
+    def from_json(cls, raw: bytes | str, joined_rev: int) -> NodeRecord:
+        return cls(**json.loads(raw), joined_rev=joined_rev)
+
+
+@dataclass(frozen=True)
+class Member:
+    node_id: str
+    incarnation: int
+    host: str
+    slots: int
+    first_rank: int
+
+
+@dataclass(frozen=True)
+class Round:
+    """A closed membership: who trains, with which global ranks, and where the c10d store is."""
+
+    number: int
+    members: tuple[Member, ...]
+    store_host: str
+    store_port: int
+    formed_at: float = 0.0
+
+    @property
+    def world_size(self) -> int:
+        return sum(m.slots for m in self.members)
+
+    def member(self, node_id: str) -> Member | None:
+        return next((m for m in self.members if m.node_id == node_id), None)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> Round:
+        data = json.loads(raw)
+        data["members"] = tuple(Member(**m) for m in data["members"])
+        return cls(**data)
+
+    @classmethod
+    def build(cls, number: int, nodes: list[NodeRecord]) -> Round:
+        members, rank = [], 0
+        for n in nodes:
+            members.append(Member(n.node_id, n.incarnation, n.host, n.slots, rank))
+            rank += n.slots
+        return cls(number, tuple(members), nodes[0].host, nodes[0].store_port, time.time())
+
+
+@dataclass(frozen=True)
+class JobView:
+    """This process's picture of the job in etcd, as of ``revision``."""
+
+    nodes: Mapping[str, NodeRecord] = field(default_factory=dict)
+    round: Round | None = None
+    round_rev: int = 0  # mod_revision of the round key; 0 when there is none
+    done: bool = False
+    revision: int = 0
+
+    def round_intact(self) -> bool:
+        """Every member of the current round is still live, in the incarnation it joined with."""
+        if self.round is None:
+            return False
+        return all(
+            m.node_id in self.nodes and self.nodes[m.node_id].incarnation == m.incarnation
+            for m in self.round.members
+        )
+
+
+def plan_round(view: JobView, min_nodes: int, max_nodes: int) -> list[NodeRecord] | None:
+    """The members the next round should have, in rank order, or None if none is needed now.
+
+    A new round is needed when there is none, when a member is gone or reported a failure, or when
+    nodes are waiting and the round has room for them. Survivors keep their relative order, so
+    rank 0 stays where it was unless its node left; newcomers follow in join order.
+    """
+    if view.done or len(view.nodes) < min_nodes:
+        return None
+    current = view.round
+    if current is not None and view.round_intact():
+        waiting = [n for n in view.nodes if current.member(n) is None]
+        if not waiting or len(current.members) >= max_nodes:
+            return None
+    previous = [m.node_id for m in current.members] if current else []
+    survivors = [view.nodes[n] for n in previous if n in view.nodes]
+    newcomers = sorted(
+        (n for n in view.nodes.values() if n.node_id not in previous), key=lambda n: n.joined_rev
+    )
+    return (survivors + newcomers)[:max_nodes]
+
+
+class Rendezvous:
+    """One node's membership in a job: registration, the watched view, and round proposals."""
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        job_id: str,
+        node: NodeRecord,
+        cfg: RendezvousConfig,
+        min_nodes: int,
+        max_nodes: int,
+        events: EventLog | None = None,
+    ) -> None:
+        self._client = client
+        self._cfg = cfg
+        self._min, self._max = min_nodes, max_nodes
+        self._initial_settle = max(cfg.first_round_wait_s, cfg.settle_s)
+        self._events = events
+        self.node = node
+        base = f"{cfg.prefix}/{job_id}"
+        self._prefix = base + "/"
+        self._nodes_prefix = base + "/nodes/"
+        self._node_key = self._nodes_prefix + node.node_id
+        self._round_key = base + "/round"
+        self._done_key = base + "/done"
+
+        self._cond = threading.Condition()
+        self._view = JobView()
+        self._membership: tuple[tuple[str, int], ...] = ()
+        self._last_change = time.monotonic()
+        self._lease: Any = None
+        self._threads: list[threading.Thread] = []
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._watch_id: int | None = None
+        self.fenced = threading.Event()
+
+    # --- membership --------------------------------------------------------------------------
+
+    def join(self) -> None:
+        """Register this node under a fresh lease and start following the job."""
+        self._stop.clear()
+        self.fenced.clear()
+        self.node = replace(self.node, incarnation=0)
+        lease = self._client.lease(self._cfg.lease_ttl_s)
+        ok, _ = self._client.transaction(
+            compare=[self._client.transactions.version(self._node_key) == 0],
+            success=[self._client.transactions.put(self._node_key, self.node.to_json(), lease)],
+            failure=[],
+        )
+        if not ok:
+            self._client.revoke_lease(lease.id)
+            raise NodeIdInUse(
+                f"node id {self.node.node_id!r} is already live in this job: give each node its "
+                "own cluster.node_id, or wait for the old node's lease to expire"
+            )
+        self._lease = lease
+        self._last_refresh = time.monotonic()
+        self._threads = [
+            threading.Thread(target=self._keepalive_loop, name="rdzv-keepalive", daemon=True),
+            threading.Thread(target=self._sync_loop, name="rdzv-sync", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+        self._emit("node_registered", lease=lease.id, ttl_s=self._cfg.lease_ttl_s)
+
+    def leave(self) -> None:
+        """Stop following the job and revoke the lease, which deletes this node's keys at once."""
+        self._stop.set()
+        self._wake.set()
+        for t in self._threads:
+            t.join(timeout=5)
+        self._threads = []
+        if self._watch_id is not None:
+            self._cancel_watch()
+        if self._lease is not None:
+            try:
+                self._client.revoke_lease(self._lease.id)
+            except Exception as exc:  # the lease may be gone already; it then expires by itself
+                log.warning("could not revoke lease: %s", exc)
+            self._lease = None
+
+    def rejoin(self) -> None:
+        """After fencing: leave what is left and register again as a new member."""
+        self.leave()
+        self.join()
+
+    def report_failure(self, reason: str) -> None:
+        """Ask for a new round: this node's workers failed and it wants to be re-admitted."""
+        self.node = replace(self.node, incarnation=self.node.incarnation + 1)
+        self._client.put(self._node_key, self.node.to_json(), lease=self._lease)
+        self._emit("failure_reported", incarnation=self.node.incarnation, reason=reason)
+
+    def mark_done(self) -> None:
+        self._client.put(self._done_key, json.dumps({"node": self.node.node_id}), lease=self._lease)
+
+    # --- the view ----------------------------------------------------------------------------
+
+    @property
+    def view(self) -> JobView:
+        with self._cond:
+            return self._view
+
+    def wait(self, predicate: Callable[[JobView], bool], timeout: float) -> JobView | None:
+        """Block until the view satisfies ``predicate`` or this node is fenced; None on timeout."""
+        with self._cond:
+            ok = self._cond.wait_for(
+                lambda: self.fenced.is_set() or predicate(self._view), timeout=timeout
+            )
+            return self._view if ok else None
+
+    def notify(self) -> None:
+        """Wake :meth:`wait` callers so they re-check a predicate on state outside etcd.
+
+        The agent waits on this one condition for round changes, worker exits and signals
+        alike; with a single lock there is no lock order to get wrong.
+        """
+        with self._cond:
+            self._cond.notify_all()
+
+    def _publish(self, view: JobView) -> None:
+        """Install a newer view; called with ``self._cond`` held."""
+        membership = tuple(sorted((n.node_id, n.incarnation) for n in view.nodes.values()))
+        if membership != self._membership:
+            self._membership = membership
+            self._last_change = time.monotonic()
+        # "done" is sticky: the key vanishes with its writer's lease once the job is over.
+        self._view = replace(view, done=view.done or self._view.done)
+        self._cond.notify_all()
+        self._wake.set()
+
+    def _snapshot(self) -> None:
+        resp = self._client.get_prefix_response(self._prefix)
+        nodes: dict[str, NodeRecord] = {}
+        rnd, round_rev, done = None, 0, False
+        for kv in resp.kvs:
+            key = kv.key.decode()
+            if key.startswith(self._nodes_prefix):
+                rec = NodeRecord.from_json(kv.value, kv.create_revision)
+                nodes[rec.node_id] = rec
+            elif key == self._round_key:
+                rnd, round_rev = Round.from_json(kv.value), kv.mod_revision
+            elif key == self._done_key:
+                done = True
+        with self._cond:
+            if resp.header.revision >= self._view.revision:
+                self._publish(JobView(nodes, rnd, round_rev, done, resp.header.revision))
+
+    def _on_watch(self, response: Any) -> None:
+        """Runs on the etcd client's watch thread: apply each event to the view."""
+        if isinstance(response, Exception):
+            log.warning("etcd watch broke (%s); re-reading the job", response)
+            self._watch_id = None
+            self._wake.set()
+            return
+        with self._cond:
+            view = self._view
+            nodes, rnd, round_rev, done = dict(view.nodes), view.round, view.round_rev, view.done
+            rev = view.revision
+            for ev in response.events:
+                if ev.mod_revision <= view.revision:
+                    continue  # already in the snapshot this watch started after
+                rev = max(rev, ev.mod_revision)
+                key, deleted = ev.key.decode(), type(ev).__name__ == "DeleteEvent"
+                if key.startswith(self._nodes_prefix):
+                    node_id = key[len(self._nodes_prefix) :]
+                    if deleted:
+                        nodes.pop(node_id, None)
+                    else:
+                        nodes[node_id] = NodeRecord.from_json(ev.value, ev.create_revision)
+                elif key == self._round_key and not deleted:
+                    rnd, round_rev = Round.from_json(ev.value), ev.mod_revision
+                elif key == self._done_key and not deleted:
+                    done = True
+            if rev > view.revision:
+                self._publish(JobView(nodes, rnd, round_rev, done, rev))
+
+    # --- background threads ------------------------------------------------------------------
+
+    def _keepalive_loop(self) -> None:
+        """Refresh the lease; fence this node once the lease is lost or may have expired.
+
+        A node cut off from etcd stops counting as a member on the server when its lease expires,
+        so it must consider itself out before that moment: after 2/3 of the TTL without a
+        successful refresh it is fenced, and the agent stops its workers.
+        """
+        ttl = self._cfg.lease_ttl_s
+        lease = self._lease
+        while not self._stop.wait(ttl / 4):
+            try:
+                responses = lease.refresh()
+                if responses and responses[0].TTL > 0:
+                    self._last_refresh = time.monotonic()
+                    continue
+                reason = "lease expired"
+            except Exception as exc:
+                if time.monotonic() - self._last_refresh < ttl * 2 / 3:
+                    continue
+                reason = f"lease not renewed for {ttl * 2 / 3:.1f} s ({exc.__class__.__name__})"
+            self._emit("fenced", reason=reason)
+            with self._cond:
+                self.fenced.set()
+                self._cond.notify_all()
+            return
+
+    def _sync_loop(self) -> None:
+        """Keep the watch alive, re-read the job now and then, and propose rounds as leader."""
+        next_resync = 0.0
+        while not self._stop.is_set():
+            deadline: float | None = None
+            try:
+                now = time.monotonic()
+                if self._watch_id is None or now >= next_resync:
+                    self._snapshot()
+                    next_resync = now + self._cfg.resync_s
+                if self._watch_id is None:
+                    self._watch_id = self._client.add_watch_prefix_callback(
+                        self._prefix, self._on_watch, start_revision=self.view.revision + 1
+                    )
+                deadline = self._maybe_propose()
+            except Exception as exc:
+                log.warning("rendezvous sync failed (%s); retrying", exc)
+                self._watch_id = None
+                deadline = time.monotonic() + 0.5
+            wait = min(deadline or next_resync, next_resync) - time.monotonic()
+            self._wake.wait(timeout=max(0.01, wait))
+            self._wake.clear()
+
+    def _cancel_watch(self) -> None:
+        try:
+            self._client.cancel_watch(self._watch_id)
+        except Exception as exc:
+            log.debug("cancel_watch: %s", exc)
+        self._watch_id = None
+
+    def _maybe_propose(self) -> float | None:
+        """As leader, replace the round when :func:`plan_round` says so and membership settled.
+
+        Returns the monotonic time at which to look again (settle time still running), or None.
+        """
+        view = self.view
+        if self.fenced.is_set() or self.node.node_id not in view.nodes:
+            return None
+        leader = min(view.nodes.values(), key=lambda n: n.joined_rev)
+        if leader.node_id != self.node.node_id:
+            return None
+        members = plan_round(view, self._min, self._max)
+        if members is None:
+            return None
+        settle = self._initial_settle if view.round is None else self._cfg.settle_s
+        settles_at = self._last_change + settle
+        if len(view.nodes) < self._max and time.monotonic() < settles_at:
+            return settles_at
+        self.propose(view, members)
+        return None
+
+    def propose(self, view: JobView, members: list[NodeRecord]) -> bool:
+        """Replace the round seen in ``view`` by one of ``members``; False if it was stale.
+
+        The transaction only succeeds if the round key still has the revision this node read, so
+        of two proposers working from the same view exactly one wins, and a proposer with an old
+        view loses.
+        """
+        number = view.round.number + 1 if view.round else 1
+        new = Round.build(number, members)
+        t = self._client.transactions
+        fence = (
+            (t.mod(self._round_key) == view.round_rev)
+            if view.round
+            else (t.version(self._round_key) == 0)
+        )
+        ok, _ = self._client.transaction(
+            compare=[fence], success=[t.put(self._round_key, new.to_json())], failure=[]
+        )
+        if ok:
+            self._emit(
+                "round_formed",
+                round=number,
+                world_size=new.world_size,
+                members=[m.node_id for m in new.members],
+                store=f"{new.store_host}:{new.store_port}",
+            )
+        return bool(ok)
+
+    def _emit(self, event: str, **fields: Any) -> None:
+        if self._events is not None:
+            self._events.emit(event, **fields)

@@ -1,0 +1,1 @@
+"""The per-node agent and the Hydra CLI (``python -m launcher``)."""

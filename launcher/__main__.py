@@ -1,0 +1,5 @@
+"""``python -m launcher [overrides]``: see launcher/cli.py."""
+
+from launcher.cli import main
+
+main()

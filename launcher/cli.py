@@ -1,0 +1,111 @@
+"""``python -m launcher``: the Hydra entry point for every launch.
+
+It composes the configuration from ``conf/`` and the command-line overrides, fills in the
+defaults that depend on the moment (job id, run directory, checkpoint URL), checks every value
+before anything starts, prepares the data, writes the resolved ``config.yaml`` that all agents and
+workers of the job read, and then either simulates ``cluster.nodes`` nodes on this machine
+(``cluster=local``) or runs this node's agent (``cluster=bare_metal``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from elastic import config
+from elastic.config import Config, ConfigError
+from elastic.data import ensure_synthetic
+from elastic.events import EventFollower, read_events
+from launcher.progress import ProgressDisplay, summary
+
+log = logging.getLogger("launcher")
+
+ConfigStore.instance().store(name="schema", node=Config)
+
+
+def finalize(cfg: Config) -> Config:
+    """Fill in the values that default to "now" or "here", as absolute paths."""
+    job_id = cfg.job_id or (time.strftime("%Y%m%d-%H%M%S") if cfg.cluster.mode == "local" else "")
+    run_dir = Path(cfg.run_dir or f"runs/{job_id}").expanduser().resolve()
+    url = cfg.checkpoint.url or f"file://{run_dir / 'checkpoints'}"
+    return dataclasses.replace(
+        cfg,
+        job_id=job_id,
+        run_dir=str(run_dir),
+        checkpoint=dataclasses.replace(cfg.checkpoint, url=url),
+        data=dataclasses.replace(cfg.data, root=str(Path(cfg.data.root).expanduser().resolve())),
+    )
+
+
+def launch(cfg: Config) -> int:
+    try:
+        config.validate(cfg)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    run_dir = Path(cfg.run_dir)
+    started = time.time()
+    if cfg.data.synthetic:
+        log.info("preparing the synthetic ImageFolder at %s", cfg.data.root)
+        if ensure_synthetic(cfg.data):
+            log.info(
+                "generated %d classes x %d JPEGs",
+                cfg.data.generate.classes,
+                cfg.data.generate.images_per_class,
+            )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "config.yaml"
+    config.save(cfg, config_path)
+    log.info("job %s: run directory %s", cfg.job_id, run_dir)
+
+    if cfg.cluster.mode == "local":
+        from launcher.local_cluster import run_local
+
+        code = run_local(cfg, config_path)
+    else:
+        code = _run_bare_metal(cfg, config_path)
+    print(summary(run_dir, cfg.checkpoint.url, cfg.job_id, since=started), flush=True)
+    finished = any(
+        e["event"] == "training_done" and e["ts"] >= started for e in read_events(run_dir)
+    )
+    return code if code else (0 if finished else 1)
+
+
+def _run_bare_metal(cfg: Config, config_path: Path) -> int:
+    """This node's agent in this process, with progress from this node's events."""
+    from launcher.agent import Agent
+
+    node_id = cfg.cluster.node_id or socket.gethostname()
+    host = cfg.cluster.host or socket.getfqdn()
+    agent = Agent(cfg, str(config_path), node_id, host, list(cfg.cluster.etcd_endpoints))
+    display, follower, done = ProgressDisplay(), EventFollower(cfg.run_dir), threading.Event()
+
+    def follow() -> None:
+        while not done.wait(0.5):
+            display.handle(follower.poll())
+
+    thread = threading.Thread(target=follow, name="progress", daemon=True)
+    thread.start()
+    try:
+        return agent.run()
+    finally:
+        done.set()
+        thread.join(timeout=5)
+        display.handle(follower.poll())
+        display.close()
+
+
+@hydra.main(version_base=None, config_path="pkg://conf", config_name="config")
+def main(dcfg: DictConfig) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    cfg = finalize(OmegaConf.to_object(dcfg))  # type: ignore[arg-type]
+    sys.exit(launch(cfg))

@@ -1,0 +1,111 @@
+"""``cluster=local``: simulate N nodes on this machine, each a real agent process.
+
+Each simulated node is an agent in its own session and process group, so a fault injector can kill
+a whole node (the agent and every worker under it) with one signal, as a machine failure would.
+Unless ``cluster.etcd_endpoints`` names a running etcd, an embedded one is started for the job.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+
+from elastic.config import Config
+from elastic.events import EventFollower
+from launcher.embedded_etcd import EmbeddedEtcd
+from launcher.progress import ProgressDisplay
+
+log = logging.getLogger("launcher.local")
+
+SHUTDOWN_GRACE_S = 20.0
+DISPLAY_INTERVAL_S = 0.25
+
+
+def node_ids(count: int) -> list[str]:
+    return [f"node{i}" for i in range(count)]
+
+
+def run_local(cfg: Config, config_path: Path) -> int:
+    """Run the job on simulated nodes until it is done; returns the launcher's exit code."""
+    run_dir = Path(cfg.run_dir)
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    etcd = None
+    endpoints = list(cfg.cluster.etcd_endpoints)
+    if not endpoints:
+        etcd = EmbeddedEtcd(run_dir / "etcd", logs / "etcd.log").start()
+        endpoints = [etcd.endpoint]
+        log.info("embedded etcd at %s", etcd.endpoint)
+
+    stop: list[int] = []
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.append(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    agents: dict[str, subprocess.Popen[bytes]] = {}
+    display = ProgressDisplay()
+    try:
+        for node in node_ids(cfg.cluster.nodes):
+            with open(logs / f"{node}.log", "ab") as out:
+                agents[node] = subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "launcher.agent",
+                        "--config",
+                        str(config_path),
+                        "--node-id",
+                        node,
+                        "--host",
+                        "127.0.0.1",
+                        "--etcd",
+                        ",".join(endpoints),
+                        "--nodes-on-machine",
+                        str(cfg.cluster.nodes),
+                    ],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                )
+        log.info("started %d nodes: %s (logs in %s)", len(agents), ", ".join(agents), logs)
+        follower = EventFollower(run_dir)
+        while not stop and any(p.poll() is None for p in agents.values()):
+            display.handle(follower.poll())
+            time.sleep(DISPLAY_INTERVAL_S)
+        if stop:
+            log.warning("stopping: asking every node to leave the job")
+            _shutdown(agents)
+        display.handle(follower.poll())
+    finally:
+        display.close()
+        _shutdown(agents)
+        if etcd is not None:
+            etcd.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if stop:
+        return 128 + stop[0]
+    return 0
+
+
+def _shutdown(agents: dict[str, subprocess.Popen[bytes]]) -> None:
+    """SIGTERM each agent (it stops its workers and revokes its lease), then kill stragglers."""
+    for p in agents.values():
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + SHUTDOWN_GRACE_S
+    for p in agents.values():
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=5)
