@@ -5,6 +5,8 @@ Keys under ``<prefix>/<job>/``:
 - ``nodes/<node_id>``: a live node, JSON :class:`NodeRecord`, under the node's lease. A dead
   machine's key vanishes when the lease expires; a node that leaves revokes its lease. A node
   whose workers crashed bumps ``incarnation`` in place, which tells the others it needs a new round.
+  A registration is identified by the key's create revision: a node that registers again (after a
+  restart or after being fenced) is a new member, never mistaken for the one a stale round lists.
 - ``round``: the current :class:`Round`, replaced only by a transaction conditioned on the
   revision the proposer read (fencing): two proposers can never both win, and a process that tags
   its work with an older round number can tell that it is stale.
@@ -60,6 +62,7 @@ class NodeRecord:
 @dataclass(frozen=True)
 class Member:
     node_id: str
+    joined_rev: int  # which registration of node_id this is
     incarnation: int
     host: str
     slots: int
@@ -96,7 +99,7 @@ class Round:
     def build(cls, number: int, nodes: list[NodeRecord]) -> Round:
         members, rank = [], 0
         for n in nodes:
-            members.append(Member(n.node_id, n.incarnation, n.host, n.slots, rank))
+            members.append(Member(n.node_id, n.joined_rev, n.incarnation, n.host, n.slots, rank))
             rank += n.slots
         return cls(number, tuple(members), nodes[0].host, nodes[0].store_port, time.time())
 
@@ -112,11 +115,14 @@ class JobView:
     revision: int = 0
 
     def round_intact(self) -> bool:
-        """Every member of the current round is still live, in the incarnation it joined with."""
+        """Every member of the current round is still live, as the registration and incarnation
+        it joined with."""
         if self.round is None:
             return False
         return all(
-            m.node_id in self.nodes and self.nodes[m.node_id].incarnation == m.incarnation
+            m.node_id in self.nodes
+            and (self.nodes[m.node_id].joined_rev, self.nodes[m.node_id].incarnation)
+            == (m.joined_rev, m.incarnation)
             for m in self.round.members
         )
 
@@ -172,7 +178,7 @@ class Rendezvous:
 
         self._cond = threading.Condition()
         self._view = JobView()
-        self._membership: tuple[tuple[str, int], ...] = ()
+        self._membership: tuple[tuple[str, int, int], ...] = ()
         self._last_change = time.monotonic()
         self._lease: Any = None
         self._threads: list[threading.Thread] = []
@@ -188,6 +194,9 @@ class Rendezvous:
         self._stop.clear()
         self.fenced.clear()
         self.node = replace(self.node, incarnation=0)
+        with self._cond:  # forget what an earlier registration saw; a fresh snapshot follows
+            self._view = JobView()
+            self._membership = ()
         lease = self._client.lease(self._cfg.lease_ttl_s)
         ok, _ = self._client.transaction(
             compare=[self._client.transactions.version(self._node_key) == 0],
@@ -266,7 +275,9 @@ class Rendezvous:
 
     def _publish(self, view: JobView) -> None:
         """Install a newer view; called with ``self._cond`` held."""
-        membership = tuple(sorted((n.node_id, n.incarnation) for n in view.nodes.values()))
+        membership = tuple(
+            sorted((n.node_id, n.joined_rev, n.incarnation) for n in view.nodes.values())
+        )
         if membership != self._membership:
             self._membership = membership
             self._last_change = time.monotonic()

@@ -11,10 +11,7 @@ takes part in the next round, whose workers resume from the newest checkpoint.
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
-import signal
 import sys
 import time
 
@@ -116,6 +113,7 @@ def train(cfg: config.Config, env: WorkerEnv, events: EventLog) -> Progress:
                 "step",
                 step=progress.step,
                 samples=progress.samples_seen,
+                step_samples=plan.global_count,
                 epoch=progress.sampler.epoch,
                 loss=per_sample[: plan.real].mean().item(),
                 lr=lr,
@@ -140,24 +138,7 @@ def train(cfg: config.Config, env: WorkerEnv, events: EventLog) -> Progress:
     return progress
 
 
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_agent() -> None:
-    """Have the kernel SIGKILL this worker when its agent dies.
-
-    A node's workers must never outlive its agent: a SIGKILLed or OOM-killed agent would otherwise
-    leave orphans that hold a GPU and keep talking to peers of a round that is over. If the agent
-    died before the signal was armed, the parent is no longer the agent and the worker exits.
-    """
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    agent = os.environ.get("ELASTIC_AGENT_PID")
-    if agent is not None and os.getppid() != int(agent):
-        sys.exit("the agent that started this worker is gone")
-
-
 def main() -> int:
-    die_with_agent()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     env = WorkerEnv.from_environ()
     cfg = config.load(env.config)

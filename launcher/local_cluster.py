@@ -18,6 +18,7 @@ from types import FrameType
 
 from elastic.config import Config
 from elastic.events import EventFollower
+from elastic.lifeline import tied
 from launcher.embedded_etcd import EmbeddedEtcd
 from launcher.progress import ProgressDisplay
 
@@ -55,21 +56,23 @@ def run_local(cfg: Config, config_path: Path) -> int:
         for node in node_ids(cfg.cluster.nodes):
             with open(logs / f"{node}.log", "ab") as out:
                 agents[node] = subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "launcher.agent",
-                        "--config",
-                        str(config_path),
-                        "--node-id",
-                        node,
-                        "--host",
-                        "127.0.0.1",
-                        "--etcd",
-                        ",".join(endpoints),
-                        "--nodes-on-machine",
-                        str(cfg.cluster.nodes),
-                    ],
+                    tied(
+                        [
+                            sys.executable,
+                            "-m",
+                            "launcher.agent",
+                            "--config",
+                            str(config_path),
+                            "--node-id",
+                            node,
+                            "--host",
+                            "127.0.0.1",
+                            "--etcd",
+                            ",".join(endpoints),
+                            "--nodes-on-machine",
+                            str(cfg.cluster.nodes),
+                        ]
+                    ),
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,

@@ -14,6 +14,7 @@ import psutil
 
 from elastic.communicator import WorkerEnv
 from elastic.events import EventLog
+from elastic.lifeline import tied
 
 
 class WorkerGroup:
@@ -51,15 +52,10 @@ class WorkerGroup:
                 )
                 out.flush()
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "elastic.trainer"],
-                    # No preexec_fn: the agent runs gRPC threads, and Python code between fork and
-                    # exec trips gRPC's fork handlers. The worker arms its own death signal.
-                    env={
-                        **os.environ,
-                        **env.to_environ(),
-                        "PYTHONUNBUFFERED": "1",
-                        "ELASTIC_AGENT_PID": str(os.getpid()),
-                    },
+                    # Through the lifeline, not preexec_fn: the agent runs gRPC threads, and Python
+                    # code between fork and exec trips gRPC's fork handlers.
+                    tied([sys.executable, "-m", "elastic.trainer"]),
+                    env={**os.environ, **env.to_environ(), "PYTHONUNBUFFERED": "1"},
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,

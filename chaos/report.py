@@ -1,0 +1,61 @@
+"""Recovery figures from a run's event log.
+
+The definitions are the ones shared with the torchrun peer baseline
+(``shared/bench/peer_torchrun``): the stall runs from the fault until a survivor completes a step
+beyond the one that was in flight; redone steps are the steps trained twice because the job rolled
+back to a checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Recovery:
+    fault_ts: float
+    last_step_before: int
+    resumed_from: int | None  # checkpoint step the job restarted from, None if it never did
+    first_step_after: int | None
+    stall_s: float | None  # None: no progress after the fault
+    redone_steps: int
+    breakdown: dict[str, float]  # seconds from the fault to each milestone of the recovery
+
+
+def recovery(events: list[dict[str, Any]], fault_ts: float) -> Recovery:
+    steps = [e for e in events if e["event"] == "step"]
+    before = [e["step"] for e in steps if e["ts"] < fault_ts]
+    last_before = max(before, default=0)
+    restarted = next(
+        (e for e in events if e["event"] == "training_started" and e["ts"] > fault_ts), None
+    )
+    progress = next(
+        (
+            e
+            for e in steps
+            if e["ts"] > fault_ts
+            and (e["step"] > last_before + 1 or (restarted and e["ts"] > restarted["ts"]))
+        ),
+        None,
+    )
+    resumed_from = restarted["step"] if restarted else None
+    milestones = {
+        "detected": ("worker_peer_lost", "failure_reported", "worker_exited"),
+        "round_formed": ("round_formed",),
+        "training_started": ("training_started",),
+    }
+    breakdown = {}
+    for name, kinds in milestones.items():
+        first = next((e for e in events if e["event"] in kinds and e["ts"] >= fault_ts), None)
+        if first is not None:
+            breakdown[name] = first["ts"] - fault_ts
+    return Recovery(
+        fault_ts=fault_ts,
+        last_step_before=last_before,
+        resumed_from=resumed_from,
+        first_step_after=progress["step"] if progress else None,
+        stall_s=progress["ts"] - fault_ts if progress else None,
+        redone_steps=max(0, last_before - resumed_from) if resumed_from is not None else 0,
+        breakdown=breakdown,
+    )

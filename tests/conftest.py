@@ -1,0 +1,84 @@
+"""Shared fixtures: a real etcd server, real launcher processes, the run's event log."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from elastic.etcd import connect
+from launcher.embedded_etcd import EmbeddedEtcd
+
+REPO = Path(__file__).resolve().parent.parent
+
+# A job small enough for two CPU cores: 240 JPEGs, 8 per worker per step, 32-pixel crops.
+FAST_JOB = [
+    "data.generate.images_per_class=24",
+    "data.batch_size=8",
+    "checkpoint.every_steps=5",
+    "rendezvous.lease_ttl_s=2",
+    "rendezvous.settle_s=0.5",
+    "rendezvous.first_round_wait_s=60",
+]
+
+
+@pytest.fixture(scope="session")
+def etcd_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    path = tmp_path_factory.mktemp("etcd")
+    with EmbeddedEtcd(path / "data", path / "etcd.log") as etcd:
+        yield etcd.endpoint
+
+
+@pytest.fixture
+def etcd_client(etcd_endpoint: str):  # type: ignore[no-untyped-def]
+    client = connect([etcd_endpoint])
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def job_id() -> str:
+    return "test-" + uuid.uuid4().hex[:8]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Generated data sets live in one folder per test session, not in the user's cache."""
+    path = tmp_path_factory.mktemp("cache")
+    old = os.environ.get("ELASTIC_CACHE")
+    os.environ["ELASTIC_CACHE"] = str(path)
+    yield path
+    if old is None:
+        del os.environ["ELASTIC_CACHE"]
+    else:
+        os.environ["ELASTIC_CACHE"] = old
+
+
+def launch(run_dir: Path, *overrides: str, job_id: str = "job") -> subprocess.Popen[str]:
+    """Start ``python -m launcher`` with the fast job settings; output goes to run_dir.out."""
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    out = open(run_dir.with_suffix(".out"), "w")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "launcher",
+            f"job_id={job_id}",
+            f"run_dir={run_dir}",
+            *FAST_JOB,
+            *overrides,
+        ],
+        cwd=run_dir.parent,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def output(run_dir: Path) -> str:
+    return run_dir.with_suffix(".out").read_text()

@@ -1,0 +1,221 @@
+"""The etcd rendezvous against a real etcd server (and real processes for node death)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from elastic.config import RendezvousConfig
+from elastic.etcd import connect
+from elastic.rendezvous import JobView, NodeIdInUse, NodeRecord, Rendezvous, Round, plan_round
+
+FAST = RendezvousConfig(lease_ttl_s=2, settle_s=0.3, first_round_wait_s=0.3)
+
+
+def node(name: str, rev: int = 0, incarnation: int = 0, slots: int = 1) -> NodeRecord:
+    return NodeRecord(name, "127.0.0.1", 1000, slots, incarnation, rev)
+
+
+@pytest.fixture
+def make(etcd_endpoint: str, job_id: str):  # type: ignore[no-untyped-def]
+    """Join nodes of one job; every node still joined is made to leave at the end."""
+    joined: list[Rendezvous] = []
+
+    def _make(
+        name: str,
+        *,
+        min_nodes: int = 1,
+        max_nodes: int = 3,
+        slots: int = 1,
+        cfg: RendezvousConfig = FAST,
+    ) -> Rendezvous:
+        r = Rendezvous(
+            connect([etcd_endpoint]),
+            job_id=job_id,
+            node=NodeRecord(name, "127.0.0.1", 1000 + len(joined), slots),
+            cfg=cfg,
+            min_nodes=min_nodes,
+            max_nodes=max_nodes,
+        )
+        r.join()
+        joined.append(r)
+        return r
+
+    yield _make
+    for r in joined:
+        r.leave()
+
+
+def round_number(n: int):  # type: ignore[no-untyped-def]
+    return lambda v: v.round is not None and v.round.number >= n
+
+
+# --- pure logic ---------------------------------------------------------------------------------
+
+
+def test_plan_round_orders_survivors_first_then_newcomers_by_join_order() -> None:
+    current = Round.build(4, [node("b", 2), node("a", 1)])
+    view = JobView({"a": node("a", 1), "c": node("c", 3), "d": node("d", 0)}, current, 10)
+    assert [n.node_id for n in plan_round(view, 1, 3) or []] == ["a", "d", "c"]
+
+
+def test_plan_round_keeps_an_intact_full_round_and_respects_min_nodes() -> None:
+    full = Round.build(1, [node("a", 1), node("b", 2)])
+    spare = JobView({"a": node("a", 1), "b": node("b", 2), "c": node("c", 3)}, full, 5)
+    assert plan_round(spare, 1, 2) is None  # c waits as a spare: the round is full
+    assert [n.node_id for n in plan_round(spare, 1, 3) or []] == ["a", "b", "c"]
+    assert plan_round(JobView({"a": node("a", 1)}), 2, 3) is None
+
+
+def test_plan_round_replaces_a_round_whose_member_reported_a_failure() -> None:
+    current = Round.build(1, [node("a", 1), node("b", 2)])
+    view = JobView({"a": node("a", 1), "b": node("b", 2, incarnation=1)}, current, 5)
+    assert not view.round_intact()
+    planned = plan_round(view, 1, 2) or []
+    assert [(n.node_id, n.incarnation) for n in planned] == [("a", 0), ("b", 1)]
+
+
+def test_round_ranks_follow_member_slots() -> None:
+    r = Round.build(1, [node("a", slots=2), node("b", slots=3)])
+    assert [(m.node_id, m.first_rank) for m in r.members] == [("a", 0), ("b", 2)]
+    assert r.world_size == 5
+    assert Round.from_json(r.to_json()) == r
+
+
+# --- against etcd --------------------------------------------------------------------------------
+
+
+def test_node_key_lives_under_a_lease_and_leave_removes_it(make, etcd_client, job_id) -> None:
+    a = make("a")
+    key = f"/elastic/{job_id}/nodes/a"
+    value, meta = etcd_client.get(key)
+    assert value is not None and meta.lease_id == a._lease.id
+    a.leave()
+    assert etcd_client.get(key)[0] is None
+
+
+def test_duplicate_node_id_is_refused(make) -> None:
+    make("a")
+    with pytest.raises(NodeIdInUse, match="cluster.node_id"):
+        make("a")
+
+
+def test_first_round_waits_for_max_nodes_then_forms_at_once(make) -> None:
+    slow = RendezvousConfig(lease_ttl_s=2, settle_s=0.3, first_round_wait_s=30)
+    a = make("a", max_nodes=3, cfg=slow)
+    b = make("b", max_nodes=3, cfg=slow)
+    assert a.wait(round_number(1), timeout=1.0) is None  # 2 of 3: still waiting
+    t0 = time.monotonic()
+    make("c", max_nodes=3, cfg=slow)
+    view = b.wait(round_number(1), timeout=10)
+    assert view is not None and time.monotonic() - t0 < 5
+    assert [m.node_id for m in view.round.members] == ["a", "b", "c"]
+    assert [m.first_rank for m in view.round.members] == [0, 1, 2]
+
+
+def test_min_nodes_holds_the_round_back(make) -> None:
+    a = make("a", min_nodes=2)
+    assert a.wait(round_number(1), timeout=1.5) is None
+    make("b", min_nodes=2)
+    view = a.wait(round_number(1), timeout=10)
+    assert view is not None and view.round.world_size == 2
+
+
+def test_settle_time_closes_a_round_below_max_nodes(make) -> None:
+    a = make("a", max_nodes=3)
+    make("b", max_nodes=3)
+    view = a.wait(lambda v: v.round is not None and v.round.world_size == 2, timeout=10)
+    assert view is not None
+
+
+def test_a_late_node_enters_at_the_next_round(make) -> None:
+    a = make("a", max_nodes=3)
+    make("b", max_nodes=3)
+    first = a.wait(lambda v: v.round is not None and v.round.world_size == 2, timeout=10)
+    assert first is not None
+    c = make("c", max_nodes=3)
+    view = c.wait(round_number(first.round.number + 1), timeout=10)
+    assert view is not None
+    assert [m.node_id for m in view.round.members] == ["a", "b", "c"]
+
+
+def test_round_replacement_is_fenced(make) -> None:
+    a = make("a", max_nodes=2)
+    b = make("b", max_nodes=2)
+    view = a.wait(round_number(1), timeout=10)
+    assert view is not None
+    members = list(view.nodes.values())
+    assert a.propose(view, members)  # replaces round 1
+    assert not b.propose(view, members)  # the same stale view loses
+    latest = b.wait(round_number(2), timeout=5)
+    assert latest is not None and latest.round.number == 2
+
+
+def test_report_failure_brings_a_new_round_with_the_new_incarnation(make) -> None:
+    a = make("a", max_nodes=2)
+    b = make("b", max_nodes=2)
+    assert a.wait(round_number(1), timeout=10)
+    b.report_failure("test")
+    view = a.wait(round_number(2), timeout=10)
+    assert view is not None and view.round.member("b").incarnation == 1
+
+
+NODE_PROCESS = textwrap.dedent("""
+    import sys
+    from elastic.config import RendezvousConfig
+    from elastic.etcd import connect
+    from elastic.rendezvous import NodeRecord, Rendezvous
+    endpoint, job = sys.argv[1], sys.argv[2]
+    r = Rendezvous(connect([endpoint]), job_id=job, node=NodeRecord("doomed", "127.0.0.1", 1, 1),
+                   cfg=RendezvousConfig(lease_ttl_s=2, settle_s=0.3, first_round_wait_s=0.3),
+                   min_nodes=1, max_nodes=3)
+    r.join()
+    print("joined", flush=True)
+    sys.stdin.read()
+""")
+
+
+def test_a_killed_node_is_dropped_when_its_lease_expires(make, etcd_endpoint, job_id) -> None:
+    a = make("a", max_nodes=3)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", NODE_PROCESS, etcd_endpoint, job_id],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "joined"
+        both = a.wait(lambda v: v.round is not None and v.round.world_size == 2, timeout=10)
+        assert both is not None
+        killed = time.monotonic()
+        proc.send_signal(signal.SIGKILL)
+        view = a.wait(
+            lambda v: v.round is not None and v.round.number > both.round.number, timeout=15
+        )
+        took = time.monotonic() - killed
+    finally:
+        proc.kill()
+        proc.wait()
+    assert view is not None
+    assert [m.node_id for m in view.round.members] == ["a"]
+    assert "doomed" not in view.nodes
+    assert took < 2 + 0.3 + 3  # TTL + settle + generous slack
+
+
+def test_a_node_that_registers_again_is_a_new_member(make) -> None:
+    """A relaunched node must not mistake the round of its previous registration for its own."""
+    a = make("a", max_nodes=2)
+    b = make("b", max_nodes=2)
+    first = b.wait(round_number(1), timeout=10)
+    assert first is not None
+    a.leave()
+    a.join()  # same node id, incarnation 0 again, but a new registration
+    assert not a.view.round_intact() or a.view.round.number > first.round.number
+    view = a.wait(lambda v: v.round_intact() and v.round.number > first.round.number, timeout=10)
+    assert view is not None
+    assert view.round.member("a").joined_rev == view.nodes["a"].joined_rev
