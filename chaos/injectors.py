@@ -35,8 +35,8 @@ def _newest(run_dir: Path, event: str, **match: Any) -> dict[str, Any]:
 
 
 def node_with_rank(run_dir: str | os.PathLike[str], rank: int = 0) -> str:
-    """The node whose worker holds ``rank`` in the newest round that started one."""
-    return str(_newest(Path(run_dir), "worker_started", rank=rank)["node"])
+    """The node whose worker held ``rank`` in the newest round that synced its state."""
+    return str(_newest(Path(run_dir), "state_synced", rank=rank)["node"])
 
 
 def node_processes(run_dir: str | os.PathLike[str], node_id: str) -> list[psutil.Process]:
@@ -52,9 +52,20 @@ def node_processes(run_dir: str | os.PathLike[str], node_id: str) -> list[psutil
 def kill_node(
     run_dir: str | os.PathLike[str], node_id: str, sig: signal.Signals = signal.SIGKILL
 ) -> float:
-    """Signal a whole node at once, as a machine failure would; returns when it was sent."""
+    """Signal a whole node at once, as a machine failure would; returns when it was sent.
+
+    ``SIGSTOP`` freezes the node (its agent and workers), like a machine that hangs.
+    """
     procs = node_processes(run_dir, node_id)
     return _signal(run_dir, procs, sig, kind="node", target=node_id)
+
+
+def thaw_node(run_dir: str | os.PathLike[str], node_id: str) -> float:
+    """``SIGCONT`` a frozen node (logged as ``fault_cleared``): it finds itself fenced out."""
+    procs = node_processes(run_dir, node_id)
+    return _signal(
+        run_dir, procs, signal.SIGCONT, event="fault_cleared", kind="node", target=node_id
+    )
 
 
 def kill_worker(
@@ -69,22 +80,19 @@ def kill_worker(
         proc = psutil.Process(started["worker_pid"])
     except psutil.NoSuchProcess as exc:
         raise TargetNotFound(f"worker {local_rank} of {node_id} is not running") from exc
-    return _signal(
-        run_dir,
-        [proc],
-        sig,
-        kind="worker",
-        target=f"{node_id}/worker{local_rank}",
-        rank=started["rank"],
-    )
+    return _signal(run_dir, [proc], sig, kind="worker", target=f"{node_id}/worker{local_rank}")
 
 
 def _signal(
-    run_dir: str | os.PathLike[str], procs: list[psutil.Process], sig: signal.Signals, **fields: Any
+    run_dir: str | os.PathLike[str],
+    procs: list[psutil.Process],
+    sig: signal.Signals,
+    event: str = "fault_injected",
+    **fields: Any,
 ) -> float:
     log = EventLog(run_dir, CHAOS_NODE, role="chaos")
     try:
-        record = log.emit("fault_injected", signal=sig.name, pids=[p.pid for p in procs], **fields)
+        record = log.emit(event, signal=sig.name, pids=[p.pid for p in procs], **fields)
         for p in procs:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.send_signal(sig)

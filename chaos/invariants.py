@@ -1,23 +1,113 @@
-"""Invariants a run must keep whatever the faults, judged from its event log and config."""
+"""Invariants a run must keep whatever the faults, judged from its event log and config.
+
+Each function returns a list of violations, empty when the run kept the invariant, so a test
+can show every problem at once and a chaos report can print them.
+"""
 
 from __future__ import annotations
 
 import math
+from collections import Counter, defaultdict
 from typing import Any
 
 from elastic.config import Config
-from elastic.lr_policy import LRSchedule
+from elastic.lr_policy import LRPolicy, Ramp
 
 
 def lr_violations(events: list[dict[str, Any]], cfg: Config, samples_per_epoch: int) -> list[str]:
-    """Steps whose LR is not what the policy gives for that step's samples and world size."""
-    schedule = LRSchedule.from_config(cfg.optim, samples_per_epoch)
+    """Steps whose LR is not what the policy gives for that step's samples and world size.
+
+    Replays the policy over rank 0's step events: a step whose world size differs from the
+    step before it starts a ramp (when the policy ramps), exactly as the trainer must.
+    """
+    policy = LRPolicy.from_config(cfg.optim, cfg.data.batch_size, samples_per_epoch)
+    steps = [e for e in events if e["event"] == "step"]
+    if not steps:
+        return ["no step events"]
+    first_global = steps[0]["world_size"] * cfg.data.batch_size
+    latest: dict[int, dict[str, Any]] = {}
+    ramps: dict[int, Ramp | None] = {}
     bad = []
-    for e in events:
-        if e["event"] != "step":
-            continue
+    for e in steps:
         before = e["samples"] - e["step_samples"]
-        want = schedule.lr(before, e["world_size"] * cfg.data.batch_size)
+        global_batch = policy.global_batch(e["world_size"], first_global)
+        prev = latest.get(e["step"] - 1)
+        if prev is not None and prev["world_size"] != e["world_size"]:
+            ramp = policy.after_resize(before, prev["lr"], global_batch)
+        else:
+            ramp = ramps.get(e["step"] - 1)
+        want = policy.lr(before, global_batch, ramp)
         if not math.isclose(e["lr"], want, rel_tol=1e-9):
             bad.append(f"step {e['step']} (world {e['world_size']}): lr {e['lr']} != {want}")
+        if e.get("global_batch", global_batch) != global_batch:
+            bad.append(f"step {e['step']}: global batch {e['global_batch']} != {global_batch}")
+        latest[e["step"]], ramps[e["step"]] = e, ramp
+    return bad
+
+
+def sample_violations(
+    events: list[dict[str, Any]], samples_per_epoch: int, total_samples: int
+) -> list[str]:
+    """Samples not trained exactly once per epoch (needs ``trainer.record_samples=true``).
+
+    Every rank logs the indices of a step before it trains it. A step that several rounds
+    attempted counts in the last of them: a round only trains a step again when no surviving
+    replica had committed it.
+    """
+    attempts: dict[int, dict[int, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    for e in events:
+        if e["event"] == "samples":
+            attempts[e["step"]][e["round"]].append(e)
+    done = [e for e in events if e["event"] == "training_done"]
+    if not done:
+        return ["the run did not finish"]
+    last_step = done[-1]["step"]
+    bad = []
+    seen: dict[int, Counter[int]] = defaultdict(Counter)
+    for step in range(1, last_step + 1):
+        if step not in attempts:
+            bad.append(f"step {step}: no rank recorded its samples")
+            continue
+        rnd = max(attempts[step])
+        records = attempts[step][rnd]
+        if len({r["rank"] for r in records}) != records[0]["world_size"]:
+            bad.append(
+                f"step {step} (round {rnd}): {len(records)} of {records[0]['world_size']} ranks"
+            )
+        for r in records:
+            seen[r["epoch"]].update(r["indices"])
+    trained = sum(sum(c.values()) for c in seen.values())
+    if trained != total_samples:
+        bad.append(f"{trained} samples trained, the run has {total_samples}")
+    for epoch, counts in sorted(seen.items()):
+        twice = sorted(i for i, n in counts.items() if n > 1)
+        if twice:
+            bad.append(
+                f"epoch {epoch}: {len(twice)} samples trained more than once, e.g. {twice[:5]}"
+            )
+        complete = (epoch + 1) * samples_per_epoch <= total_samples
+        missing = samples_per_epoch - len(counts)
+        if complete and missing:
+            bad.append(f"epoch {epoch}: {missing} samples never trained")
+    return bad
+
+
+def replica_violations(events: list[dict[str, Any]]) -> list[str]:
+    """Replicas whose parameters differ: after each state sync, and at the end of training."""
+    bad = []
+    synced: dict[int, set[str]] = defaultdict(set)
+    final: dict[int, set[str]] = defaultdict(set)
+    for e in events:
+        if e["event"] == "state_synced":
+            synced[e["round"]].add(e["digest"])
+        elif e["event"] == "state_digest":
+            final[e["step"]].add(e["digest"])
+    for rnd, digests in sorted(synced.items()):
+        if len(digests) > 1:
+            bad.append(f"round {rnd}: replicas differ after the state sync ({sorted(digests)})")
+    if not final:
+        bad.append("no replica reported its final parameters")
+    for step, digests in sorted(final.items()):
+        if len(digests) > 1:
+            bad.append(f"step {step}: replicas finished with different parameters")
     return bad

@@ -3,7 +3,7 @@
 The definitions are the ones shared with the torchrun peer baseline
 (``shared/bench/peer_torchrun``): the stall runs from the fault until a survivor completes a step
 beyond the one that was in flight; redone steps are the steps trained twice because the job rolled
-back to a checkpoint.
+back, to a checkpoint or (in place) to the newest state a survivor held.
 """
 
 from __future__ import annotations
@@ -11,12 +11,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+# The first sign of a fault, whichever process saw it: a survivor's failed collective, an agent's
+# report of its own worker, a dead peer evicted, a frozen worker, or (a silent death) the round
+# the leader formed once the lease expired.
+DETECTION_EVENTS = (
+    "worker_peer_lost",
+    "failure_reported",
+    "peer_evicted",
+    "worker_frozen",
+    "round_formed",
+)
+
 
 @dataclass(frozen=True)
 class Recovery:
     fault_ts: float
     last_step_before: int
-    resumed_from: int | None  # checkpoint step the job restarted from, None if it never did
+    resumed_from: int | None  # the step training went on from, None if it never did
     first_step_after: int | None
     stall_s: float | None  # None: no progress after the fault
     redone_steps: int
@@ -41,7 +52,7 @@ def recovery(events: list[dict[str, Any]], fault_ts: float) -> Recovery:
     )
     resumed_from = restarted["step"] if restarted else None
     milestones = {
-        "detected": ("worker_peer_lost", "failure_reported", "worker_exited"),
+        "detected": DETECTION_EVENTS,
         "round_formed": ("round_formed",),
         "training_started": ("training_started",),
     }
@@ -50,6 +61,10 @@ def recovery(events: list[dict[str, Any]], fault_ts: float) -> Recovery:
         first = next((e for e in events if e["event"] in kinds and e["ts"] >= fault_ts), None)
         if first is not None:
             breakdown[name] = first["ts"] - fault_ts
+    recovered = next((e for e in events if e["event"] == "recovered" and e["ts"] > fault_ts), None)
+    if recovered is not None:
+        for part in ("rebuild_s", "sync_s", "first_step_s"):
+            breakdown[part.removesuffix("_s")] = recovered[part]
     return Recovery(
         fault_ts=fault_ts,
         last_step_before=last_before,

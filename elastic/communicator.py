@@ -1,49 +1,60 @@
-"""The process group of one round: which backend, where its store is, and how to tear it down.
+"""A worker's process group, rebuilt in place for every round, and abortable from any thread.
 
-The agent hands each worker its round through environment variables (:class:`WorkerEnv`). The
-group bootstraps through the c10d TCPStore that the agent of the round's first node hosts, under a
-key prefix per round, so groups of different rounds can never mix even on the same store. Gloo is
+The worker process lives across rounds; only its process group is replaced. For each round the
+group bootstraps through the c10d TCPStore that the agent of the round's first node hosts, under
+a key prefix per round, so groups of different rounds never mix even on the same store. Gloo is
 used on CPU and NCCL on GPU, chosen from the device.
+
+Why a comm hook: DDP waits for its gradient all-reduce inside ``backward()``, and a collective
+blocked on a frozen peer would hold the worker until the group's timeout. The hook hands DDP a
+future of our own that completes with the all-reduce, or fails as soon as :meth:`abort` is called
+(the agent announced a new round), so a stuck step is abandoned at once. The abandoned collective
+may linger on the old group's threads until its timeout (gloo cannot abort it); it holds only
+buffers of the discarded DDP instance. Dropping the last reference to a gloo group joins its
+threads, so a group with a collective still in flight is retired, not dropped: it is kept until
+the collective ends, which would otherwise stall the next round by up to the group's timeout.
+On NCCL, :meth:`abort` also aborts the communicator, and a round that only removed ranks
+shrinks the old group (``torch.distributed.shrink_group``) instead of building a new one.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here: DDP checks the comm hook's annotations at run
+# time and wants the real GradBucket and Future types, not strings.
+import logging
 import os
+import threading
 from dataclasses import dataclass, fields
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
-# Exit code of a worker whose collective failed because a peer went away: not this worker's
-# fault, so its agent waits for the next round instead of reporting a failure of its own.
+from elastic.control import Assignment
+
+log = logging.getLogger(__name__)
+
+# Exit code of a worker that gave up on its round because peers went away and no new round came:
+# not this worker's fault, so its agent restarts it without reporting a failure of its own.
 EXIT_PEER_LOST = 75
+
+
+class RoundAborted(RuntimeError):
+    """The agent moved this worker out of its round (a new round was formed, or standby)."""
 
 
 @dataclass(frozen=True)
 class WorkerEnv:
-    """What an agent tells a worker it spawns."""
+    """What an agent tells a worker it spawns; rounds come later, over the control channel."""
 
     config: str  # path of the resolved config.yaml
     run_dir: str
     node_id: str
-    round: int
-    rank: int
-    world_size: int
     local_rank: int
     local_world_size: int
-    store_host: str
-    store_port: int
     threads: int
 
-    _NAMES = {
-        "rank": "RANK",
-        "world_size": "WORLD_SIZE",
-        "local_rank": "LOCAL_RANK",
-        "local_world_size": "LOCAL_WORLD_SIZE",
-        "store_host": "MASTER_ADDR",
-        "store_port": "MASTER_PORT",
-    }
+    _NAMES = {"local_rank": "LOCAL_RANK", "local_world_size": "LOCAL_WORLD_SIZE"}
 
     def to_environ(self) -> dict[str, str]:
         return {
@@ -52,11 +63,11 @@ class WorkerEnv:
         }
 
     @classmethod
-    def from_environ(cls) -> WorkerEnv:
+    def from_environ(cls) -> "WorkerEnv":
         values = {}
         for f in fields(cls):
             raw = os.environ[cls._NAMES.get(f.name, "ELASTIC_" + f.name.upper())]
-            values[f.name] = int(raw) if f.type == "int" else raw
+            values[f.name] = int(raw) if f.type in (int, "int") else raw
         return cls(**values)
 
 
@@ -75,29 +86,178 @@ def backend_for(device: torch.device) -> str:
 
 
 class Communicator:
-    """Owns the default process group of one round."""
+    """Owns the default process group of the current round, and the DDP comm hook over it."""
 
-    def __init__(self, env: WorkerEnv, device: torch.device, timeout_s: float) -> None:
-        self.env = env
+    def __init__(self, device: torch.device, timeout_s: float) -> None:
         self.device = device
+        self.backend = backend_for(device)
         self.timeout = timedelta(seconds=timeout_s)
+        self.assignment: Assignment | None = None
+        self._lock = threading.Lock()
+        self._aborted = threading.Event()
+        self._pending: list[torch.futures.Future[torch.Tensor]] = []
+        self._works: list[dist.Work] = []  # this round's hook all-reduces
+        self._retired: list[tuple[dist.ProcessGroup, list[dist.Work]]] = []
+        self._announced = 0  # the newest round the agent has announced
+        self.buckets_this_step = 0  # hook calls since begin_step(): how far backward got
+        self.buckets_per_step = 0  # hook calls of the last complete step
 
-    def connect(self) -> None:
-        store = dist.TCPStore(
-            self.env.store_host, self.env.store_port, is_master=False, timeout=self.timeout
-        )
-        dist.init_process_group(
-            backend_for(self.device),
-            store=dist.PrefixStore(f"round{self.env.round}/", store),
-            rank=self.env.rank,
-            world_size=self.env.world_size,
-            timeout=self.timeout,
-            device_id=self.device if self.device.type == "cuda" else None,
-        )
+    # --- rounds ------------------------------------------------------------------------------
+
+    def enter(self, assignment: Assignment) -> None:
+        """Replace the current group (if any) by the group of ``assignment``'s round.
+
+        Raises :class:`RoundAborted` when a newer round was announced before or while the group
+        was built: the peers of this round have moved on, and its collectives would never end.
+        """
+        with self._lock:
+            if assignment.round < self._announced:
+                raise RoundAborted(f"round {self._announced} was announced")
+            previous, self.assignment = self.assignment, assignment
+            self._aborted.clear()
+            self._pending = []
+        self.buckets_per_step = 0  # DDP's buckets are rebuilt after its first step
+        shrunk = previous is not None and self._try_shrink(previous, assignment)
+        if not shrunk:
+            self.close()
+            store = dist.TCPStore(
+                assignment.store_host, assignment.store_port, is_master=False, timeout=self.timeout
+            )
+            options = None
+            if self.backend == "nccl":
+                # Non-blocking communicators let abort() return even when a kernel is stuck.
+                options = dist.ProcessGroupNCCL.Options()
+                options.config.blocking = False
+            dist.init_process_group(
+                self.backend,
+                store=dist.PrefixStore(f"round{assignment.round}/", store),
+                rank=assignment.rank,
+                world_size=assignment.world_size,
+                timeout=self.timeout,
+                device_id=self.device if self.device.type == "cuda" else None,
+                pg_options=options,
+            )
+        if self._aborted.is_set():
+            raise RoundAborted(f"round {self._announced} was announced")
+
+    def _try_shrink(self, previous: Assignment, new: Assignment) -> bool:
+        """NCCL, and the new round only removed ranks of ours: shrink instead of re-creating."""
+        excluded = new.shrink_of(previous)
+        if self.backend != "nccl" or excluded is None or not dist.is_initialized():
+            return False
+        group = dist.distributed_c10d._get_default_group()
+        if not group._get_backend(self.device).supports_shrinking:
+            return False
+        dist.shrink_group(excluded, shrink_flags=dist.SHRINK_ABORT)
+        return True
+
+    def abort(self, reason: str, before_round: int | None = None) -> None:
+        """Make the step in flight fail now; callable from any thread.
+
+        With ``before_round``, only a round older than that is aborted: the training thread may
+        already have entered the announced round by the time the message reader gets here, and
+        aborting that round would leave this rank out of it while its peers wait.
+        """
+        with self._lock:
+            if before_round is not None:
+                self._announced = max(self._announced, before_round)
+                current = self.assignment
+                if current is not None and current.round >= before_round:
+                    return
+            if self._aborted.is_set():
+                return
+            self._aborted.set()
+            pending, self._pending = self._pending, []
+        for fut in pending:
+            if not fut.done():
+                fut.set_exception(RoundAborted(reason))
+        if self.backend == "nccl" and dist.is_initialized():
+            dist.distributed_c10d._get_default_group().abort()
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted.is_set()
 
     def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        """Destroy the current group; retire it instead while a collective is still in flight."""
+        self._retired = [
+            (pg, works) for pg, works in self._retired if not all(w.is_completed() for w in works)
+        ]
+        if not dist.is_initialized():
+            return
+        group = dist.distributed_c10d._get_default_group()
+        with self._lock:
+            works, self._works = self._works, []
+        in_flight = [w for w in works if not w.is_completed()]
+        if in_flight:
+            log.info("retiring the old group with %d collective(s) in flight", len(in_flight))
+            self._retired.append((group, in_flight))
+        dist.destroy_process_group()
+
+    # --- DDP ---------------------------------------------------------------------------------
+
+    def wrap(self, model: torch.nn.Module) -> DistributedDataParallel:
+        """DDP over this round's group, with the abortable all-reduce.
+
+        ``init_sync=False``: the replicas were made identical by the state sync just before, and
+        DDP's own broadcast from rank 0 would be wrong when rank 0 is a newcomer.
+        ``forward_sync_buffers=False``: buffers (batch-norm statistics) stay per replica between
+        syncs, which saves a blocking collective in every forward.
+        """
+        ddp = DistributedDataParallel(
+            model,
+            device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            forward_sync_buffers=False,
+            init_sync=False,
+        )
+        ddp.register_comm_hook(None, self._allreduce_hook)
+        return ddp
+
+    def begin_step(self) -> None:
+        self.buckets_this_step = 0
+        with self._lock:
+            self._works = [w for w in self._works if not w.is_completed()]
+
+    def end_step(self) -> None:
+        self.buckets_per_step = self.buckets_this_step
+
+    @property
+    def waiting_for_peers(self) -> bool:
+        """Whether backward handed all its buckets to the network (so a stall is not ours).
+
+        In a round's first step the bucket count is not known yet, and any bucket handed over
+        counts: a rank whose peers are still joining must not be taken for frozen.
+        """
+        return self.buckets_this_step > 0 and self.buckets_per_step <= self.buckets_this_step
+
+    def _allreduce_hook(
+        self, state: Any, bucket: dist.GradBucket
+    ) -> torch.futures.Future[torch.Tensor]:
+        ours: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        with self._lock:
+            self.buckets_this_step += 1
+            if self._aborted.is_set():
+                ours.set_exception(RoundAborted("the round was left"))
+                return ours
+            self._pending.append(ours)
+        tensor = bucket.buffer().div_(dist.get_world_size())
+        work = dist.all_reduce(tensor, async_op=True)
+        with self._lock:
+            self._works.append(work)
+
+        def finish(fut: torch.futures.Future[Any]) -> None:
+            with self._lock:
+                if ours.done():
+                    return  # aborted meanwhile
+                try:
+                    fut.value()
+                except Exception as exc:
+                    ours.set_exception(exc)
+                else:
+                    ours.set_result(tensor)
+
+        work.get_future().add_done_callback(finish)
+        return ours
 
 
 def is_peer_failure(exc: BaseException) -> bool:
@@ -106,7 +266,7 @@ def is_peer_failure(exc: BaseException) -> bool:
     DDP reports a failed all-reduce from its autograd hook as a plain RuntimeError, so besides
     c10d's own error types the message is checked for the transports' wording.
     """
-    if isinstance(exc, dist.DistError):
+    if isinstance(exc, (dist.DistError, RoundAborted)):
         return True
     text = str(exc)
     return isinstance(exc, RuntimeError) and any(
@@ -121,5 +281,6 @@ def is_peer_failure(exc: BaseException) -> bool:
             "Timed out",
             "timed out",
             "ProcessGroup",
+            "round was left",
         )
     )

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-POLICIES = ("rescale_lr",)
+POLICIES = ("rescale_lr", "keep_global_batch")
 CLUSTER_MODES = ("local", "bare_metal")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -67,7 +67,12 @@ class OptimConfig:
     warmup_epochs: float = 5.0
     milestones_epochs: list[float] = field(default_factory=lambda: [30.0, 60.0, 80.0])
     gamma: float = 0.1
+    # What a change of world size does: ``rescale_lr`` keeps the per-worker batch, so the global
+    # batch and the LR follow the world size; ``keep_global_batch`` keeps the global batch (and
+    # the LR) with gradient accumulation.
     policy: str = "rescale_lr"
+    # rescale_lr: an LR increase after a resize is ramped in over this many epochs of samples.
+    resize_warmup_epochs: float = 0.1
 
 
 @dataclass
@@ -102,6 +107,13 @@ class RendezvousConfig:
     pg_timeout_s: float = 120.0
     peer_lost_grace_s: float = 10.0
     resync_s: float = 30.0
+    # A worker whose heartbeat stops, or that computes one step this long without handing its
+    # gradients to the network, is taken for frozen (SIGSTOP, a hung GPU) and its node evicted.
+    watchdog_s: float = 10.0
+    # After a failed collective, a peer agent that refuses a TCP connection within this long is
+    # dead (its machine is up but the node's processes are gone) and is dropped at once,
+    # without waiting for its lease to expire.
+    probe_timeout_s: float = 0.5
 
 
 @dataclass
@@ -118,6 +130,9 @@ class TrainerConfig:
     epochs: float = 3.0
     seed: int = 0
     log_every: int = 1  # steps between step events (progress, stall measurement)
+    # Every rank logs the sample indices of every step it trains (``samples`` events), so a chaos
+    # run can prove that each sample of an epoch was trained exactly once. Off for long runs.
+    record_samples: bool = False
 
 
 @dataclass
@@ -277,6 +292,8 @@ def validate(cfg: Config) -> None:
         "pg_timeout_s",
         "peer_lost_grace_s",
         "resync_s",
+        "watchdog_s",
+        "probe_timeout_s",
     ):
         value = getattr(r, key)
         need(
@@ -387,6 +404,13 @@ def validate(cfg: Config) -> None:
         o.policy,
         f"not one of {POLICIES}",
         "use optim.policy=rescale_lr",
+    )
+    need(
+        o.resize_warmup_epochs >= 0,
+        "optim.resize_warmup_epochs",
+        o.resize_warmup_epochs,
+        "must not be negative",
+        "set optim.resize_warmup_epochs=0 to apply LR increases at once",
     )
 
     k = cfg.checkpoint

@@ -32,6 +32,10 @@ class EventLog:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._fields = {"node": node_id, "host": socket.gethostname(), "pid": os.getpid(), **fields}
 
+    def update(self, **fields: Any) -> None:
+        """Change fields that go into every later event (a worker's rank and round)."""
+        self._fields.update(fields)
+
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
         record = {"ts": time.time(), "event": event, **self._fields, **fields}
         os.write(self._fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())

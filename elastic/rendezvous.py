@@ -7,6 +7,9 @@ Keys under ``<prefix>/<job>/``:
   whose workers crashed bumps ``incarnation`` in place, which tells the others it needs a new round.
   A registration is identified by the key's create revision: a node that registers again (after a
   restart or after being fenced) is a new member, never mistaken for the one a stale round lists.
+  ``ready`` says the node's workers are up and waiting for a round; only ready nodes are placed in
+  rounds, so a node that joins (or restarts a crashed worker) costs the others nothing until it
+  can train.
 - ``round``: the current :class:`Round`, replaced only by a transaction conditioned on the
   revision the proposer read (fencing): two proposers can never both win, and a process that tags
   its work with an older round number can tell that it is stale.
@@ -14,8 +17,12 @@ Keys under ``<prefix>/<job>/``:
 
 Every agent keeps a local :class:`JobView` up to date from one prefix watch, applying events one by
 one (no re-reading of all nodes per change), so a membership change costs O(nodes) work in total.
-Only the leader, the live node that joined first, proposes rounds. A round closes when at least
-``min_nodes`` are live and either ``max_nodes`` are or membership has been still for ``settle_s``.
+Only the leader, the live node that joined first, proposes rounds. A round that only removes
+members is proposed at once (the survivors are waiting); one that adds members closes when at
+least ``min_nodes`` are ready and either ``max_nodes`` are or membership has been still for
+``settle_s``. A peer that sees a node die (its agent refuses connections) deletes that node's key
+with :meth:`Rendezvous.evict` instead of waiting for the lease; an evicted node that was in fact
+alive sees its own key vanish and fences itself.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ class NodeRecord:
     store_port: int  # the agent's c10d TCPStore, used when this node holds rank 0
     slots: int  # workers this node runs
     incarnation: int = 0
+    ready: bool = False  # its workers are up and waiting for a round
     joined_rev: int = 0  # etcd create_revision of the node key: the join order
 
     def to_json(self) -> str:
@@ -123,8 +131,16 @@ class JobView:
             m.node_id in self.nodes
             and (self.nodes[m.node_id].joined_rev, self.nodes[m.node_id].incarnation)
             == (m.joined_rev, m.incarnation)
+            and self.nodes[m.node_id].ready
             for m in self.round.members
         )
+
+    def is_member(self, node: NodeRecord) -> Member | None:
+        """``node``'s place in the current round, if the round lists this very registration."""
+        m = self.round.member(node.node_id) if self.round else None
+        if m is None or (m.joined_rev, m.incarnation) != (node.joined_rev, node.incarnation):
+            return None
+        return m
 
 
 def plan_round(view: JobView, min_nodes: int, max_nodes: int) -> list[NodeRecord] | None:
@@ -134,19 +150,32 @@ def plan_round(view: JobView, min_nodes: int, max_nodes: int) -> list[NodeRecord
     nodes are waiting and the round has room for them. Survivors keep their relative order, so
     rank 0 stays where it was unless its node left; newcomers follow in join order.
     """
-    if view.done or len(view.nodes) < min_nodes:
+    ready = {n.node_id: n for n in view.nodes.values() if n.ready}
+    if view.done or len(ready) < min_nodes:
         return None
     current = view.round
     if current is not None and view.round_intact():
-        waiting = [n for n in view.nodes if current.member(n) is None]
+        waiting = [n for n in ready if current.member(n) is None]
         if not waiting or len(current.members) >= max_nodes:
             return None
     previous = [m.node_id for m in current.members] if current else []
-    survivors = [view.nodes[n] for n in previous if n in view.nodes]
+    survivors = [ready[n] for n in previous if n in ready]
     newcomers = sorted(
-        (n for n in view.nodes.values() if n.node_id not in previous), key=lambda n: n.joined_rev
+        (n for n in ready.values() if n.node_id not in previous), key=lambda n: n.joined_rev
     )
     return (survivors + newcomers)[:max_nodes]
+
+
+def shrink_only(current: Round | None, members: list[NodeRecord]) -> bool:
+    """Whether ``members`` are members of ``current`` in the same registrations: a round that
+    only removes nodes, which is formed without waiting for membership to settle."""
+    if current is None:
+        return False
+    return all(
+        (m := current.member(n.node_id)) is not None
+        and (m.joined_rev, m.incarnation) == (n.joined_rev, n.incarnation)
+        for n in members
+    )
 
 
 class Rendezvous:
@@ -178,7 +207,8 @@ class Rendezvous:
 
         self._cond = threading.Condition()
         self._view = JobView()
-        self._membership: tuple[tuple[str, int, int], ...] = ()
+        self._changes = 0
+        self._membership: tuple[tuple[str, int, int, bool], ...] = ()
         self._last_change = time.monotonic()
         self._lease: Any = None
         self._threads: list[threading.Thread] = []
@@ -193,7 +223,7 @@ class Rendezvous:
         """Register this node under a fresh lease and start following the job."""
         self._stop.clear()
         self.fenced.clear()
-        self.node = replace(self.node, incarnation=0)
+        self.node = replace(self.node, incarnation=0, ready=False)
         with self._cond:  # forget what an earlier registration saw; a fresh snapshot follows
             self._view = JobView()
             self._membership = ()
@@ -241,10 +271,28 @@ class Rendezvous:
         self.join()
 
     def report_failure(self, reason: str) -> None:
-        """Ask for a new round: this node's workers failed and it wants to be re-admitted."""
-        self.node = replace(self.node, incarnation=self.node.incarnation + 1)
+        """Leave the current round at once: this node's workers failed. The node is placed in a
+        later round when it reports itself ready again."""
+        self.node = replace(self.node, incarnation=self.node.incarnation + 1, ready=False)
         self._client.put(self._node_key, self.node.to_json(), lease=self._lease)
         self._emit("failure_reported", incarnation=self.node.incarnation, reason=reason)
+
+    def set_ready(self) -> None:
+        """This node's workers wait for a round: it may be placed in the next one."""
+        self.node = replace(self.node, ready=True)
+        self._client.put(self._node_key, self.node.to_json(), lease=self._lease)
+        self._emit("node_ready", incarnation=self.node.incarnation)
+
+    def evict(self, member: Member, reason: str) -> bool:
+        """Delete a dead peer's key, if it is still the registration ``member`` names."""
+        t = self._client.transactions
+        key = self._nodes_prefix + member.node_id
+        ok, _ = self._client.transaction(
+            compare=[t.create(key) == member.joined_rev], success=[t.delete(key)], failure=[]
+        )
+        if ok:
+            self._emit("peer_evicted", peer=member.node_id, reason=reason)
+        return bool(ok)
 
     def mark_done(self) -> None:
         self._client.put(self._done_key, json.dumps({"node": self.node.node_id}), lease=self._lease)
@@ -264,6 +312,17 @@ class Rendezvous:
             )
             return self._view if ok else None
 
+    @property
+    def changes(self) -> int:
+        """A counter of view changes and notifications, for :meth:`wait_change`."""
+        with self._cond:
+            return self._changes
+
+    def wait_change(self, seen: int, timeout: float) -> None:
+        """Block until anything changed since :attr:`changes` read ``seen`` (no lost wake-ups)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._changes != seen, timeout=timeout)
+
     def notify(self) -> None:
         """Wake :meth:`wait` callers so they re-check a predicate on state outside etcd.
 
@@ -271,18 +330,20 @@ class Rendezvous:
         alike; with a single lock there is no lock order to get wrong.
         """
         with self._cond:
+            self._changes += 1
             self._cond.notify_all()
 
     def _publish(self, view: JobView) -> None:
         """Install a newer view; called with ``self._cond`` held."""
         membership = tuple(
-            sorted((n.node_id, n.joined_rev, n.incarnation) for n in view.nodes.values())
+            sorted((n.node_id, n.joined_rev, n.incarnation, n.ready) for n in view.nodes.values())
         )
         if membership != self._membership:
             self._membership = membership
             self._last_change = time.monotonic()
         # "done" is sticky: the key vanishes with its writer's lease once the job is over.
         self._view = replace(view, done=view.done or self._view.done)
+        self._changes += 1
         self._cond.notify_all()
         self._wake.set()
 
@@ -321,6 +382,8 @@ class Rendezvous:
                 key, deleted = ev.key.decode(), type(ev).__name__ == "DeleteEvent"
                 if key.startswith(self._nodes_prefix):
                     node_id = key[len(self._nodes_prefix) :]
+                    if deleted and node_id == self.node.node_id and not self._stop.is_set():
+                        self._fence("this node was evicted by a peer")
                     if deleted:
                         nodes.pop(node_id, None)
                     else:
@@ -354,11 +417,17 @@ class Rendezvous:
                 if time.monotonic() - self._last_refresh < ttl * 2 / 3:
                     continue
                 reason = f"lease not renewed for {ttl * 2 / 3:.1f} s ({exc.__class__.__name__})"
-            self._emit("fenced", reason=reason)
             with self._cond:
-                self.fenced.set()
-                self._cond.notify_all()
+                self._fence(reason)
             return
+
+    def _fence(self, reason: str) -> None:
+        """Consider this node out of the job; called with ``self._cond`` held."""
+        if not self.fenced.is_set():
+            self._emit("fenced", reason=reason)
+            self.fenced.set()
+            self._changes += 1
+            self._cond.notify_all()
 
     def _sync_loop(self) -> None:
         """Keep the watch alive, re-read the job now and then, and propose rounds as leader."""
@@ -404,10 +473,11 @@ class Rendezvous:
         members = plan_round(view, self._min, self._max)
         if members is None:
             return None
-        settle = self._initial_settle if view.round is None else self._cfg.settle_s
-        settles_at = self._last_change + settle
-        if len(view.nodes) < self._max and time.monotonic() < settles_at:
-            return settles_at
+        if not shrink_only(view.round, members):
+            settle = self._initial_settle if view.round is None else self._cfg.settle_s
+            settles_at = self._last_change + settle
+            if len(members) < self._max and time.monotonic() < settles_at:
+                return settles_at
         self.propose(view, members)
         return None
 
@@ -430,11 +500,15 @@ class Rendezvous:
             compare=[fence], success=[t.put(self._round_key, new.to_json())], failure=[]
         )
         if ok:
+            before = {m.node_id for m in view.round.members} if view.round else set()
+            after = {m.node_id for m in new.members}
             self._emit(
                 "round_formed",
                 round=number,
                 world_size=new.world_size,
                 members=[m.node_id for m in new.members],
+                removed=sorted(before - after),
+                added=sorted(after - before),
                 store=f"{new.store_host}:{new.store_port}",
             )
         return bool(ok)

@@ -48,10 +48,17 @@ class ElasticSampler:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(self.num_samples, generator=g)
 
-    def plan(self, state: SamplerState, rank: int, world_size: int, limit: int) -> StepPlan:
-        """The next step for ``rank``; ``limit`` caps the samples left in the whole run."""
+    def plan(
+        self, state: SamplerState, rank: int, world_size: int, limit: int, global_batch: int = 0
+    ) -> StepPlan:
+        """The next step for ``rank``; ``limit`` caps the samples left in the whole run.
+
+        A step takes ``global_batch`` samples (default: ``batch_size`` per rank); a rank's share
+        may then exceed ``batch_size``, and the trainer accumulates it in micro-batches.
+        """
         perm = self.permutation(state.epoch)
-        count = min(world_size * self.batch_size, self.num_samples - state.consumed, limit)
+        step = global_batch or world_size * self.batch_size
+        count = min(step, self.num_samples - state.consumed, limit)
         if count <= 0:
             raise ValueError(f"no samples left to plan (state={state}, limit={limit})")
         base, extra = divmod(count, world_size)
@@ -67,7 +74,7 @@ class ElasticSampler:
         return SamplerState(state.epoch, consumed)
 
     def batches(
-        self, state: SamplerState, rank: int, world_size: int, limit: int
+        self, state: SamplerState, rank: int, world_size: int, limit: int, global_batch: int = 0
     ) -> Iterator[list[tuple[int, int]]]:
         """This rank's batches from ``state`` on, as ``(epoch, index)`` keys for a DataLoader.
 
@@ -75,7 +82,7 @@ class ElasticSampler:
         state, so what it prefetches is exactly what :meth:`plan` gives the trainer later.
         """
         while limit > 0:
-            plan = self.plan(state, rank, world_size, limit)
+            plan = self.plan(state, rank, world_size, limit, global_batch)
             yield [(plan.epoch, i) for i in plan.indices]
             limit -= plan.global_count
             state = self.advance(state, plan)

@@ -3,16 +3,25 @@
 Weights and optimizer buffers travel as a flat dict of tensors (what DCP shards and what recovery
 broadcasts). Progress is plain numbers kept in JSON: it goes into the checkpoint's manifest, so
 resuming never has to unpickle anything to learn where the run was.
+
+:func:`sync_state` is the in-place recovery's state transfer: at the start of a round the ranks
+agree on the newest state any of them holds, and it is broadcast from memory to the others.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from elastic.lr_policy import Ramp
 from elastic.sampler import SamplerState, StepPlan
+
+PROGRESS_BYTES = 4096  # room for the progress JSON in the sync broadcast
 
 
 @dataclass(frozen=True)
@@ -22,6 +31,18 @@ class Progress:
     sampler: SamplerState = field(default_factory=SamplerState)
     world_size: int = 0  # the world size of the last step trained
     lr: float = 0.0  # the LR of the last step trained
+    global_batch: int = 0  # the latest round's (keep_global_batch keeps the first)
+    ramp_start: int = -1  # samples seen when an LR increase began to be ramped in; -1: none
+    ramp_from: float = 0.0
+
+    @property
+    def ramp(self) -> Ramp | None:
+        return Ramp(self.ramp_start, self.ramp_from) if self.ramp_start >= 0 else None
+
+    def with_ramp(self, ramp: Ramp | None) -> Progress:
+        if ramp is None:
+            return replace(self, ramp_start=-1, ramp_from=0.0)
+        return replace(self, ramp_start=ramp.start, ramp_from=ramp.from_lr)
 
     def after(self, plan: StepPlan, sampler: SamplerState, world_size: int, lr: float) -> Progress:
         return replace(
@@ -71,3 +92,59 @@ class TrainState:
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+
+    def digest(self) -> str:
+        """sha256 of the parameters and momentum buffers: equal on every replica, bit for bit.
+
+        Batch-norm statistics are left out on purpose: DDP runs with ``broadcast_buffers=False``,
+        so they are per replica between syncs.
+        """
+        h = hashlib.sha256()
+        for name, t in self.tensors().items():
+            if name.startswith("optim.") or name[len("model.") :] in self._param_names:
+                h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()[:16]
+
+    @property
+    def _param_names(self) -> set[str]:
+        return set(self._names.values())
+
+
+def sync_state(
+    tensors: dict[str, torch.Tensor],
+    progress: Progress | None,
+    trained_round: int,
+    device: torch.device,
+) -> tuple[Progress | None, int]:
+    """Make every rank hold the newest state any rank of this round holds; a collective.
+
+    States are ordered by (the round they were last trained in, step): a replica that trained in
+    a later round is on the job's current line of history, whatever its step count. Returns the
+    progress and the rank it came from, or ``(None, -1)`` when no rank holds a state (a fresh job
+    or a whole restart: the caller then loads the newest checkpoint). When every rank already
+    holds the same state, nothing is sent: that is the common case of survivors after a shrink.
+    """
+    key = torch.tensor(
+        [trained_round, progress.step] if progress else [-1, -1], dtype=torch.int64, device=device
+    )
+    keys = [torch.empty_like(key) for _ in range(dist.get_world_size())]
+    dist.all_gather(keys, key)
+    ranked = [tuple(k.tolist()) for k in keys]
+    best = max(ranked)
+    if best[0] < 0:
+        return None, -1
+    source = ranked.index(best)
+    if all(k == best for k in ranked):
+        return progress, source
+    payload = torch.zeros(PROGRESS_BYTES, dtype=torch.uint8, device=device)
+    if dist.get_rank() == source:
+        assert progress is not None
+        raw = json.dumps(progress.to_dict()).encode()
+        payload[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    dist.broadcast(payload, src=source)
+    ordered = [tensors[name] for name in sorted(tensors)]
+    dist._broadcast_coalesced(  # DDP's own bucketed broadcast
+        dist.distributed_c10d._get_default_group(), ordered, 64 * 1024 * 1024, source
+    )
+    raw = bytes(payload.cpu().numpy()).rstrip(b"\0")
+    return Progress.from_dict(json.loads(raw)), source

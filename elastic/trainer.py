@@ -1,22 +1,37 @@
-"""The worker: one process per GPU (or CPU slot), started by its node's agent for one round.
+"""The worker: one process per GPU (or CPU slot), started once by its node's agent.
 
-Read it top to bottom: join the round's process group; build data, model and optimizer; restore
-the newest verified checkpoint at whatever world size this round has; then train step by step,
-setting the LR from the policy for this world size, writing step events and a sharded checkpoint
-every ``checkpoint.every_steps``, until ``trainer.epochs`` worth of samples is trained.
+A worker outlives rounds. Read it top to bottom:
 
-A failed collective means a peer went away: the worker exits with ``EXIT_PEER_LOST`` and its agent
-takes part in the next round, whose workers resume from the newest checkpoint.
+- :func:`main` builds what does not depend on the round (data, model, optimizer), then loops:
+  wait for the agent's assignment, train in that round until the job is trained or the round
+  breaks, and when it breaks wait for the next assignment with everything still in memory.
+- :func:`train_round` is one round: build the round's process group, agree on the newest state
+  any rank holds and broadcast it (from a checkpoint only when no rank holds one), wrap DDP, and
+  train step by step from where the state says, with the LR the policy gives for this world size.
+- :func:`train_step` is one step: this rank's share of the global batch, in micro-batches when
+  the policy keeps the global batch, then one optimizer step.
+
+A round breaks when a collective fails (a peer died: the worker reports it to its agent) or when
+the agent announces a new round (the communicator fails the step in flight). Either way at most
+the step in flight is lost, and the survivors' state carries on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
+import os
+import queue
 import sys
+import threading
 import time
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
@@ -25,117 +40,95 @@ from elastic.checkpoint import CheckpointManager
 from elastic.communicator import (
     EXIT_PEER_LOST,
     Communicator,
+    RoundAborted,
     WorkerEnv,
     is_peer_failure,
     pick_device,
 )
+from elastic.control import Assignment, Channel
 from elastic.data import SeededImageFolder
 from elastic.events import EventLog
-from elastic.lr_policy import LRSchedule
+from elastic.lr_policy import LRPolicy
 from elastic.model import build_model, build_optimizer
-from elastic.sampler import ElasticSampler
-from elastic.state import Progress, TrainState
+from elastic.sampler import ElasticSampler, StepPlan
+from elastic.state import Progress, TrainState, sync_state
 
 log = logging.getLogger("elastic.trainer")
 
+HEARTBEAT_S = 0.5
 
-def train(cfg: config.Config, env: WorkerEnv, events: EventLog) -> Progress:
-    t_start = time.perf_counter()
-    rank, world = env.rank, env.world_size
-    device = pick_device(cfg.cluster.device, env.local_rank)
-    comm = Communicator(env, device, cfg.rendezvous.pg_timeout_s)
-    comm.connect()
 
-    dataset = SeededImageFolder(cfg.data, cfg.trainer.seed)
-    sampler = ElasticSampler(len(dataset), cfg.data.batch_size, cfg.trainer.seed)
-    schedule = LRSchedule.from_config(cfg.optim, samples_per_epoch=len(dataset))
-    total = round(cfg.trainer.epochs * len(dataset))
-    global_batch = world * cfg.data.batch_size  # rescale_lr: the per-worker batch is fixed
+class AgentLink:
+    """The worker's end of the control channel: assignments in; heartbeats and reports out.
 
-    torch.manual_seed(cfg.trainer.seed)
-    model = build_model(cfg.model, dataset.num_classes).to(device)
-    state = TrainState(model, build_optimizer(model, cfg.optim))
-    tensors = state.tensors()
-    ckpt = CheckpointManager(cfg.checkpoint.url, cfg.checkpoint.keep, events if rank == 0 else None)
-    info = ckpt.restore(tensors)
-    progress = Progress.from_dict(info.manifest["progress"]) if info else Progress()
-    ddp = DistributedDataParallel(
-        model, device_ids=[device.index] if device.type == "cuda" else None
-    )
+    A new assignment (or ``standby``) aborts the communicator from the reader thread, which is
+    what pulls the main thread out of a step blocked on a peer that will never answer.
+    """
 
-    lr = schedule.lr(progress.samples_seen, global_batch)
-    if rank == 0:
-        events.emit(
-            "training_started",
-            world_size=world,
-            step=progress.step,
-            samples_seen=progress.samples_seen,
-            total_samples=total,
-            resumed_from=info.step if info else None,
-            lr=lr,
-            init_s=time.perf_counter() - t_start,
-        )
-        if progress.world_size and progress.world_size != world:
-            events.emit(
-                "lr_changed",
-                reason="world_size",
-                old_world_size=progress.world_size,
-                world_size=world,
-                old_lr=progress.lr,
-                lr=lr,
-            )
+    def __init__(self, channel: Channel, comm: Communicator) -> None:
+        self.channel = channel
+        self.comm = comm
+        self.status: dict[str, Any] = {"phase": "starting", "step": 0, "round": 0}
+        self._inbox: queue.Queue[Assignment | None] = queue.Queue()
+        channel.serve(self._on_message, name="agent-link")
+        threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
 
-    loader = DataLoader(
-        dataset,
-        batch_sampler=sampler.batches(progress.sampler, rank, world, total - progress.samples_seen),
-        num_workers=cfg.data.loader_workers,
-        pin_memory=device.type == "cuda",
-    )
-    last_saved, t_log, samples_log = progress.step, time.perf_counter(), progress.samples_seen
-    for images, targets in loader:
-        plan = sampler.plan(progress.sampler, rank, world, total - progress.samples_seen)
-        lr = schedule.lr(progress.samples_seen, global_batch)
-        state.set_lr(lr)
-        images = images.to(device, non_blocking=True)
-        targets = targets.to(device, non_blocking=True)
-        per_sample = F.cross_entropy(ddp(images), targets, reduction="none")
-        # DDP averages gradients over ranks; scaling by world / global_count makes the result the
-        # mean over the global batch (Goyal et al.), also when the last batch is split unevenly.
-        loss = per_sample[: plan.real].sum() * (world / plan.global_count)
-        state.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        state.optimizer.step()
-        progress = progress.after(plan, sampler.advance(progress.sampler, plan), world, lr)
+    def _on_message(self, msg: dict[str, Any]) -> None:
+        kind = msg["type"]
+        if kind == "eof":
+            log.error("the agent went away; exiting")
+            os._exit(1)
+        if kind == "assign":
+            assignment = Assignment.from_message(msg)
+            self._inbox.put(assignment)
+            self.comm.abort(f"round {assignment.round} was formed", before_round=assignment.round)
+        elif kind == "standby":
+            self._inbox.put(None)
+            self.comm.abort("this node is not in the current round")
 
-        if rank == 0 and progress.step % cfg.trainer.log_every == 0:
-            now = time.perf_counter()
-            events.emit(
-                "step",
-                step=progress.step,
-                samples=progress.samples_seen,
-                step_samples=plan.global_count,
-                epoch=progress.sampler.epoch,
-                loss=per_sample[: plan.real].mean().item(),
-                lr=lr,
-                world_size=world,
-                samples_per_s=(progress.samples_seen - samples_log) / (now - t_log),
-            )
-            t_log, samples_log = now, progress.samples_seen
-        if progress.step % cfg.checkpoint.every_steps == 0:
-            ckpt.save(progress.step, tensors, {"progress": progress.to_dict(), "round": env.round})
-            last_saved = progress.step
+    def next_assignment(self, after: int, timeout: float) -> Assignment | None:
+        """The newest assignment to a round later than ``after``; None on timeout."""
+        deadline = time.monotonic() + timeout
+        newest: Assignment | None = None
+        while True:
+            try:
+                block = newest is None
+                item = self._inbox.get(block, max(0.0, deadline - time.monotonic()) if block else 0)
+            except queue.Empty:
+                if newest is not None or time.monotonic() >= deadline:
+                    return newest
+                continue
+            if item is None:
+                newest = None  # standby: wait for the agent's next round
+            elif item.round > after:
+                newest = item
 
-    if progress.step != last_saved:
-        ckpt.save(progress.step, tensors, {"progress": progress.to_dict(), "round": env.round})
-    if rank == 0:
-        events.emit(
-            "training_done",
-            step=progress.step,
-            samples_seen=progress.samples_seen,
-            world_size=world,
-        )
-    comm.close()
-    return progress
+    def _heartbeat(self) -> None:
+        while self.channel.send(
+            "status", waiting=self.comm.waiting_for_peers, **self.status
+        ) and not self.channel.closed.wait(HEARTBEAT_S):
+            pass
+
+
+@dataclass
+class Worker:
+    """Everything that outlives a round."""
+
+    cfg: config.Config
+    env: WorkerEnv
+    events: EventLog
+    device: torch.device
+    comm: Communicator
+    link: AgentLink
+    dataset: SeededImageFolder
+    sampler: ElasticSampler
+    policy: LRPolicy
+    total: int  # samples the whole run trains
+    state: TrainState
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    progress: Progress | None = None  # None until this process holds a state
+    trained_round: int = -1  # the round this state was last trained or synced in
+    interrupted_at: float | None = None  # when the previous round broke for this worker
 
 
 def main() -> int:
@@ -143,16 +136,230 @@ def main() -> int:
     env = WorkerEnv.from_environ()
     cfg = config.load(env.config)
     torch.set_num_threads(env.threads)
-    events = EventLog(env.run_dir, env.node_id, role="worker", rank=env.rank, round=env.round)
-    try:
-        train(cfg, env, events)
-    except Exception as exc:
-        if not is_peer_failure(exc):
-            raise
-        events.emit("worker_peer_lost", error=str(exc)[:300])
-        log.warning("rank %d: a peer went away (%s); leaving round %d", env.rank, exc, env.round)
-        return EXIT_PEER_LOST
-    return 0
+    events = EventLog(env.run_dir, env.node_id, role="worker", local_rank=env.local_rank)
+    device = pick_device(cfg.cluster.device, env.local_rank)
+    comm = Communicator(device, cfg.rendezvous.pg_timeout_s)
+    link = AgentLink(Channel.from_environ(), comm)
+
+    dataset = SeededImageFolder(cfg.data, cfg.trainer.seed)
+    torch.manual_seed(cfg.trainer.seed)
+    model = build_model(cfg.model, dataset.num_classes).to(device)
+    state = TrainState(model, build_optimizer(model, cfg.optim))
+    w = Worker(
+        cfg=cfg,
+        env=env,
+        events=events,
+        device=device,
+        comm=comm,
+        link=link,
+        dataset=dataset,
+        sampler=ElasticSampler(len(dataset), cfg.data.batch_size, cfg.trainer.seed),
+        policy=LRPolicy.from_config(cfg.optim, cfg.data.batch_size, len(dataset)),
+        total=round(cfg.trainer.epochs * len(dataset)),
+        state=state,
+        tensors=state.tensors(),
+    )
+    link.status["phase"] = "idle"
+    link.channel.send("ready")
+
+    last_round = 0
+    while True:
+        link.status["phase"] = "idle"
+        assignment = link.next_assignment(after=last_round, timeout=cfg.rendezvous.join_timeout_s)
+        if assignment is None:
+            log.error("no round assigned within rendezvous.join_timeout_s; leaving")
+            return EXIT_PEER_LOST
+        last_round = assignment.round
+        events.update(rank=assignment.rank, round=assignment.round)
+        try:
+            train_round(w, assignment)
+            comm.close()
+            return 0
+        except Exception as exc:
+            if not (comm.aborted or is_peer_failure(exc) or isinstance(exc, CheckpointException)):
+                raise
+            w.interrupted_at = time.time()
+            if not (comm.aborted or isinstance(exc, RoundAborted)):
+                # A collective failed before the agent knew anything: tell it, so that it checks
+                # which peer is gone and drops it without waiting for the lease to expire.
+                link.channel.send("peer_lost", round=assignment.round, error=str(exc)[:300])
+                events.emit("worker_peer_lost", error=str(exc)[:300])
+            log.warning("rank %d left round %d: %s", assignment.rank, assignment.round, exc)
+            del exc  # its traceback holds the round's DDP, whose hooks must go with it
+
+
+def train_round(w: Worker, a: Assignment) -> None:
+    cfg, events, rank, world = w.cfg, w.events, a.rank, a.world_size
+    assigned_at = time.time()
+    w.link.status.update(phase="joining", round=a.round)
+    w.comm.enter(a)
+    pg_ready_at = time.time()
+
+    # The newest state any rank holds, from memory; the newest checkpoint only if none does.
+    progress, source = sync_state(w.tensors, w.progress, w.trained_round, w.device)
+    resumed_from = None
+    ckpt = CheckpointManager(cfg.checkpoint.url, cfg.checkpoint.keep, events)
+    if progress is None:
+        info = ckpt.restore(w.tensors)
+        progress = Progress.from_dict(info.manifest["progress"]) if info else Progress()
+        resumed_from = info.step if info else None
+    w.progress, w.trained_round = progress, a.round
+    synced_at = time.time()
+    events.emit("state_synced", step=progress.step, source=source, digest=w.state.digest())
+
+    # The LR policy for this world size; a change of global batch is logged and maybe ramped.
+    global_batch = w.policy.global_batch(world, progress.global_batch)
+    resized = bool(progress.global_batch) and progress.global_batch != global_batch
+    progress = replace(progress, global_batch=global_batch)
+    lr = w.policy.lr(progress.samples_seen, global_batch, progress.ramp)
+    if resized:
+        ramp = w.policy.after_resize(progress.samples_seen, progress.lr, global_batch)
+        progress = progress.with_ramp(ramp)
+        lr = w.policy.lr(progress.samples_seen, global_batch, progress.ramp)
+        if rank == 0:
+            events.emit(
+                "lr_changed",
+                reason="world_size",
+                old_world_size=progress.world_size,
+                world_size=world,
+                old_lr=progress.lr,
+                lr=lr,
+                ramp_samples=w.policy.resize_warmup_samples if ramp else 0,
+                policy=w.policy.policy,
+            )
+    if rank == 0:
+        events.emit(
+            "training_started",
+            world_size=world,
+            step=progress.step,
+            samples_seen=progress.samples_seen,
+            total_samples=w.total,
+            resumed_from=resumed_from,
+            in_place=source >= 0,
+            lr=lr,
+            global_batch=global_batch,
+        )
+
+    ddp = w.comm.wrap(w.state.model)
+    remaining = w.total - progress.samples_seen
+    loader = DataLoader(
+        w.dataset,
+        batch_sampler=w.sampler.batches(progress.sampler, rank, world, remaining, global_batch),
+        num_workers=cfg.data.loader_workers,
+        pin_memory=w.device.type == "cuda",
+    )
+    last_saved, t_log, samples_log = progress.step, time.perf_counter(), progress.samples_seen
+    first_step = True
+    for images, targets in loader:
+        if w.comm.aborted:
+            raise RoundAborted("a new round was announced")
+        plan = w.sampler.plan(
+            progress.sampler, rank, world, w.total - progress.samples_seen, global_batch
+        )
+        if cfg.trainer.record_samples:
+            events.emit(
+                "samples",
+                step=progress.step + 1,
+                epoch=plan.epoch,
+                world_size=world,
+                indices=list(plan.indices[: plan.real]),
+            )
+        lr = w.policy.lr(progress.samples_seen, global_batch, progress.ramp)
+        w.state.set_lr(lr)
+        w.link.status.update(phase="step", step=progress.step + 1)
+        loss = train_step(w, ddp, images.to(w.device), targets.to(w.device), plan, world)
+        progress = progress.after(plan, w.sampler.advance(progress.sampler, plan), world, lr)
+        w.progress = progress
+
+        if rank == 0 and first_step and w.interrupted_at is not None:
+            now = time.time()
+            events.emit(
+                "recovered",
+                step=progress.step,
+                world_size=world,
+                interrupted_at=w.interrupted_at,
+                formed_at=a.formed_at,
+                assigned_at=assigned_at,
+                pg_ready_at=pg_ready_at,
+                synced_at=synced_at,
+                first_step_at=now,
+                rendezvous_s=max(0.0, a.formed_at - w.interrupted_at),
+                rebuild_s=pg_ready_at - max(a.formed_at, w.interrupted_at),
+                sync_s=synced_at - pg_ready_at,
+                first_step_s=now - synced_at,
+                in_place=source >= 0,
+            )
+        first_step = False
+        if rank == 0 and progress.step % cfg.trainer.log_every == 0:
+            now = time.perf_counter()
+            events.emit(
+                "step",
+                step=progress.step,
+                samples=progress.samples_seen,
+                step_samples=plan.global_count,
+                global_batch=global_batch,
+                epoch=progress.sampler.epoch,
+                loss=loss,
+                lr=lr,
+                world_size=world,
+                samples_per_s=(progress.samples_seen - samples_log) / (now - t_log),
+            )
+            t_log, samples_log = now, progress.samples_seen
+        if progress.step % cfg.checkpoint.every_steps == 0:
+            save(w, ckpt, progress, a)
+            last_saved = progress.step
+
+    if progress.step != last_saved:
+        save(w, ckpt, progress, a)
+    events.emit("state_digest", step=progress.step, digest=w.state.digest())
+    if rank == 0:
+        events.emit(
+            "training_done",
+            step=progress.step,
+            samples_seen=progress.samples_seen,
+            world_size=world,
+        )
+
+
+def train_step(
+    w: Worker,
+    ddp: DistributedDataParallel,
+    images: torch.Tensor,
+    targets: torch.Tensor,
+    plan: StepPlan,
+    world: int,
+) -> float:
+    """One optimizer step on this rank's share of the global batch; returns its mean loss.
+
+    The share is split into micro-batches of at most ``data.batch_size`` (more than one only under
+    ``keep_global_batch`` on a smaller world); gradients accumulate locally and are all-reduced
+    once, with the last micro-batch. Weighting every sample by ``world / global_count`` makes the
+    DDP average the mean over the global batch (Goyal et al.), also for an uneven last step;
+    padding samples get weight zero.
+    """
+    n = max(1, math.ceil(plan.real / w.cfg.data.batch_size))
+    weight = (torch.arange(len(plan.indices), device=w.device) < plan.real).float()
+    weight *= world / plan.global_count
+    w.state.optimizer.zero_grad(set_to_none=True)
+    w.comm.begin_step()
+    total = 0.0
+    parts = zip(
+        images.tensor_split(n), targets.tensor_split(n), weight.tensor_split(n), strict=True
+    )
+    for i, (x, y, wt) in enumerate(parts):
+        with ddp.no_sync() if i < n - 1 else contextlib.nullcontext():
+            per_sample = F.cross_entropy(ddp(x), y, reduction="none")
+            (per_sample * wt).sum().backward()
+        total += (per_sample.detach() * (wt > 0)).sum().item()
+    w.state.optimizer.step()
+    w.comm.end_step()
+    return total / plan.real
+
+
+def save(w: Worker, ckpt: CheckpointManager, progress: Progress, a: Assignment) -> None:
+    w.link.status["phase"] = "checkpoint"
+    ckpt.save(progress.step, w.tensors, {"progress": progress.to_dict(), "round": a.round})
+    w.link.status["phase"] = "step"
 
 
 if __name__ == "__main__":

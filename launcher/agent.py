@@ -1,15 +1,21 @@
-"""The per-node agent: joins the job in etcd, runs this node's workers round after round.
+"""The per-node agent: joins the job in etcd and supervises this node's workers across rounds.
 
 One agent runs on every node (``cluster=bare_metal``), or one per simulated node
 (``cluster=local``, spawned by :mod:`launcher.local_cluster`). Its life:
 
-1. Host a c10d TCPStore (used when this node holds rank 0 of a round), register in etcd.
-2. Wait until a round that holds this node is formed and intact.
-3. Start one worker per GPU or CPU slot with its global rank and the round, and watch them.
-4. When the round ends (a member left or failed), a local worker crashes, or the workers lost a
-   peer, stop the workers and go back to 2. A crash is reported to etcd at once (the node's
-   incarnation goes up), which makes the leader form a new round without waiting for a lease.
-5. When the workers finish the job, mark it done; when another node did, leave too.
+1. Host a c10d TCPStore (used when this node holds rank 0 of a round), register in etcd, and start
+   one worker per GPU or CPU slot. Workers load data and model, then say they are ready; the node
+   then reports itself ready and the leader places it in the next round.
+2. Whenever a new round lists this node, send each worker its rank in it over the control
+   channel; the workers rebuild their process group in place and carry on from the newest state
+   any of them holds. A round without this node puts the workers on standby.
+3. Faults: a worker that reports a failed collective makes the agent probe the round's other
+   agents, and a peer that refuses the connection is dead: its key is deleted at once, and the
+   leader forms a smaller round. A local worker that crashes, or that the watchdog finds frozen,
+   makes this node leave the round at once (the incarnation goes up) and is started again; the
+   node comes back in a later round. A node that lost its lease (fenced) stops its workers and
+   registers again as a new member.
+4. When the workers finish the job, mark it done; when another node did, leave too.
 
 SIGTERM or SIGINT stops a node cleanly: workers stopped, lease revoked (its keys vanish at once).
 """
@@ -17,36 +23,28 @@ SIGTERM or SIGINT stops a node cleanly: workers stopped, lease revoked (its keys
 from __future__ import annotations
 
 import argparse
-import enum
 import logging
 import os
 import signal
 import socket
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType
 
 from elastic import config
 from elastic.communicator import EXIT_PEER_LOST, WorkerEnv
+from elastic.control import Assignment
 from elastic.etcd import connect
 from elastic.events import EventLog
-from elastic.rendezvous import JobView, Member, NodeRecord, Rendezvous, Round
-from launcher.workers import WorkerGroup
+from elastic.rendezvous import Member, NodeRecord, Rendezvous, Round
+from launcher.workers import WorkerGroup, WorkerSlot
 
 log = logging.getLogger("launcher.agent")
 
 STOP_GRACE_S = 5.0  # how long workers get to exit after SIGTERM before SIGKILL
-
-
-class Outcome(enum.Enum):
-    DONE = "done"  # the job is trained
-    ROUND_ENDED = "round_ended"  # a member left or failed: a new round comes
-    CRASHED = "crashed"  # a local worker failed on its own
-    PEER_LOST = "peer_lost"  # local workers saw a collective fail
-    FENCED = "fenced"  # this node lost its lease
-    STOPPED = "stopped"  # SIGTERM / SIGINT
 
 
 def local_slots(cfg: config.Config) -> tuple[int, str]:
@@ -59,6 +57,18 @@ def local_slots(cfg: config.Config) -> tuple[int, str]:
     if use_cuda:
         return cfg.cluster.workers_per_node or torch.cuda.device_count(), "cuda"
     return cfg.cluster.workers_per_node or cfg.cluster.cpu_workers, "cpu"
+
+
+def probe(host: str, port: int, timeout_s: float) -> bool:
+    """Whether an agent listens at ``host:port``. A refused connection means its process is
+    gone; a stopped process still accepts (the kernel does), so a frozen node is not "dead"."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except ConnectionRefusedError:
+        return False
+    except OSError:
+        return True  # unreachable or slow is not proof of death; the lease decides
 
 
 class Agent:
@@ -84,8 +94,10 @@ class Agent:
         self.run_dir = Path(cfg.run_dir)
         self.events = EventLog(self.run_dir, node_id, role="agent")
         self.stop_signal: int | None = None
-        self._last_round = 0
         self.rdzv: Rendezvous
+        self.workers: WorkerGroup
+        self.current: Round | None = None  # the round this node's workers were sent to
+        self.crashes = 0
 
     # --- life cycle ----------------------------------------------------------------------------
 
@@ -113,6 +125,24 @@ class Agent:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         self.rdzv.join()
+        envs = [
+            WorkerEnv(
+                config=self.config_path,
+                run_dir=str(self.run_dir),
+                node_id=self.node_id,
+                local_rank=i,
+                local_world_size=self.slots,
+                threads=self.threads,
+            )
+            for i in range(self.slots)
+        ]
+        self.workers = WorkerGroup.start(
+            envs,
+            self.run_dir / "logs" / self.node_id,
+            self.events,
+            self.cfg.rendezvous.watchdog_s,
+            wake=self.rdzv.notify,
+        )
         log.info(
             "%s joined job %s (%d %s worker(s))",
             self.node_id,
@@ -124,6 +154,7 @@ class Agent:
         try:
             code = self._loop()
         finally:
+            self.workers.stop(STOP_GRACE_S)
             self.rdzv.leave()
             self.events.emit("node_left", code=code, signal=self.stop_signal)
             client.close()
@@ -134,104 +165,76 @@ class Agent:
         self.rdzv.notify()
 
     def _loop(self) -> int:
-        restarts = 0
+        """React to whatever changed: signals, fencing, worker exits and reports, rounds."""
         waiting_since = time.monotonic()
         while True:
+            seen = self.rdzv.changes
             if self.stop_signal is not None:
                 return 128 + self.stop_signal
             if self.rdzv.fenced.is_set():
-                log.warning("%s lost its lease; joining again as a new member", self.node_id)
-                self.rdzv.rejoin()
+                self._rejoin()
                 waiting_since = time.monotonic()
                 continue
-            view = self.rdzv.view
-            if view.done:
+            codes = self.workers.exit_codes()
+            if 0 in codes:  # the job is trained: the others finish the same last step
+                self._finish()
+                return 0
+            if self.rdzv.view.done and self.current is None:
                 log.info("the job is done")
                 return 0
-            me = self._admitted(view)
-            if me is None:
-                waited = time.monotonic() - waiting_since
-                if waited > self.cfg.rendezvous.join_timeout_s:
-                    self.events.emit("join_timeout", waited_s=waited)
-                    log.error(
-                        "%s was not admitted into a round within rendezvous.join_timeout_s="
-                        "%.0f; are cluster.min_nodes nodes up?",
-                        self.node_id,
-                        waited,
+            for slot in self.workers.slots:
+                reason = slot.frozen()
+                if reason is not None:
+                    self.events.emit("worker_frozen", local_rank=slot.env.local_rank, reason=reason)
+                    log.warning(
+                        "%s: worker %d frozen (%s)", self.node_id, slot.env.local_rank, reason
                     )
+                    slot.kill()
+            failed = [s for s in self.workers.slots if s.exit_code not in (None, 0)]
+            if failed:
+                if not self._restart(failed):
                     return 1
-                self.rdzv.wait(
-                    lambda v: (
-                        self._admitted(v) is not None or v.done or self.stop_signal is not None
-                    ),
-                    timeout=1.0,
-                )
                 continue
-            assert view.round is not None
-            outcome = self._run_round(view.round, me)
-            waiting_since = time.monotonic()
-            if outcome is Outcome.DONE:
-                self.rdzv.mark_done()
-                return 0
-            if outcome is Outcome.CRASHED:
-                restarts += 1
-                if restarts > self.cfg.cluster.max_restarts:
-                    log.error(
-                        "%s: workers crashed %d times (cluster.max_restarts=%d); leaving",
-                        self.node_id,
-                        restarts,
-                        self.cfg.cluster.max_restarts,
-                    )
-                    return 1
-                self.rdzv.report_failure("worker crashed")
-            elif outcome is Outcome.PEER_LOST:
-                self._await_new_round(view.round)
+            if not self.rdzv.node.ready and self.workers.ready:
+                self.rdzv.set_ready()
+            self._handle_peer_lost()
+            self._follow_round()
+            if self.current is not None:
+                waiting_since = time.monotonic()
+            elif time.monotonic() - waiting_since > self.cfg.rendezvous.join_timeout_s:
+                self.events.emit("join_timeout", waited_s=time.monotonic() - waiting_since)
+                log.error(
+                    "%s was not placed in a round within rendezvous.join_timeout_s=%.0f; "
+                    "are cluster.min_nodes nodes up?",
+                    self.node_id,
+                    self.cfg.rendezvous.join_timeout_s,
+                )
+                return 1
+            self.rdzv.wait_change(seen, timeout=1.0)
 
-    def _admitted(self, view: JobView) -> Member | None:
-        """This node's membership in the current round, if that round is intact and new to us."""
+    # --- reactions -----------------------------------------------------------------------------
+
+    def _follow_round(self) -> None:
+        """Send the workers into a new round that lists this node, or to standby if it does not."""
+        view = self.rdzv.view
         rnd = view.round
-        if rnd is None or view.done or rnd.number <= self._last_round or not view.round_intact():
-            return None
-        me = rnd.member(self.node_id)
-        if me is None or me.incarnation != self.rdzv.node.incarnation:
-            return None
-        return me
-
-    def _await_new_round(self, rnd: Round) -> None:
-        """After losing a peer: the round should be replaced soon; if not, ask for a new one."""
-        replaced = self.rdzv.wait(
-            lambda v: (
-                v.done
-                or v.round is None
-                or v.round.number != rnd.number
-                or not v.round_intact()
-                or self.stop_signal is not None
-            ),
-            timeout=self.cfg.rendezvous.peer_lost_grace_s,
+        if rnd is None or (self.current is not None and rnd.number == self.current.number):
+            return
+        mine = view.nodes.get(self.node_id)
+        me = (
+            view.is_member(mine)
+            if mine and mine.incarnation == self.rdzv.node.incarnation
+            else None
         )
-        if replaced is None:
-            self.rdzv.report_failure("peer lost and no new round followed")
-
-    # --- one round -----------------------------------------------------------------------------
-
-    def _run_round(self, rnd: Round, me: Member) -> Outcome:
-        self._last_round = rnd.number
-        envs = [
-            WorkerEnv(
-                config=self.config_path,
-                run_dir=str(self.run_dir),
-                node_id=self.node_id,
-                round=rnd.number,
-                rank=me.first_rank + i,
-                world_size=rnd.world_size,
-                local_rank=i,
-                local_world_size=self.slots,
-                store_host=rnd.store_host,
-                store_port=rnd.store_port,
-                threads=self.threads,
-            )
-            for i in range(self.slots)
-        ]
+        if me is None:
+            if self.current is not None:
+                self.workers.standby()
+                self.events.emit("standby", round=rnd.number)
+                self.current = None
+            return
+        if not view.round_intact() or not self.workers.ready:
+            return  # a member is gone already: the next round follows at once
+        self.workers.assign(self._assignments(rnd, me))
         self.events.emit(
             "round_joined",
             round=rnd.number,
@@ -247,39 +250,91 @@ class Agent:
             me.first_rank + self.slots - 1,
             rnd.world_size,
         )
-        group = WorkerGroup.spawn(
-            envs, self.run_dir / "logs" / self.node_id, self.events, on_exit=self.rdzv.notify
-        )
-        try:
-            outcome = None
-            while outcome is None:
-                self.rdzv.wait(lambda v: self._round_event(v, rnd, group) is not None, timeout=1.0)
-                outcome = self._round_event(self.rdzv.view, rnd, group)
-            if outcome is Outcome.DONE or self.rdzv.view.done:
-                # Peers finish the same step; give their last collective a moment to complete.
-                self.rdzv.wait(lambda v: None not in group.exit_codes(), timeout=STOP_GRACE_S)
-            return outcome
-        finally:
-            group.stop(STOP_GRACE_S)
-            self.events.emit("workers_stopped", round=rnd.number, codes=group.exit_codes())
+        self.current = rnd
 
-    def _round_event(self, view: JobView, rnd: Round, group: WorkerGroup) -> Outcome | None:
-        """What ended the round for this node, or None while it goes on."""
-        if self.stop_signal is not None:
-            return Outcome.STOPPED
-        if self.rdzv.fenced.is_set():
-            return Outcome.FENCED
-        codes = group.exit_codes()
-        failed = [c for c in codes if c not in (None, 0)]
-        if failed:
-            return (
-                Outcome.PEER_LOST if all(c == EXIT_PEER_LOST for c in failed) else Outcome.CRASHED
+    def _assignments(self, rnd: Round, me: Member) -> list[Assignment]:
+        excluded: tuple[int, ...] = ()
+        prev = self.current
+        if prev is not None and prev.number == rnd.number - 1:
+            kept = {m.node_id for m in rnd.members}
+            if all(prev.member(m.node_id) for m in rnd.members):
+                excluded = tuple(
+                    m.first_rank + i
+                    for m in prev.members
+                    if m.node_id not in kept
+                    for i in range(m.slots)
+                )
+        return [
+            Assignment(
+                round=rnd.number,
+                rank=me.first_rank + i,
+                world_size=rnd.world_size,
+                store_host=rnd.store_host,
+                store_port=rnd.store_port,
+                formed_at=rnd.formed_at,
+                shrinks_round=prev.number if excluded and prev else 0,
+                excluded_ranks=excluded,
             )
-        if None not in codes or view.done:
-            return Outcome.DONE
-        if view.round is None or view.round.number != rnd.number or not view.round_intact():
-            return Outcome.ROUND_ENDED
-        return None
+            for i in range(self.slots)
+        ]
+
+    def _handle_peer_lost(self) -> None:
+        """A worker saw a collective of the current round fail: drop the peers that are dead."""
+        rnd = self.current
+        if rnd is None or not any(s.peer_lost_round == rnd.number for s in self.workers.slots):
+            return
+        for s in self.workers.slots:
+            s.peer_lost_round = 0
+        view = self.rdzv.view
+        peers = [
+            (m, view.nodes[m.node_id])
+            for m in rnd.members
+            if m.node_id != self.node_id and m.node_id in view.nodes
+        ]
+        timeout = self.cfg.rendezvous.probe_timeout_s
+        with ThreadPoolExecutor(max_workers=max(1, min(32, len(peers)))) as pool:
+            alive = list(pool.map(lambda p: probe(p[1].host, p[1].store_port, timeout), peers))
+        for (member, _), up in zip(peers, alive, strict=True):
+            if not up:
+                self.rdzv.evict(member, "its agent refuses connections")
+
+    def _restart(self, failed: list[WorkerSlot]) -> bool:
+        """Leave the round, start the failed workers again; False when out of restarts."""
+        crashed = [s for s in failed if s.exit_code != EXIT_PEER_LOST]
+        self.crashes += len(crashed)
+        if self.crashes > self.cfg.cluster.max_restarts:
+            log.error(
+                "%s: workers crashed %d times (cluster.max_restarts=%d); leaving",
+                self.node_id,
+                self.crashes,
+                self.cfg.cluster.max_restarts,
+            )
+            return False
+        codes = [s.exit_code for s in failed]
+        self.rdzv.report_failure(f"worker exit codes {codes}")
+        if self.current is not None:
+            self.workers.standby()
+            self.current = None
+        for s in failed:
+            s.stop(0)
+            s.start()
+        return True
+
+    def _rejoin(self) -> None:
+        """Fenced: this node's round went on without it. Start over as a new member."""
+        log.warning("%s lost its place in the job; joining again as a new member", self.node_id)
+        self.workers.stop(STOP_GRACE_S)
+        self.current = None
+        self.rdzv.rejoin()
+        for s in self.workers.slots:
+            s.start()
+
+    def _finish(self) -> None:
+        """A local worker finished the job: let the others finish, then mark the job done."""
+        self.rdzv.wait(lambda v: None not in self.workers.exit_codes(), timeout=STOP_GRACE_S * 6)
+        if all(c == 0 for c in self.workers.exit_codes()):
+            self.rdzv.mark_done()
+        self.current = None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,15 +32,26 @@ def describe(ev: dict[str, Any]) -> str | None:
             f"({', '.join(ev['members'])})"
         )
     if kind == "training_started":
-        resumed = (
-            f"resumed from the checkpoint of step {ev['resumed_from']}"
-            if ev["resumed_from"] is not None
-            else "from scratch"
-        )
+        if ev["in_place"]:
+            origin = f"state of step {ev['step']} kept in memory"
+        elif ev["resumed_from"] is not None:
+            origin = f"resumed from the checkpoint of step {ev['resumed_from']}"
+        else:
+            origin = "from scratch"
         return (
-            f"training at world size {ev['world_size']}, {resumed} "
-            f"({ev['samples_seen']}/{ev['total_samples']} samples), start-up {ev['init_s']:.1f} s"
+            f"training at world size {ev['world_size']}, {origin} "
+            f"({ev['samples_seen']}/{ev['total_samples']} samples)"
         )
+    if kind == "recovered":
+        return (
+            f"recovered in place at world size {ev['world_size']}: rendezvous "
+            f"{ev['rendezvous_s']:.2f} s, rebuild {ev['rebuild_s']:.2f} s, state sync "
+            f"{ev['sync_s']:.2f} s, first step {ev['first_step_s']:.2f} s"
+        )
+    if kind == "peer_evicted":
+        return f"{ev['node']}: evicted {ev['peer']} ({ev['reason']})"
+    if kind == "worker_frozen":
+        return f"{ev['node']}: worker {ev['local_rank']} frozen ({ev['reason']})"
     if kind == "lr_changed":
         return (
             f"LR {ev['old_lr']:.5f} -> {ev['lr']:.5f} for world size "
@@ -51,7 +62,7 @@ def describe(ev: dict[str, Any]) -> str | None:
     if kind == "checkpoint_skipped":
         return f"checkpoint {ev['url']} skipped: {ev['reason']}"
     if kind == "worker_exited" and ev["code"] not in (0, None) and not ev["stopped_by_agent"]:
-        return f"{ev['node']}: worker rank {ev['rank']} exited with code {ev['code']}"
+        return f"{ev['node']}: worker {ev['local_rank']} exited with code {ev['code']}"
     if kind == "failure_reported":
         return f"{ev['node']}: reported a failure ({ev['reason']})"
     if kind == "fenced":
@@ -152,6 +163,7 @@ def summary(run_dir: Path, checkpoint_url: str, job_id: str, since: float = 0.0)
         f"events:        {run_dir / 'events'}",
         f"checkpoints:   {checkpoint_url}"
         + (f" (newest: step {saved[-1]['step']})" if saved else ""),
-        f"resume or extend it with: python -m launcher job_id={job_id} trainer.epochs=<more>",
+        f"resume or extend it: run again with job_id={job_id} and the same overrides, "
+        "e.g. trainer.epochs=<more>",
     ]
     return "\n".join(lines)

@@ -1,4 +1,9 @@
-"""Starting, watching and stopping the worker processes of one node for one round."""
+"""This node's worker processes: starting, talking to, watching and stopping them.
+
+A worker is started once and lives across rounds; its agent sends it each round over a control
+channel (:mod:`elastic.control`) and hears back from it: ready, heartbeats, a peer lost. Only a
+worker that died is started again, in the same slot.
+"""
 
 from __future__ import annotations
 
@@ -7,108 +12,185 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 from elastic.communicator import WorkerEnv
+from elastic.control import CONTROL_FD_ENV, Assignment, Channel
 from elastic.events import EventLog
 from elastic.lifeline import tied
+from launcher.watchdog import Watchdog
 
 
-class WorkerGroup:
-    """The workers of one node in one round; ``on_exit`` is called from a thread when one exits."""
+class WorkerSlot:
+    """One local rank's worker process, the current one of possibly several over the job."""
 
     def __init__(
         self,
-        procs: list[subprocess.Popen[bytes]],
-        envs: list[WorkerEnv],
+        env: WorkerEnv,
+        log_dir: Path,
         events: EventLog,
-        on_exit: Callable[[], None],
+        watchdog_s: float,
+        wake: Callable[[], None],
     ) -> None:
-        self.procs = procs
-        self.envs = envs
+        self.env = env
+        self.log_path = log_dir / f"worker{env.local_rank}.log"
         self._events = events
-        self._on_exit = on_exit
-        self._stopping = False
-        self._waiters = [
-            threading.Thread(target=self._wait, args=(i,), daemon=True) for i in range(len(procs))
-        ]
-        for t in self._waiters:
-            t.start()
+        self._wake = wake
+        self._lock = threading.Lock()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.channel: Channel | None = None
+        self.ready = False
+        self.peer_lost_round = 0  # the last round in which this worker saw a collective fail
+        self.watchdog = Watchdog(watchdog_s)
+        self.stopping = False
 
-    @classmethod
-    def spawn(
-        cls, envs: list[WorkerEnv], log_dir: Path, events: EventLog, on_exit: Callable[[], None]
-    ) -> WorkerGroup:
-        log_dir.mkdir(parents=True, exist_ok=True)
-        procs = []
-        for env in envs:
-            log_path = log_dir / f"worker{env.local_rank}.log"
-            with open(log_path, "ab") as out:
-                out.write(
-                    f"\n=== round {env.round} rank {env.rank}/{env.world_size} ===\n".encode()
-                )
-                out.flush()
-                proc = subprocess.Popen(
-                    # Through the lifeline, not preexec_fn: the agent runs gRPC threads, and Python
-                    # code between fork and exec trips gRPC's fork handlers.
-                    tied([sys.executable, "-m", "elastic.trainer"]),
-                    env={**os.environ, **env.to_environ(), "PYTHONUNBUFFERED": "1"},
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                )
-            procs.append(proc)
-            events.emit(
-                "worker_started",
-                round=env.round,
-                rank=env.rank,
-                local_rank=env.local_rank,
-                worker_pid=proc.pid,
-                log=str(log_path),
+    def start(self) -> None:
+        channel, theirs = Channel.pair()
+        with open(self.log_path, "ab") as out:
+            out.write(f"\n=== worker {self.env.local_rank} started {time.ctime()} ===\n".encode())
+            out.flush()
+            self.proc = subprocess.Popen(
+                # Through the lifeline, not preexec_fn: the agent runs gRPC threads, and Python
+                # code between fork and exec trips gRPC's fork handlers.
+                tied([sys.executable, "-m", "elastic.trainer"]),
+                env={
+                    **os.environ,
+                    **self.env.to_environ(),
+                    CONTROL_FD_ENV: str(theirs.fileno()),
+                    "PYTHONUNBUFFERED": "1",
+                },
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(),),
             )
-        return cls(procs, envs, events, on_exit)
+        theirs.close()
+        with self._lock:
+            self.channel, self.ready, self.peer_lost_round, self.stopping = channel, False, 0, False
+        channel.serve(self._on_message, name=f"worker{self.env.local_rank}-link")
+        self._events.emit(
+            "worker_started",
+            local_rank=self.env.local_rank,
+            worker_pid=self.proc.pid,
+            log=str(self.log_path),
+        )
+        threading.Thread(target=self._wait, args=(self.proc,), daemon=True).start()
 
-    def _wait(self, i: int) -> None:
-        code = self.procs[i].wait()
-        env = self.envs[i]
+    def _on_message(self, msg: dict[str, Any]) -> None:
+        kind = msg["type"]
+        now = time.monotonic()
+        with self._lock:
+            if kind == "ready":
+                self.ready = True
+                self.watchdog.start(now)
+            elif kind == "status":
+                self.watchdog.heartbeat(msg, now)
+                return  # heartbeats need no action from the agent
+            elif kind == "peer_lost":
+                self.peer_lost_round = max(self.peer_lost_round, int(msg["round"]))
+        self._wake()
+
+    def _wait(self, proc: subprocess.Popen[bytes]) -> None:
+        code = proc.wait()
         self._events.emit(
             "worker_exited",
-            round=env.round,
-            rank=env.rank,
-            local_rank=env.local_rank,
-            worker_pid=self.procs[i].pid,
+            local_rank=self.env.local_rank,
+            worker_pid=proc.pid,
             code=code,
-            stopped_by_agent=self._stopping,
+            stopped_by_agent=self.stopping,
         )
-        self._on_exit()
+        self._wake()
 
-    def exit_codes(self) -> list[int | None]:
-        return [p.poll() for p in self.procs]
+    @property
+    def exit_code(self) -> int | None:
+        return self.proc.poll() if self.proc else None
+
+    def frozen(self) -> str | None:
+        """Why the watchdog takes this worker for frozen, or None."""
+        with self._lock:
+            if not self.ready or self.exit_code is not None:
+                return None
+            return self.watchdog.verdict(time.monotonic())
+
+    def send(self, kind: str, **fields: Any) -> None:
+        if self.channel is not None:
+            self.channel.send(kind, **fields)
 
     def stop(self, grace_s: float) -> None:
-        """SIGTERM every worker and its children, SIGKILL what is left after ``grace_s``."""
-        self._stopping = True
+        """SIGTERM the worker and its children, SIGKILL what is left after ``grace_s``."""
+        self.stopping = True
+        if self.proc is None:
+            return
         victims: list[psutil.Process] = []
-        for p in self.procs:
-            if p.poll() is not None:
-                continue
+        if self.proc.poll() is None:
             try:
-                proc = psutil.Process(p.pid)
-                victims += [proc, *proc.children(recursive=True)]
+                proc = psutil.Process(self.proc.pid)
+                victims = [proc, *proc.children(recursive=True)]
             except psutil.NoSuchProcess:
-                continue
+                pass
         for v in victims:
             with contextlib.suppress(psutil.NoSuchProcess):
                 v.terminate()
+                v.resume()  # a stopped process only sees SIGTERM once it runs again
         _, alive = psutil.wait_procs(victims, timeout=grace_s)
         for v in alive:
             with contextlib.suppress(psutil.NoSuchProcess):
                 v.kill()
         psutil.wait_procs(alive, timeout=5)
-        for p in self.procs:
-            p.wait(timeout=5)
-        for t in self._waiters:
-            t.join(timeout=5)
+        self.proc.wait(timeout=5)
+        if self.channel is not None:
+            self.channel.close()
+
+    def kill(self) -> None:
+        """SIGKILL now (a frozen worker cannot be asked to stop)."""
+        self.stop(grace_s=0.0)
+
+
+class WorkerGroup:
+    """The slots of one node."""
+
+    def __init__(self, slots: list[WorkerSlot]) -> None:
+        self.slots = slots
+
+    @classmethod
+    def start(
+        cls,
+        envs: list[WorkerEnv],
+        log_dir: Path,
+        events: EventLog,
+        watchdog_s: float,
+        wake: Callable[[], None],
+    ) -> WorkerGroup:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        group = cls([WorkerSlot(env, log_dir, events, watchdog_s, wake) for env in envs])
+        for slot in group.slots:
+            slot.start()
+        return group
+
+    def exit_codes(self) -> list[int | None]:
+        return [s.exit_code for s in self.slots]
+
+    @property
+    def ready(self) -> bool:
+        return all(s.ready and s.exit_code is None for s in self.slots)
+
+    def assign(self, assignments: list[Assignment]) -> None:
+        for slot, a in zip(self.slots, assignments, strict=True):
+            slot.send("assign", **asdict(a))
+
+    def standby(self) -> None:
+        for slot in self.slots:
+            slot.send("standby")
+
+    def stop(self, grace_s: float) -> None:
+        threads = [threading.Thread(target=s.stop, args=(grace_s,)) for s in self.slots]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()

@@ -102,47 +102,22 @@ def test_launcher_refuses_bad_config_before_anything_starts(
     assert not (tmp_path / "run").exists()  # no run directory, no etcd, no node started
 
 
+def pip(*args: str) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "pip", *args], check=True, timeout=300, capture_output=True
+    )
+
+
 def test_configs_ship_in_the_wheel(tmp_path: Path) -> None:
     """Hydra finds conf/ through pkg://conf, so the YAML files must be package data."""
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            "-w",
-            str(tmp_path),
-            str(REPO),
-        ],
-        check=True,
-        timeout=300,
-        capture_output=True,
-    )
+    pip("wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO))
     wheel = next(tmp_path.glob("*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
     shipped = {str(p.relative_to(REPO)) for p in (REPO / "conf").rglob("*.yaml")}
     assert shipped and shipped <= names
     # Installed without -e, from a folder that is not the checkout, composition still works.
     site = tmp_path / "site"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--no-deps",
-            "-q",
-            "--target",
-            str(site),
-            str(wheel),
-        ],
-        check=True,
-        timeout=300,
-        capture_output=True,
-    )
+    pip("install", "--no-deps", "-q", "--target", str(site), str(wheel))
     probe = (
         "from hydra import compose, initialize_config_module; import launcher.cli, conf; "
         f"assert conf.__file__.startswith({str(site)!r}), conf.__file__; "

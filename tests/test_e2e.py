@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from chaos.injectors import kill_node, kill_worker, node_with_rank
-from chaos.invariants import lr_violations
+from chaos.injectors import kill_node, kill_worker, node_with_rank, thaw_node
+from chaos.invariants import lr_violations, replica_violations, sample_violations
 from chaos.report import recovery
 from elastic import config
 from elastic.events import EventFollower, read_events
@@ -22,6 +24,7 @@ from .conftest import launch, output
 SAMPLES_PER_EPOCH = 240  # 10 classes x 24 images (tests/conftest.FAST_JOB)
 START_TIMEOUT_S = 180
 FINISH_TIMEOUT_S = 300
+RECORD = "trainer.record_samples=true"
 
 
 def wait_exit(proc: subprocess.Popen[str], run_dir: Path) -> int:
@@ -45,65 +48,201 @@ def wait_event(run_dir: Path, proc: subprocess.Popen[str], predicate, since: flo
         pytest.fail(f"the awaited event never came:\n{output(run_dir)[-3000:]}")
 
 
-def worker_pids(events: list[dict]) -> list[int]:
-    return [e["worker_pid"] for e in events if e["event"] == "worker_started"]
+def worker_pids(events: list[dict], only: str = "", exclude: str = "") -> list[int]:
+    return [
+        e["worker_pid"]
+        for e in events
+        if e["event"] == "worker_started"
+        and (not only or e["node"] == only)
+        and e["node"] != exclude
+    ]
 
 
-@pytest.mark.parametrize("victim", ["not_rank0", "rank0"])
-def test_killed_node_job_finishes_at_world_two_with_lr_rescaled(
-    tmp_path: Path, victim: str
-) -> None:
+def restarts(events: list[dict]) -> list[dict]:
+    """What an agent or worker logged about workers leaving or being replaced: for failures."""
+    kinds = {"worker_exited", "worker_frozen", "worker_peer_lost", "fenced", "peer_evicted"}
+    return [e for e in events if e["event"] in kinds]
+
+
+def assert_invariants(run_dir: Path, epochs: int) -> list[dict]:
+    """Every sample trained exactly once, replicas bit-identical, the LR as the policy says."""
+    events = read_events(run_dir)
+    cfg = config.load(run_dir / "config.yaml")
+    assert lr_violations(events, cfg, SAMPLES_PER_EPOCH) == []
+    assert sample_violations(events, SAMPLES_PER_EPOCH, epochs * SAMPLES_PER_EPOCH) == []
+    assert replica_violations(events) == []
+    return events
+
+
+def other_node(run_dir: Path, nodes: int) -> str:
+    rank0 = node_with_rank(run_dir, 0)
+    return next(f"node{i}" for i in range(nodes) if f"node{i}" != rank0)
+
+
+@pytest.mark.parametrize("victim", ["not_rank0", "rank0_and_store"])
+def test_killed_node_survivors_recover_in_place(tmp_path: Path, victim: str) -> None:
+    """SIGKILL of a node; with rank0_and_store, the node holding rank 0 and the round's store."""
     run_dir = tmp_path / "run"
-    proc = launch(run_dir, "cluster.nodes=3", "trainer.epochs=4")
+    proc = launch(run_dir, "cluster.nodes=3", "trainer.epochs=4", RECORD)
     wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["step"] >= 8)
     assert proc.poll() is None, output(run_dir)
-    rank0 = node_with_rank(run_dir, 0)
-    target = (
-        rank0 if victim == "rank0" else next(n for n in ("node0", "node1", "node2") if n != rank0)
-    )
-    victims = [
-        e["worker_pid"]
-        for e in read_events(run_dir)
-        if e["event"] == "worker_started" and e["node"] == target
-    ]
+    target = node_with_rank(run_dir, 0) if victim == "rank0_and_store" else other_node(run_dir, 3)
+    survivors_before = worker_pids(read_events(run_dir), exclude=target)
+    victims = worker_pids(read_events(run_dir), only=target)
     fault = kill_node(run_dir, target)
 
     assert wait_exit(proc, run_dir) == 0, output(run_dir)[-3000:]
-    events = read_events(run_dir)
+    events = assert_invariants(run_dir, epochs=4)
     after = [e for e in events if e["ts"] > fault]
-    done = next(e for e in after if e["event"] == "training_done")
-    assert done["world_size"] == 2
-    assert done["samples_seen"] == 4 * SAMPLES_PER_EPOCH
     assert not any(psutil.pid_exists(p) for p in victims)
-
-    loaded = next(e for e in after if e["event"] == "checkpoint_loaded")
-    assert (loaded["saved_world_size"], loaded["world_size"]) == (3, 2)
+    # In place: the survivors kept their processes and nothing was read from disk.
+    assert worker_pids(events, exclude=target) == survivors_before, restarts(events)
+    assert not any(e["event"] == "checkpoint_loaded" for e in after)
+    evicted = next(e for e in after if e["event"] == "peer_evicted")
+    assert evicted["peer"] == target
+    recovered = next(e for e in after if e["event"] == "recovered")
+    assert recovered["in_place"] and recovered["world_size"] == 2
+    done = next(e for e in after if e["event"] == "training_done")
+    assert done["world_size"] == 2 and done["samples_seen"] == 4 * SAMPLES_PER_EPOCH
     changed = next(e for e in after if e["event"] == "lr_changed")
     assert (changed["old_world_size"], changed["world_size"]) == (3, 2)
-    assert changed["lr"] == pytest.approx(changed["old_lr"] * 2 / 3)  # past warm-up: linear rule
-    cfg = config.load(run_dir / "config.yaml")
-    assert lr_violations(events, cfg, SAMPLES_PER_EPOCH) == []
-
+    assert changed["lr"] == pytest.approx(changed["old_lr"] * 2 / 3)  # rescale_lr, no ramp down
     rec = recovery(events, fault)
-    assert rec.stall_s is not None and rec.resumed_from is not None
-    assert rec.redone_steps <= cfg.checkpoint.every_steps
-    assert "job" in output(run_dir) and "finished" in output(run_dir)
+    assert rec.stall_s is not None and rec.redone_steps <= 1
+    assert "finished" in output(run_dir)
 
 
-def test_killed_worker_is_restarted_by_its_agent(tmp_path: Path) -> None:
+def test_frozen_node_is_evicted_and_rejoins_when_thawed(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = launch(run_dir, "cluster.nodes=2", "trainer.epochs=3")
+    proc = launch(run_dir, "cluster.nodes=3", "trainer.epochs=8", RECORD)
+    wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["step"] >= 8)
+    target = other_node(run_dir, 3)
+    fault = kill_node(run_dir, target, signal.SIGSTOP)
+    try:
+        dropped = wait_event(
+            run_dir, proc, lambda e: e["event"] == "round_formed" and target in e["removed"], fault
+        )
+        progressed = wait_event(
+            run_dir, proc, lambda e: e["event"] == "step" and e["ts"] > dropped["ts"], fault
+        )
+    finally:
+        thawed = thaw_node(run_dir, target)
+    # Evicted by its lease (TTL 2 s here), well within the watchdog bound of 10 s + TTL.
+    assert progressed["ts"] - fault < 15, output(run_dir)[-3000:]
+    fenced = wait_event(run_dir, proc, lambda e: e["event"] == "fenced", thawed)
+    assert fenced["node"] == target
+    back = wait_event(
+        run_dir,
+        proc,
+        lambda e: e["event"] == "round_joined" and e["node"] == target,
+        thawed,
+    )
+    assert back["world_size"] == 3
+
+    assert wait_exit(proc, run_dir) == 0, output(run_dir)[-3000:]
+    events = assert_invariants(run_dir, epochs=8)
+    synced = [
+        e
+        for e in events
+        if e["event"] == "state_synced" and e["node"] == target and e["round"] == back["round"]
+    ]
+    assert synced and synced[0]["step"] > 0  # its state came from the survivors' memory
+    assert not any(e["event"] == "checkpoint_loaded" for e in events if e["ts"] > fault)
+
+
+def test_killed_worker_is_restarted_and_rejoins_in_place(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "cluster.nodes=2", "trainer.epochs=5", RECORD)
     wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["step"] >= 6)
     fault = kill_worker(run_dir, "node1")
 
     assert wait_exit(proc, run_dir) == 0, output(run_dir)[-3000:]
-    after = [e for e in read_events(run_dir) if e["ts"] > fault]
+    events = assert_invariants(run_dir, epochs=5)
+    after = [e for e in events if e["ts"] > fault]
     reported = next(e for e in after if e["event"] == "failure_reported")
     assert reported["node"] == "node1" and reported["incarnation"] == 1
+    alone = next(e for e in after if e["event"] == "round_formed")
+    assert alone["members"] == ["node0"]  # node0 went on alone at once
     rejoined = next(e for e in after if e["event"] == "round_joined" and e["node"] == "node1")
-    assert rejoined["world_size"] == 2  # the node stays in the job with a fresh worker
-    done = next(e for e in after if e["event"] == "training_done")
-    assert done["world_size"] == 2 and done["samples_seen"] == 3 * SAMPLES_PER_EPOCH
+    assert rejoined["world_size"] == 2
+    synced = next(
+        e
+        for e in after
+        if e["event"] == "state_synced" and e["node"] == "node1" and e["round"] == rejoined["round"]
+    )
+    assert synced["step"] > 0 and synced["source"] != synced["rank"]  # state sent, not loaded
+    assert not any(e["event"] == "checkpoint_loaded" for e in after)
+
+
+def test_node_added_mid_run_enters_at_next_round_with_lr_ramped(
+    tmp_path: Path, etcd_endpoint: str, job_id: str
+) -> None:
+    run_dir = tmp_path / "run"
+    proc = launch(
+        run_dir,
+        "cluster.nodes=2",
+        "cluster.max_nodes=3",
+        "trainer.epochs=6",
+        "rendezvous.first_round_wait_s=1",
+        f"cluster.etcd_endpoints=[{etcd_endpoint}]",
+        RECORD,
+        job_id=job_id,
+    )
+    wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["step"] >= 6)
+    added = time.time()
+    with open(run_dir / "logs" / "node2.log", "w") as log:
+        agent = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "launcher.agent",
+                "--config",
+                str(run_dir / "config.yaml"),
+                "--node-id",
+                "node2",
+                "--etcd",
+                etcd_endpoint,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"},
+        )
+    try:
+        joined = wait_event(
+            run_dir, proc, lambda e: e["event"] == "round_joined" and e["node"] == "node2", added
+        )
+        assert joined["world_size"] == 3
+        assert wait_exit(proc, run_dir) == 0, output(run_dir)[-3000:]
+        assert agent.wait(timeout=60) == 0
+    finally:
+        agent.kill()
+    events = assert_invariants(run_dir, epochs=6)
+    after = [e for e in events if e["ts"] > added]
+    synced = next(e for e in after if e["event"] == "state_synced" and e["node"] == "node2")
+    assert synced["step"] > 0 and synced["source"] != synced["rank"]
+    assert not any(e["event"] == "checkpoint_loaded" for e in after)
+    grown = next(e for e in after if e["event"] == "lr_changed")
+    assert (grown["old_world_size"], grown["world_size"]) == (2, 3)
+    assert grown["ramp_samples"] > 0 and grown["lr"] < grown["old_lr"] * 3 / 2  # ramped, not jumped
+
+
+def test_keep_global_batch_keeps_the_lr_when_a_node_dies(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = launch(
+        run_dir, "cluster.nodes=3", "trainer.epochs=3", "optim.policy=keep_global_batch", RECORD
+    )
+    wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["step"] >= 6)
+    fault = kill_node(run_dir, other_node(run_dir, 3))
+
+    assert wait_exit(proc, run_dir) == 0, output(run_dir)[-3000:]
+    events = assert_invariants(run_dir, epochs=3)
+    steps = [e for e in events if e["event"] == "step"]
+    assert {e["global_batch"] for e in steps} == {24}  # 3 workers x 8, kept by accumulation
+    after = [e for e in steps if e["ts"] > fault]
+    assert after and after[-1]["world_size"] == 2
+    before = [e for e in steps if e["ts"] < fault]
+    assert after[0]["lr"] == pytest.approx(before[-1]["lr"])  # warm-up is over (0.5 epochs)
+    assert not any(e["event"] == "lr_changed" and e["ts"] > fault for e in events)
 
 
 def test_sigterm_stops_cleanly_and_a_restart_resumes_from_the_checkpoint(

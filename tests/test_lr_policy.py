@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from elastic.config import OptimConfig
-from elastic.lr_policy import LRSchedule
+from elastic.lr_policy import LRPolicy, LRSchedule, Ramp
 
 GOYAL = LRSchedule.from_config(
     OptimConfig(lr=0.1, reference_batch=256, warmup_epochs=5, milestones_epochs=[30, 60, 80]),
@@ -42,3 +44,66 @@ def test_schedule_is_keyed_on_samples_not_steps() -> None:
         start, target = 0.1, GOYAL.target(global_batch)
         assert (GOYAL.lr(2500, global_batch) - start) / (target - start) == pytest.approx(0.5)
     assert GOYAL.warmup_samples == 5000 and GOYAL.milestones == (30_000, 60_000, 80_000)
+
+
+# --- LRPolicy: what a change of world size does to the LR ---------------------------------------
+
+RESIZE = OptimConfig(
+    lr=0.1, reference_batch=256, warmup_epochs=5, milestones_epochs=[30, 60, 80]
+)  # resize_warmup_epochs is set per test
+AFTER_WARMUP = 10_000  # samples seen: past the 5000-sample warm-up, before the first milestone
+
+
+def policy(resize_warmup_epochs: float = 0.5, name: str = "rescale_lr") -> LRPolicy:
+    cfg = replace(RESIZE, policy=name, resize_warmup_epochs=resize_warmup_epochs)
+    return LRPolicy.from_config(cfg, batch_size=32, samples_per_epoch=1000)
+
+
+def test_rescale_lr_shrink_lowers_the_lr_at_once() -> None:
+    """3 -> 2 workers of 32: the LR drops to 2/3 on the spot, with no ramp."""
+    p = policy()
+    old = p.lr(AFTER_WARMUP, p.global_batch(3, 0), None)
+    assert old == pytest.approx(0.1 * 96 / 256)
+    new_batch = p.global_batch(2, 96)
+    assert new_batch == 64
+    assert p.after_resize(AFTER_WARMUP, old, new_batch) is None
+    assert p.lr(AFTER_WARMUP, new_batch, None) == pytest.approx(0.025)
+    assert p.lr(AFTER_WARMUP, new_batch, None) / old == pytest.approx(2 / 3)
+
+
+def test_rescale_lr_growth_ramps_linearly_over_resize_warmup_samples() -> None:
+    """2 -> 3 workers: the LR climbs from the old LR to the schedule over 500 samples."""
+    p = policy(resize_warmup_epochs=0.5)
+    assert p.resize_warmup_samples == 500
+    old = p.lr(AFTER_WARMUP, p.global_batch(2, 0), None)
+    assert old == pytest.approx(0.025)
+    new_batch = p.global_batch(3, 64)
+    ramp = p.after_resize(AFTER_WARMUP, old, new_batch)
+    assert ramp == Ramp(AFTER_WARMUP, old)
+    target = 0.1 * 96 / 256
+    for done in (0, 100, 250, 400, 499):
+        expected = old + (target - old) * done / 500
+        assert p.lr(AFTER_WARMUP + done, new_batch, ramp) == pytest.approx(expected)
+    assert p.lr(AFTER_WARMUP + 499, new_batch, ramp) < target
+    assert p.lr(AFTER_WARMUP + 500, new_batch, ramp) == pytest.approx(target)
+    assert p.lr(AFTER_WARMUP + 3000, new_batch, ramp) == pytest.approx(target)
+
+
+def test_rescale_lr_without_resize_warmup_applies_growth_at_once() -> None:
+    p = policy(resize_warmup_epochs=0)
+    assert p.resize_warmup_samples == 0
+    assert p.after_resize(AFTER_WARMUP, 0.025, 96) is None
+    assert p.lr(AFTER_WARMUP, 96, None) == pytest.approx(0.0375)
+
+
+def test_keep_global_batch_keeps_the_first_rounds_batch_and_lr() -> None:
+    p = policy(name="keep_global_batch")
+    assert p.global_batch(3, 0) == 96  # first round: world * batch_size
+    assert p.global_batch(2, 0) == 64
+    for world in (1, 2, 5):
+        assert p.global_batch(world, 96) == 96
+    old = p.lr(AFTER_WARMUP, 96, None)
+    assert old == pytest.approx(0.0375)
+    assert p.after_resize(AFTER_WARMUP, old, p.global_batch(2, 96)) is None
+    assert p.lr(AFTER_WARMUP, p.global_batch(2, 96), None) == pytest.approx(old)
+    assert policy().global_batch(2, 96) == 64  # rescale_lr ignores the first round's batch

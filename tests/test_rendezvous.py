@@ -12,13 +12,21 @@ import pytest
 
 from elastic.config import RendezvousConfig
 from elastic.etcd import connect
-from elastic.rendezvous import JobView, NodeIdInUse, NodeRecord, Rendezvous, Round, plan_round
+from elastic.rendezvous import (
+    JobView,
+    NodeIdInUse,
+    NodeRecord,
+    Rendezvous,
+    Round,
+    plan_round,
+    shrink_only,
+)
 
 FAST = RendezvousConfig(lease_ttl_s=2, settle_s=0.3, first_round_wait_s=0.3)
 
 
 def node(name: str, rev: int = 0, incarnation: int = 0, slots: int = 1) -> NodeRecord:
-    return NodeRecord(name, "127.0.0.1", 1000, slots, incarnation, rev)
+    return NodeRecord(name, "127.0.0.1", 1000, slots, incarnation, ready=True, joined_rev=rev)
 
 
 @pytest.fixture
@@ -43,6 +51,7 @@ def make(etcd_endpoint: str, job_id: str):  # type: ignore[no-untyped-def]
             max_nodes=max_nodes,
         )
         r.join()
+        r.set_ready()
         joined.append(r)
         return r
 
@@ -161,8 +170,23 @@ def test_report_failure_brings_a_new_round_with_the_new_incarnation(make) -> Non
     b = make("b", max_nodes=2)
     assert a.wait(round_number(1), timeout=10)
     b.report_failure("test")
-    view = a.wait(round_number(2), timeout=10)
+    view = a.wait(round_number(2), timeout=10)  # b left the round at once: not ready
+    assert view is not None and [m.node_id for m in view.round.members] == ["a"]
+    b.set_ready()
+    view = a.wait(round_number(3), timeout=10)
     assert view is not None and view.round.member("b").incarnation == 1
+
+
+def test_an_evicted_node_fences_itself_and_the_others_go_on(make) -> None:
+    a = make("a", max_nodes=2)
+    b = make("b", max_nodes=2)
+    view = a.wait(lambda v: v.round is not None and v.round.world_size == 2, timeout=10)
+    assert view is not None
+    assert a.evict(view.round.member("b"), "test")
+    assert not a.evict(view.round.member("b"), "test")  # that registration is gone already
+    assert b.fenced.wait(timeout=5)
+    after = a.wait(lambda v: v.round.number > view.round.number, timeout=5)
+    assert after is not None and [m.node_id for m in after.round.members] == ["a"]
 
 
 NODE_PROCESS = textwrap.dedent("""
@@ -175,6 +199,7 @@ NODE_PROCESS = textwrap.dedent("""
                    cfg=RendezvousConfig(lease_ttl_s=2, settle_s=0.3, first_round_wait_s=0.3),
                    min_nodes=1, max_nodes=3)
     r.join()
+    r.set_ready()
     print("joined", flush=True)
     sys.stdin.read()
 """)
@@ -215,7 +240,87 @@ def test_a_node_that_registers_again_is_a_new_member(make) -> None:
     assert first is not None
     a.leave()
     a.join()  # same node id, incarnation 0 again, but a new registration
+    a.set_ready()
     assert not a.view.round_intact() or a.view.round.number > first.round.number
-    view = a.wait(lambda v: v.round_intact() and v.round.number > first.round.number, timeout=10)
+    view = a.wait(
+        lambda v: v.round_intact() and v.round.number > first.round.number and v.round.member("a"),
+        timeout=10,
+    )
     assert view is not None
     assert view.round.member("a").joined_rev == view.nodes["a"].joined_rev
+
+
+# --- pure logic: readiness, registrations and shrinking rounds ----------------------------------
+
+
+def rec(name: str, rev: int, incarnation: int = 0, ready: bool = True) -> NodeRecord:
+    """A node record with every field named (``ready`` sits before ``joined_rev``)."""
+    return NodeRecord(name, "127.0.0.1", 1000, 1, incarnation, ready=ready, joined_rev=rev)
+
+
+def test_pure_non_ready_nodes_are_not_placed_in_a_round() -> None:
+    view = JobView({"a": rec("a", 1), "b": rec("b", 2, ready=False), "c": rec("c", 3)})
+    assert [n.node_id for n in plan_round(view, 1, 3) or []] == ["a", "c"]
+    assert plan_round(view, 3, 3) is None  # only two of the three nodes are ready
+
+
+def test_pure_a_ready_newcomer_joins_but_a_non_ready_one_does_not_break_the_round() -> None:
+    current = Round.build(1, [rec("a", 1), rec("b", 2)])
+    quiet = JobView({"a": rec("a", 1), "b": rec("b", 2), "c": rec("c", 3, ready=False)}, current)
+    assert quiet.round_intact()
+    assert plan_round(quiet, 1, 3) is None
+    ready = JobView({"a": rec("a", 1), "b": rec("b", 2), "c": rec("c", 3)}, current)
+    assert [n.node_id for n in plan_round(ready, 1, 3) or []] == ["a", "b", "c"]
+
+
+def test_pure_a_member_turning_non_ready_is_dropped() -> None:
+    current = Round.build(1, [rec("a", 1), rec("b", 2), rec("c", 3)])
+    intact = JobView({"a": rec("a", 1), "b": rec("b", 2), "c": rec("c", 3)}, current)
+    assert intact.round_intact() and plan_round(intact, 1, 3) is None
+    view = JobView({"a": rec("a", 1), "b": rec("b", 2, ready=False), "c": rec("c", 3)}, current)
+    assert not view.round_intact()
+    planned = plan_round(view, 1, 3) or []
+    assert [n.node_id for n in planned] == ["a", "c"]
+    assert shrink_only(current, planned)
+
+
+def test_pure_a_member_that_reported_a_failure_is_dropped_until_ready() -> None:
+    current = Round.build(1, [rec("a", 1), rec("b", 2)])
+    failed = JobView({"a": rec("a", 1), "b": rec("b", 2, incarnation=1, ready=False)}, current)
+    assert not failed.round_intact()
+    assert [n.node_id for n in plan_round(failed, 1, 2) or []] == ["a"]
+    back = JobView({"a": rec("a", 1), "b": rec("b", 2, incarnation=1)}, current)
+    assert not back.round_intact()
+    planned = plan_round(back, 1, 2) or []
+    assert [(n.node_id, n.incarnation) for n in planned] == [("a", 0), ("b", 1)]
+    assert not shrink_only(current, planned)  # b comes back as a new incarnation
+
+
+def test_pure_a_re_registered_member_breaks_the_round() -> None:
+    current = Round.build(1, [rec("a", 1), rec("b", 2)])
+    view = JobView({"a": rec("a", 1), "b": rec("b", 7)}, current)
+    assert not view.round_intact()
+    planned = plan_round(view, 1, 2) or []
+    assert [(n.node_id, n.joined_rev) for n in planned] == [("a", 1), ("b", 7)]
+    assert not shrink_only(current, planned)
+
+
+def test_pure_shrink_only() -> None:
+    current = Round.build(1, [rec("a", 1), rec("b", 2), rec("c", 3)])
+    assert shrink_only(current, [rec("a", 1), rec("c", 3)])
+    assert shrink_only(current, [rec("b", 2)])
+    assert not shrink_only(current, [rec("a", 1), rec("d", 4)])  # a newcomer
+    assert not shrink_only(current, [rec("a", 1), rec("c", 9)])  # c registered again
+    assert not shrink_only(current, [rec("a", 1), rec("c", 3, incarnation=1)])
+    assert not shrink_only(None, [rec("a", 1)])
+
+
+def test_pure_is_member_matches_only_the_same_registration_and_incarnation() -> None:
+    current = Round.build(1, [rec("a", 1), rec("b", 2)])
+    view = JobView({"a": rec("a", 1), "b": rec("b", 2)}, current)
+    b = view.is_member(rec("b", 2))
+    assert b is not None and (b.node_id, b.joined_rev, b.first_rank) == ("b", 2, 1)
+    assert view.is_member(rec("b", 5)) is None  # a new registration of b
+    assert view.is_member(rec("b", 2, incarnation=1)) is None
+    assert view.is_member(rec("z", 3)) is None
+    assert JobView({"a": rec("a", 1)}).is_member(rec("a", 1)) is None  # no round yet

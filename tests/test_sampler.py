@@ -77,3 +77,28 @@ def test_permutation_depends_on_seed_and_epoch_only() -> None:
     a, b = ElasticSampler(50, 4, seed=7), ElasticSampler(50, 8, seed=7)
     assert a.permutation(0).tolist() == b.permutation(0).tolist()
     assert a.permutation(0).tolist() != a.permutation(1).tolist()
+
+
+@pytest.mark.parametrize("worlds", [[2], [2, 3, 1, 2]])
+def test_a_global_batch_larger_than_world_times_batch_size_plans_every_sample_once(
+    worlds: list[int],
+) -> None:
+    """keep_global_batch: 3 * batch_size per step at world 2 (and across resizes)."""
+    sampler = ElasticSampler(num_samples=101, batch_size=4, seed=1)
+    state, seen, shares, steps = SamplerState(), Counter[int](), [], 0
+    while state.epoch == 0:
+        world = worlds[min(steps, len(worlds) - 1)]
+        plans = [sampler.plan(state, r, world, limit=10**9, global_batch=12) for r in range(world)]
+        assert {p.global_count for p in plans} == {min(12, 101 - state.consumed)}
+        assert sum(p.real for p in plans) == plans[0].global_count
+        for p in plans:
+            seen.update(p.indices[: p.real])
+        shares.append([p.real for p in plans])
+        state = sampler.advance(state, plans[0])
+        steps += 1
+    assert sorted(seen) == list(range(101))
+    assert set(seen.values()) == {1}
+    assert steps == 9  # ceil(101 / 12)
+    if worlds == [2]:
+        assert shares[:8] == [[6, 6]] * 8 and shares[8] == [3, 2]  # 6 > batch_size 4
+    assert max(max(s) for s in shares) > sampler.batch_size

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One entry point that sets itself up: creates .venv and installs the project on first use
+# (and again whenever pyproject.toml changes), then
+#   ./dev.sh run [overrides...]    the main job (python -m launcher with Hydra overrides)
+#   ./dev.sh test [pytest args...] ruff, then the test suite (what CI runs)
+#   ./dev.sh bench [args...]       the recovery benchmark against the torchrun peer
+set -euo pipefail
+cd "$(dirname "$0")"
+venv=${ELASTIC_VENV:-.venv}
+python=${PYTHON:-python3}
+
+"$python" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
+  || { echo "dev.sh: Python 3.10 or newer is needed (found $("$python" --version 2>&1))" >&2; exit 2; }
+stamp="$venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)"
+if [ ! -f "$stamp" ]; then
+  echo "dev.sh: installing into $venv (the first time takes a minute or two: torch is large)" >&2
+  "$python" -m venv "$venv"
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[test]" 2>&1 \
+    | grep -v '^WARNING: Location' >&2 || true
+  PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python "$venv/bin/python" -c 'import torch, torchvision, etcd3, hydra, launcher' \
+    || { echo "dev.sh: installation failed; see the pip output above" >&2; exit 1; }
+  rm -f "$venv"/.installed-*
+  touch "$stamp"
+fi
+export PATH="$PWD/$venv/bin:$PATH"
+
+command=${1:-run}
+[ $# -gt 0 ] && shift
+case "$command" in
+  run) exec python -m launcher "$@" ;;
+  test) ruff check . && exec python -m pytest -q "$@" ;;
+  bench) exec python bench/recovery.py "$@" ;;
+  *) echo "usage: ./dev.sh run|test|bench [args...]" >&2; exit 2 ;;
+esac

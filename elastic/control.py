@@ -1,0 +1,115 @@
+"""The control channel between an agent and each of its workers: JSON lines over a socket pair.
+
+Workers live across rounds, so the agent cannot hand them a round through the environment once;
+it sends each new assignment down this channel, and the worker sends back what the agent needs to
+supervise it: that it is ready, a heartbeat with its step and phase, and that it saw a peer fail.
+One socket pair per worker, created by the agent and inherited by the worker (its fd number is in
+``ELASTIC_CONTROL_FD``); when either side dies the other reads end-of-file at once.
+
+Messages, agent to worker: ``assign`` (round, rank, world size, store address) and ``standby``
+(leave the current round and wait). Worker to agent: ``ready``, ``status`` (step, phase, round),
+``peer_lost`` (round, error) and ``left`` (round).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+CONTROL_FD_ENV = "ELASTIC_CONTROL_FD"
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """One worker's place in one round."""
+
+    round: int
+    rank: int
+    world_size: int
+    store_host: str
+    store_port: int
+    formed_at: float  # wall-clock time the round was formed (for the recovery breakdown)
+    # When this round is the previous one minus some nodes: that round, and its ranks now gone.
+    shrinks_round: int = 0
+    excluded_ranks: tuple[int, ...] = ()
+
+    def shrink_of(self, previous: Assignment) -> list[int] | None:
+        """The ranks of ``previous`` to exclude, if this round only removed ranks from it."""
+        if self.excluded_ranks and self.shrinks_round == previous.round:
+            return list(self.excluded_ranks)
+        return None
+
+    @classmethod
+    def from_message(cls, msg: dict[str, Any]) -> Assignment:
+        data = {k: v for k, v in msg.items() if k != "type"}
+        data["excluded_ranks"] = tuple(data.get("excluded_ranks", ()))
+        return cls(**data)
+
+
+class Channel:
+    """One end of a control socket; :meth:`serve` reads messages on a daemon thread."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._send_lock = threading.Lock()
+        self.closed = threading.Event()
+
+    @classmethod
+    def pair(cls) -> tuple[Channel, socket.socket]:
+        """The agent's end, and the socket to hand to a worker."""
+        ours, theirs = socket.socketpair()
+        theirs.set_inheritable(True)
+        return cls(ours), theirs
+
+    @classmethod
+    def from_environ(cls) -> Channel:
+        fd = int(os.environ[CONTROL_FD_ENV])
+        return cls(socket.socket(fileno=fd))
+
+    def send(self, type_: str, **fields: Any) -> bool:
+        """Send one message; False when the other side is gone."""
+        data = (json.dumps({"type": type_, **fields}) + "\n").encode()
+        try:
+            with self._send_lock:
+                self._sock.sendall(data)
+            return True
+        except OSError:
+            self.closed.set()
+            return False
+
+    def serve(self, on_message: Callable[[dict[str, Any]], None], name: str) -> threading.Thread:
+        """Call ``on_message`` for every message until end-of-file, then set :attr:`closed`."""
+
+        def loop() -> None:
+            with self._sock.makefile("rb") as stream:
+                try:
+                    for line in stream:
+                        try:
+                            msg = json.loads(line)
+                        except ValueError:
+                            log.warning("%s: unreadable control message %r", name, line[:200])
+                            continue
+                        on_message(msg)
+                except OSError:
+                    pass
+            self.closed.set()
+            on_message({"type": "eof"})
+
+        thread = threading.Thread(target=loop, name=name, daemon=True)
+        thread.start()
+        return thread
+
+    def close(self) -> None:
+        self.closed.set()
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()

@@ -1,0 +1,64 @@
+"""The communicator's round bookkeeping: which aborts apply, and when backward waits on peers.
+
+Pure logic, so no process group is built; the group itself is exercised end to end in
+test_e2e.py with real processes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elastic.communicator import Communicator, RoundAborted
+from elastic.control import Assignment
+
+
+def assignment(number: int) -> Assignment:
+    return Assignment(
+        round=number, rank=0, world_size=2, store_host="127.0.0.1", store_port=1, formed_at=0.0
+    )
+
+
+def comm() -> Communicator:
+    return Communicator(torch.device("cpu"), timeout_s=5)
+
+
+def test_an_announcement_of_the_round_already_entered_does_not_abort_it() -> None:
+    c = comm()
+    c.assignment = assignment(2)  # the training thread entered round 2 before the reader got here
+    c.abort("round 2 was formed", before_round=2)
+    assert not c.aborted
+
+
+def test_an_announcement_of_a_newer_round_aborts_the_current_one() -> None:
+    c = comm()
+    c.assignment = assignment(2)
+    c.abort("round 3 was formed", before_round=3)
+    assert c.aborted
+
+
+def test_entering_a_round_older_than_the_announced_one_is_refused() -> None:
+    c = comm()
+    c.abort("round 3 was formed", before_round=3)
+    with pytest.raises(RoundAborted, match="round 3"):
+        c.enter(assignment(2))  # refused before any group is built
+
+
+def test_in_a_rounds_first_step_any_bucket_handed_over_counts_as_waiting() -> None:
+    c = comm()
+    c.begin_step()
+    assert not c.waiting_for_peers  # still computing
+    c.buckets_this_step = 1
+    assert c.waiting_for_peers
+
+
+def test_later_steps_wait_for_peers_only_once_every_bucket_is_handed_over() -> None:
+    c = comm()
+    c.begin_step()
+    c.buckets_this_step = 3
+    c.end_step()
+    c.begin_step()
+    c.buckets_this_step = 2
+    assert not c.waiting_for_peers  # backward still running: a hang here is this worker's
+    c.buckets_this_step = 3
+    assert c.waiting_for_peers
