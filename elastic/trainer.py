@@ -19,6 +19,7 @@ the step in flight is lost, and the survivors' state carries on.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import math
 import os
@@ -363,4 +364,13 @@ def save(w: Worker, ckpt: CheckpointManager, progress: Progress, a: Assignment) 
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    faulthandler.enable()  # a native crash leaves its stack in the worker's log
+    code = main()
+    # Leave without interpreter finalization. A gloo group retired with a collective still
+    # blocked on a dead peer cannot be torn down cleanly (gloo cannot abort it), and destroying it
+    # during finalization can crash the process (SIGSEGV) after the job is done, which the agent
+    # would take for a worker failure. Events are unbuffered writes; flush the rest first.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
