@@ -126,6 +126,47 @@ class CheckpointConfig:
 
 
 @dataclass
+class HealthConfig:
+    """What a node must prove before it joins a round, and how a node that keeps failing is kept
+    out. The checks are in :mod:`launcher.health` and :mod:`launcher.gpu_health`."""
+
+    enabled: bool = True
+    # NCCL opens several descriptors per peer and channel, and the data loader one per shared
+    # batch: ChainerMN hit "unhandled system error" at 192 GPUs with the default 1024. The soft
+    # limit is raised to the hard one; below this the node fails.
+    min_open_files: int = 4096
+    # Deep call chains in NCCL's and MPI's progress threads segfaulted ChainerMN at 944 GPUs with
+    # a small stack. A lower soft limit is raised to this; a hard limit below it fails.
+    min_stack_mb: int = 8
+    # NCCL's intra-node transport and the data loader's workers pass tensors through /dev/shm
+    # (Docker gives 64 MB unless told --shm-size). Fails on GPU nodes or with loader workers,
+    # warns otherwise.
+    min_shm_mb: int = 512
+    # Free space where checkpoints go, at least this much and at least checkpoint.keep + 1
+    # checkpoints of the model (a new one is written before the oldest is deleted).
+    min_checkpoint_free_gb: float = 1.0
+    etcd_timeout_s: float = 3.0
+    # The node's wall clock against the etcd server's: event times and round ages compare
+    # clocks across nodes.
+    max_clock_skew_s: float = 2.0
+    # GPUs this node must see; 0: cluster.workers_per_node, or at least one.
+    expected_gpus: int = 0
+    max_gpu_temp_c: int = 85
+    # Hardware slowdown (thermal, power brake) is a warning unless this is on.
+    fail_on_throttle: bool = False
+    # The share of each GPU's free memory the allocation probe fills and reads back.
+    gpu_memory_fraction: float = 0.9
+    # The matmul, memory and all-reduce probes run in a child process with this time limit: a
+    # hung GPU fails the check instead of hanging the agent.
+    gpu_probe_timeout_s: float = 120.0
+    # Quarantine: this many failures (failed checks, worker crashes, fencing) within
+    # strike_window_s keep the node out of the job for quarantine_s.
+    max_strikes: int = 3
+    strike_window_s: float = 3600.0
+    quarantine_s: float = 1800.0
+
+
+@dataclass
 class TrainerConfig:
     epochs: float = 3.0
     seed: int = 0
@@ -145,6 +186,7 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
@@ -442,6 +484,59 @@ def validate(cfg: Config) -> None:
                 f"fsspec cannot write there ({exc})",
                 "use a file:// URL or install the fsspec backend for that scheme",
             )
+
+    h = cfg.health
+    for key in ("min_open_files", "min_stack_mb", "min_shm_mb", "expected_gpus"):
+        value = getattr(h, key)
+        need(
+            value >= 0,
+            f"health.{key}",
+            value,
+            "must not be negative",
+            f"set health.{key}=0 to accept any value, or a positive minimum",
+        )
+    need(
+        h.min_checkpoint_free_gb >= 0,
+        "health.min_checkpoint_free_gb",
+        h.min_checkpoint_free_gb,
+        "must not be negative",
+        "set health.min_checkpoint_free_gb=0 to check only the estimated checkpoint size",
+    )
+    for key in (
+        "etcd_timeout_s",
+        "max_clock_skew_s",
+        "gpu_probe_timeout_s",
+        "strike_window_s",
+    ):
+        value = getattr(h, key)
+        need(
+            value > 0,
+            f"health.{key}",
+            value,
+            "must be positive",
+            f"set health.{key} to a positive number of seconds",
+        )
+    need(
+        0 < h.gpu_memory_fraction <= 0.99,
+        "health.gpu_memory_fraction",
+        h.gpu_memory_fraction,
+        "must be in (0, 0.99]",
+        "set health.gpu_memory_fraction=0.9",
+    )
+    need(
+        h.max_strikes >= 1,
+        "health.max_strikes",
+        h.max_strikes,
+        "must be at least 1",
+        "set health.max_strikes=3 (failures before a node is quarantined)",
+    )
+    need(
+        h.quarantine_s >= 2,
+        "health.quarantine_s",
+        h.quarantine_s,
+        "etcd does not keep leases shorter than 2 s",
+        "set health.quarantine_s=2 or more",
+    )
 
     t = cfg.trainer
     need(t.epochs > 0, "trainer.epochs", t.epochs, "must be positive", "set trainer.epochs=1")

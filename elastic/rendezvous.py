@@ -14,6 +14,8 @@ Keys under ``<prefix>/<job>/``:
   revision the proposer read (fencing): two proposers can never both win, and a process that tags
   its work with an older round number can tell that it is stale.
 - ``done``: put under a lease by the first node whose workers finished the job.
+- ``quarantine/<node_id>``: a node kept out of the job for a cooldown (the key's lease), written
+  by :mod:`launcher.quarantine`. Such a node is never placed in a round.
 
 Every agent keeps a local :class:`JobView` up to date from one prefix watch, applying events one by
 one (no re-reading of all nodes per change), so a membership change costs O(nodes) work in total.
@@ -39,6 +41,14 @@ from elastic.config import RendezvousConfig
 from elastic.events import EventLog
 
 log = logging.getLogger(__name__)
+
+
+QUARANTINE_DIR = "quarantine/"
+
+
+def job_prefix(prefix: str, job_id: str) -> str:
+    """The key prefix of one job's rendezvous (``rendezvous.prefix``/``job_id``)."""
+    return f"{prefix}/{job_id}"
 
 
 class NodeIdInUse(RuntimeError):
@@ -121,14 +131,16 @@ class JobView:
     round_rev: int = 0  # mod_revision of the round key; 0 when there is none
     done: bool = False
     revision: int = 0
+    quarantined: frozenset[str] = frozenset()  # node ids kept out (launcher.quarantine)
 
     def round_intact(self) -> bool:
         """Every member of the current round is still live, as the registration and incarnation
-        it joined with."""
+        it joined with, and not quarantined."""
         if self.round is None:
             return False
         return all(
             m.node_id in self.nodes
+            and m.node_id not in self.quarantined
             and (self.nodes[m.node_id].joined_rev, self.nodes[m.node_id].incarnation)
             == (m.joined_rev, m.incarnation)
             and self.nodes[m.node_id].ready
@@ -146,11 +158,14 @@ class JobView:
 def plan_round(view: JobView, min_nodes: int, max_nodes: int) -> list[NodeRecord] | None:
     """The members the next round should have, in rank order, or None if none is needed now.
 
-    A new round is needed when there is none, when a member is gone or reported a failure, or when
-    nodes are waiting and the round has room for them. Survivors keep their relative order, so
+    A new round is needed when there is none, when a member is gone, reported a failure or was
+    quarantined, or when nodes are waiting and the round has room for them. Quarantined nodes
+    are never placed. Survivors keep their relative order, so
     rank 0 stays where it was unless its node left; newcomers follow in join order.
     """
-    ready = {n.node_id: n for n in view.nodes.values() if n.ready}
+    ready = {
+        n.node_id: n for n in view.nodes.values() if n.ready and n.node_id not in view.quarantined
+    }
     if view.done or len(ready) < min_nodes:
         return None
     current = view.round
@@ -198,12 +213,13 @@ class Rendezvous:
         self._initial_settle = max(cfg.first_round_wait_s, cfg.settle_s)
         self._events = events
         self.node = node
-        base = f"{cfg.prefix}/{job_id}"
+        base = job_prefix(cfg.prefix, job_id)
         self._prefix = base + "/"
         self._nodes_prefix = base + "/nodes/"
         self._node_key = self._nodes_prefix + node.node_id
         self._round_key = base + "/round"
         self._done_key = base + "/done"
+        self._quarantine_prefix = f"{base}/{QUARANTINE_DIR}"
 
         self._cond = threading.Condition()
         self._view = JobView()
@@ -350,7 +366,7 @@ class Rendezvous:
     def _snapshot(self) -> None:
         resp = self._client.get_prefix_response(self._prefix)
         nodes: dict[str, NodeRecord] = {}
-        rnd, round_rev, done = None, 0, False
+        rnd, round_rev, done, quarantined = None, 0, False, set()
         for kv in resp.kvs:
             key = kv.key.decode()
             if key.startswith(self._nodes_prefix):
@@ -360,9 +376,15 @@ class Rendezvous:
                 rnd, round_rev = Round.from_json(kv.value), kv.mod_revision
             elif key == self._done_key:
                 done = True
+            elif key.startswith(self._quarantine_prefix):
+                quarantined.add(key[len(self._quarantine_prefix) :])
         with self._cond:
             if resp.header.revision >= self._view.revision:
-                self._publish(JobView(nodes, rnd, round_rev, done, resp.header.revision))
+                self._publish(
+                    JobView(
+                        nodes, rnd, round_rev, done, resp.header.revision, frozenset(quarantined)
+                    )
+                )
 
     def _on_watch(self, response: Any) -> None:
         """Runs on the etcd client's watch thread: apply each event to the view."""
@@ -374,6 +396,7 @@ class Rendezvous:
         with self._cond:
             view = self._view
             nodes, rnd, round_rev, done = dict(view.nodes), view.round, view.round_rev, view.done
+            quarantined = set(view.quarantined)
             rev = view.revision
             for ev in response.events:
                 if ev.mod_revision <= view.revision:
@@ -392,8 +415,11 @@ class Rendezvous:
                     rnd, round_rev = Round.from_json(ev.value), ev.mod_revision
                 elif key == self._done_key and not deleted:
                     done = True
+                elif key.startswith(self._quarantine_prefix):
+                    node_id = key[len(self._quarantine_prefix) :]
+                    (quarantined.discard if deleted else quarantined.add)(node_id)
             if rev > view.revision:
-                self._publish(JobView(nodes, rnd, round_rev, done, rev))
+                self._publish(JobView(nodes, rnd, round_rev, done, rev, frozenset(quarantined)))
 
     # --- background threads ------------------------------------------------------------------
 

@@ -3,19 +3,24 @@
 One agent runs on every node (``cluster=bare_metal``), or one per simulated node
 (``cluster=local``, spawned by :mod:`launcher.local_cluster`). Its life:
 
-1. Host a c10d TCPStore (used when this node holds rank 0 of a round), register in etcd, and start
+1. Prove the node fit (:mod:`launcher.health`): wait out a quarantine if there is one, then run
+   the health checks and publish the report to etcd. A node that fails them does not join; it
+   exits with :data:`EXIT_UNHEALTHY` and the others carry on without it.
+2. Host a c10d TCPStore (used when this node holds rank 0 of a round), register in etcd, and start
    one worker per GPU or CPU slot. Workers load data and model, then say they are ready; the node
    then reports itself ready and the leader places it in the next round.
-2. Whenever a new round lists this node, send each worker its rank in it over the control
+3. Whenever a new round lists this node, send each worker its rank in it over the control
    channel; the workers rebuild their process group in place and carry on from the newest state
    any of them holds. A round without this node puts the workers on standby.
-3. Faults: a worker that reports a failed collective makes the agent probe the round's other
+4. Faults: a worker that reports a failed collective makes the agent probe the round's other
    agents, and a peer that refuses the connection is dead: its key is deleted at once, and the
    leader forms a smaller round. A local worker that crashes, or that the watchdog finds frozen,
    makes this node leave the round at once (the incarnation goes up) and is started again; the
    node comes back in a later round. A node that lost its lease (fenced) stops its workers and
-   registers again as a new member.
-4. When the workers finish the job, mark it done; when another node did, leave too.
+   registers again as a new member. Each crash or fencing is a strike (:mod:`launcher.quarantine`);
+   too many and the node is quarantined: it leaves, waits out the cooldown and starts over at 1.
+   The health checks run again before every rejoin and every worker restart.
+5. When the workers finish the job, mark it done; when another node did, leave too.
 
 SIGTERM or SIGINT stops a node cleanly: workers stopped, lease revoked (its keys vanish at once).
 """
@@ -37,14 +42,18 @@ from types import FrameType
 from elastic import config
 from elastic.communicator import EXIT_PEER_LOST, WorkerEnv
 from elastic.control import Assignment
-from elastic.etcd import connect
+from elastic.etcd import EtcdUnavailable, connect
 from elastic.events import EventLog
 from elastic.rendezvous import Member, NodeRecord, Rendezvous, Round
+from launcher.health import Status, run_checks
+from launcher.quarantine import Entry, Quarantine
 from launcher.workers import WorkerGroup, WorkerSlot
 
 log = logging.getLogger("launcher.agent")
 
 STOP_GRACE_S = 5.0  # how long workers get to exit after SIGTERM before SIGKILL
+EXIT_UNHEALTHY = 3  # the node failed its health checks (or cannot reach etcd) and did not join
+QUARANTINE_POLL_S = 2.0  # how often a quarantined node looks up from its wait (signals)
 
 
 def local_slots(cfg: config.Config) -> tuple[int, str]:
@@ -95,6 +104,7 @@ class Agent:
         self.events = EventLog(self.run_dir, node_id, role="agent")
         self.stop_signal: int | None = None
         self.rdzv: Rendezvous
+        self.guard: Quarantine
         self.workers: WorkerGroup
         self.current: Round | None = None  # the round this node's workers were sent to
         self.crashes = 0
@@ -112,7 +122,15 @@ class Agent:
             wait_for_workers=False,
             timeout=timedelta(seconds=self.cfg.rendezvous.pg_timeout_s),
         )
-        client = connect(self.endpoints)
+        try:
+            client = connect(self.endpoints, timeout_s=self.cfg.health.etcd_timeout_s)
+        except EtcdUnavailable as exc:
+            log.error("%s cannot join: %s", self.node_id, exc)
+            self.events.emit("node_left", code=EXIT_UNHEALTHY, signal=None, reason=str(exc))
+            return EXIT_UNHEALTHY
+        self.guard = Quarantine(
+            client, self.cfg.rendezvous.prefix, self.cfg.job_id, self.cfg.health, self.events
+        )
         self.rdzv = Rendezvous(
             client,
             job_id=self.cfg.job_id,
@@ -124,6 +142,11 @@ class Agent:
         )
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
+        code = self._admit()
+        if code:
+            self.events.emit("node_left", code=code, signal=self.stop_signal)
+            client.close()
+            return code
         self.rdzv.join()
         envs = [
             WorkerEnv(
@@ -171,8 +194,14 @@ class Agent:
             seen = self.rdzv.changes
             if self.stop_signal is not None:
                 return 128 + self.stop_signal
-            if self.rdzv.fenced.is_set():
-                self._rejoin()
+            if self.node_id in self.rdzv.view.quarantined or self.rdzv.fenced.is_set():
+                why = "was quarantined"
+                if self.rdzv.fenced.is_set():
+                    why = "lost its place in the job (fenced)"
+                    self._strike(why)
+                code = self._rejoin(why)
+                if code:
+                    return code
                 waiting_since = time.monotonic()
                 continue
             codes = self.workers.exit_codes()
@@ -192,8 +221,9 @@ class Agent:
                     slot.kill()
             failed = [s for s in self.workers.slots if s.exit_code not in (None, 0)]
             if failed:
-                if not self._restart(failed):
-                    return 1
+                code = self._restart(failed)
+                if code:
+                    return code
                 continue
             if not self.rdzv.node.ready and self.workers.ready:
                 self.rdzv.set_ready()
@@ -298,8 +328,9 @@ class Agent:
             if not up:
                 self.rdzv.evict(member, "its agent refuses connections")
 
-    def _restart(self, failed: list[WorkerSlot]) -> bool:
-        """Leave the round, start the failed workers again; False when out of restarts."""
+    def _restart(self, failed: list[WorkerSlot]) -> int:
+        """Leave the round and start the failed workers again once the node checks out healthy.
+        Returns 0 to carry on, or the agent's exit code."""
         crashed = [s for s in failed if s.exit_code != EXIT_PEER_LOST]
         self.crashes += len(crashed)
         if self.crashes > self.cfg.cluster.max_restarts:
@@ -309,7 +340,7 @@ class Agent:
                 self.crashes,
                 self.cfg.cluster.max_restarts,
             )
-            return False
+            return 1
         codes = [s.exit_code for s in failed]
         self.rdzv.report_failure(f"worker exit codes {codes}")
         if self.current is not None:
@@ -317,17 +348,97 @@ class Agent:
             self.current = None
         for s in failed:
             s.stop(0)
+        if crashed and self._strike(f"worker(s) crashed with exit codes {codes}"):
+            return self._rejoin("quarantined")
+        if crashed:
+            code = self._check()
+            if code:
+                return code
+        for s in failed:
             s.start()
-        return True
+        return 0
 
-    def _rejoin(self) -> None:
-        """Fenced: this node's round went on without it. Start over as a new member."""
-        log.warning("%s lost its place in the job; joining again as a new member", self.node_id)
+    def _rejoin(self, why: str) -> int:
+        """Fenced or quarantined: this node's rounds go on without it. Leave, wait out any
+        quarantine, check the node again and join as a new member; 0, or the exit code."""
+        log.warning("%s %s; leaving, to join again as a new member", self.node_id, why)
         self.workers.stop(STOP_GRACE_S)
         self.current = None
-        self.rdzv.rejoin()
+        self.rdzv.leave()
+        code = self._admit()
+        if code:
+            return code
+        self.rdzv.join()
         for s in self.workers.slots:
             s.start()
+        return 0
+
+    # --- health and quarantine -----------------------------------------------------------------
+
+    def _admit(self) -> int:
+        """Wait while this node is quarantined, then run the health checks: 0 when it may join,
+        else the exit code."""
+        found = self.guard.get(self.node_id)
+        if found is not None:
+            entry, left = found
+            self.events.emit(
+                "quarantine_wait", left_s=left, reasons=list(entry.reasons), by=entry.by
+            )
+            log.warning(
+                "%s is quarantined for %.0f s more (%s); waiting. To end it sooner: "
+                "python -m launcher.quarantine clear %s job_id=%s cluster.etcd_endpoints=[%s]",
+                self.node_id,
+                left,
+                "; ".join(entry.reasons),
+                self.node_id,
+                self.cfg.job_id,
+                ",".join(self.endpoints),
+            )
+            while not self.guard.wait_cleared(self.node_id, QUARANTINE_POLL_S):
+                if self.stop_signal is not None:
+                    return 128 + self.stop_signal
+            self.events.emit("quarantine_over")
+        return self._check()
+
+    def _check(self) -> int:
+        """Run the health checks and publish the report; 0 if the node passed, else strike it
+        and return :data:`EXIT_UNHEALTHY`."""
+        if not self.cfg.health.enabled:
+            log.warning("%s: health checks are off (health.enabled=false)", self.node_id)
+            return 0
+        report = run_checks(self.cfg, self.node_id, self.endpoints, self.slots, self.device)
+        self.guard.publish(report)
+        log.info("%s", report.table())
+        self.events.emit(
+            "health_checked",
+            ok=report.ok,
+            seconds=round(report.seconds, 3),
+            counts={s.value: sum(r.status is s for r in report.results) for s in Status},
+            warnings=[f"{r.name}: {r.message}" for r in report.results if r.status is Status.WARN],
+        )
+        if report.ok:
+            return 0
+        failures = [f"{r.name}: {r.message}" for r in report.failures]
+        entry = self._strike("failed health checks: " + ", ".join(r.name for r in report.failures))
+        self.events.emit(
+            "health_failed", failures=failures, quarantined_until=entry.until if entry else None
+        )
+        log.error(
+            "%s failed its health checks and does not join the job:\n  %s",
+            self.node_id,
+            "\n  ".join(failures),
+        )
+        return EXIT_UNHEALTHY
+
+    def _strike(self, reason: str) -> Entry | None:
+        """Count a failure of this node; the quarantine entry if this one put it there."""
+        from etcd3.exceptions import Etcd3Exception  # imported by now, after elastic.etcd's setup
+
+        try:
+            return self.guard.strike(self.node_id, reason)
+        except Etcd3Exception as exc:  # etcd away: the lease decides this node's fate instead
+            log.warning("%s: could not record a strike (%s)", self.node_id, exc)
+            return None
 
     def _finish(self) -> None:
         """A local worker finished the job: let the others finish, then mark the job done."""

@@ -23,7 +23,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from elastic import config
 from elastic.config import Config, ConfigError
-from elastic.data import ensure_synthetic
 from elastic.events import EventFollower, read_events
 from launcher.progress import ProgressDisplay, summary
 
@@ -46,12 +45,48 @@ def finalize(cfg: Config) -> Config:
     )
 
 
+class UsageError(ValueError):
+    """Overrides that do not compose into a configuration, or miss what a command needs."""
+
+
+def compose(overrides: list[str], need_job: bool = False) -> Config:
+    """The configuration a launch with ``overrides`` would run, for the commands beside the
+    launcher (doctor, quarantine), so that they read the same thresholds, job and etcd.
+    Finalized (see :func:`finalize`) only with ``need_job``: the doctor needs to tell whether a
+    job id was given."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_module(config_module="conf", version_base=None):
+            dcfg = hydra_compose(config_name="config", overrides=overrides)
+        cfg: Config = OmegaConf.to_object(dcfg)  # type: ignore[assignment]
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise UsageError(
+            f"{exc}\nFix: pass overrides as key=value with the keys of conf/config.yaml "
+            "(every key is documented in elastic/config.py)"
+        ) from exc
+    if need_job and not cfg.job_id:
+        raise UsageError("job_id is empty. Fix: pass job_id=<the job's id>")
+    if need_job and not cfg.cluster.etcd_endpoints:
+        raise UsageError(
+            "cluster.etcd_endpoints is empty. Fix: pass the job's etcd, e.g. "
+            "cluster.etcd_endpoints=[10.0.0.1:2379] (a local run logs its embedded etcd's "
+            "address at start)"
+        )
+    return finalize(cfg) if need_job else cfg
+
+
 def launch(cfg: Config) -> int:
     try:
         config.validate(cfg)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    from elastic.data import ensure_synthetic  # torch and torchvision: not for compose()'s users
+
     run_dir = Path(cfg.run_dir)
     started = time.time()
     if cfg.data.synthetic:

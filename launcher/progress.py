@@ -67,6 +67,29 @@ def describe(ev: dict[str, Any]) -> str | None:
         return f"{ev['node']}: reported a failure ({ev['reason']})"
     if kind == "fenced":
         return f"{ev['node']}: fenced ({ev['reason']})"
+    if kind == "health_checked" and ev["ok"]:
+        counts = ", ".join(f"{n} {s}" for s, n in ev["counts"].items() if n)
+        warned = "".join(f"; warning: {w}" for w in ev["warnings"])
+        return f"{ev['node']}: health checks passed in {ev['seconds']:.1f} s ({counts}){warned}"
+    if kind == "health_failed":
+        until = ev["quarantined_until"]
+        quarantine = (
+            f"; quarantined until {time.strftime('%H:%M:%S', time.localtime(until))}"
+            if until
+            else ""
+        )
+        return (
+            f"{ev['node']}: failed its health checks and does not join{quarantine}:\n  "
+            + "\n  ".join(ev["failures"])
+        )
+    if kind == "quarantined":
+        return (
+            f"{ev['peer']} quarantined until "
+            f"{time.strftime('%H:%M:%S', time.localtime(ev['until']))} by {ev['by']} "
+            f"({'; '.join(ev['reasons'])})"
+        )
+    if kind == "quarantine_wait":
+        return f"{ev['node']}: quarantined, waiting {ev['left_s']:.0f} s before checking again"
     if kind == "node_left":
         return f"{ev['node']}: left the job (exit code {ev['code']})"
     if kind == "training_done":
@@ -157,6 +180,12 @@ def summary(run_dir: Path, checkpoint_url: str, job_id: str, since: float = 0.0)
         f"rounds formed: {len(rounds)}, worker failures seen: {len(crashed)}, "
         f"checkpoints saved: {len(saved)}"
     )
+    unfit = sorted({e["node"] for e in events if e["event"] == "health_failed"})
+    if unfit:
+        lines.append(
+            f"failed their health checks and stayed out: {', '.join(unfit)} (the reasons are "
+            "above and in their logs; python -m launcher.doctor runs the checks by hand)"
+        )
     lines += [
         f"run directory: {run_dir}",
         f"logs:          {run_dir / 'logs'}",

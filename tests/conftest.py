@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from elastic.config import RendezvousConfig
 from elastic.etcd import connect
+from elastic.rendezvous import NodeRecord, Rendezvous
 from launcher.embedded_etcd import EmbeddedEtcd
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,6 +46,41 @@ def etcd_client(etcd_endpoint: str):  # type: ignore[no-untyped-def]
 @pytest.fixture
 def job_id() -> str:
     return "test-" + uuid.uuid4().hex[:8]
+
+
+# Rendezvous timings for tests that drive Rendezvous objects directly.
+FAST = RendezvousConfig(lease_ttl_s=2, settle_s=0.3, first_round_wait_s=0.3)
+
+
+@pytest.fixture
+def make(etcd_endpoint: str, job_id: str):  # type: ignore[no-untyped-def]
+    """Join nodes of one job; every node still joined is made to leave at the end."""
+    joined: list[Rendezvous] = []
+
+    def _make(
+        name: str,
+        *,
+        min_nodes: int = 1,
+        max_nodes: int = 3,
+        slots: int = 1,
+        cfg: RendezvousConfig = FAST,
+    ) -> Rendezvous:
+        r = Rendezvous(
+            connect([etcd_endpoint]),
+            job_id=job_id,
+            node=NodeRecord(name, "127.0.0.1", 1000 + len(joined), slots),
+            cfg=cfg,
+            min_nodes=min_nodes,
+            max_nodes=max_nodes,
+        )
+        r.join()
+        r.set_ready()
+        joined.append(r)
+        return r
+
+    yield _make
+    for r in joined:
+        r.leave()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -43,6 +43,17 @@ def test_imagenet_presets_compose() -> None:
     assert cfg.cluster.mode == "bare_metal"
 
 
+def test_health_presets_compose() -> None:
+    assert composed().health.min_open_files == 4096
+    strict = composed("health=strict").health
+    assert (strict.min_open_files, strict.fail_on_throttle, strict.max_gpu_temp_c) == (
+        65536,
+        True,
+        80,
+    )
+    assert strict.gpu_probe_timeout_s == 120.0  # the rest comes from health/default
+
+
 @pytest.mark.parametrize(
     ("overrides", "key"),
     [
@@ -58,6 +69,10 @@ def test_imagenet_presets_compose() -> None:
         (["cluster=bare_metal", "job_id=x"], "cluster.etcd_endpoints"),
         (["cluster.etcd_endpoints=[nohostport]"], "cluster.etcd_endpoints"),
         (["data=imagenet", "data.root=/nonexistent/imagenet"], "data.root"),
+        (["health.min_open_files=-1"], "health.min_open_files"),
+        (["health.gpu_memory_fraction=1.5"], "health.gpu_memory_fraction"),
+        (["health.quarantine_s=1"], "health.quarantine_s"),
+        (["health.max_strikes=0"], "health.max_strikes"),
         (["optim.milestones_epochs=[60,30]"], "optim.milestones_epochs"),
     ],
 )

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
+import resource
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -18,6 +19,8 @@ from chaos.invariants import lr_violations, replica_violations, sample_violation
 from chaos.report import recovery
 from elastic import config
 from elastic.events import EventFollower, read_events
+from launcher.agent import EXIT_UNHEALTHY
+from launcher.quarantine import Quarantine
 
 from .conftest import launch, output
 
@@ -72,6 +75,30 @@ def assert_invariants(run_dir: Path, epochs: int) -> list[dict]:
     assert sample_violations(events, SAMPLES_PER_EPOCH, epochs * SAMPLES_PER_EPOCH) == []
     assert replica_violations(events) == []
     return events
+
+
+def start_agent(
+    run_dir: Path, node_id: str, etcd_endpoint: str, preexec: Callable[[], None] | None = None
+) -> subprocess.Popen[bytes]:
+    """One more node for a running job, as an operator would start it on another machine;
+    ``preexec`` runs in the child before exec (to lower its limits)."""
+    with open(run_dir / "logs" / f"{node_id}.log", "a") as log:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "launcher.agent",
+                "--config",
+                str(run_dir / "config.yaml"),
+                "--node-id",
+                node_id,
+                "--etcd",
+                etcd_endpoint,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=preexec,
+        )
 
 
 def other_node(run_dir: Path, nodes: int) -> str:
@@ -190,23 +217,7 @@ def test_node_added_mid_run_enters_at_next_round_with_lr_ramped(
     )
     wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["step"] >= 6)
     added = time.time()
-    with open(run_dir / "logs" / "node2.log", "w") as log:
-        agent = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "launcher.agent",
-                "--config",
-                str(run_dir / "config.yaml"),
-                "--node-id",
-                "node2",
-                "--etcd",
-                etcd_endpoint,
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"},
-        )
+    agent = start_agent(run_dir, "node2", etcd_endpoint)
     try:
         joined = wait_event(
             run_dir, proc, lambda e: e["event"] == "round_joined" and e["node"] == "node2", added
@@ -276,3 +287,89 @@ def test_sigterm_stops_cleanly_and_a_restart_resumes_from_the_checkpoint(
     assert wait_exit(restart, run_dir) == 0, output(run_dir)[-3000:]
     done = [e for e in read_events(run_dir) if e["event"] == "training_done"]
     assert done and done[-1]["samples_seen"] == 3 * SAMPLES_PER_EPOCH
+
+
+def test_unfit_node_stays_out_is_quarantined_and_joins_once_cleared(
+    tmp_path: Path, etcd_endpoint: str, etcd_client, job_id: str
+) -> None:
+    """node2 starts with a real open-file limit of 256: it fails its check, publishes the report
+    and exits while node0 and node1 train on. Its second failure quarantines it; started again
+    with sane limits it waits, and joins once an operator clears it."""
+    run_dir = tmp_path / "run"
+    proc = launch(
+        run_dir,
+        "cluster.nodes=2",
+        "cluster.max_nodes=3",
+        "trainer.epochs=40",
+        "rendezvous.first_round_wait_s=1",
+        "health.max_strikes=2",
+        "health.quarantine_s=600",
+        f"cluster.etcd_endpoints=[{etcd_endpoint}]",
+        job_id=job_id,
+    )
+    wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["step"] >= 1)
+    guard = Quarantine(etcd_client, "/elastic", job_id, config.HealthConfig())
+    low_fds = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))  # noqa: E731
+    agents: list[subprocess.Popen[bytes]] = []
+
+    try:
+        for attempt in (1, 2):
+            agents.append(bad := start_agent(run_dir, "node2", etcd_endpoint, preexec=low_fds))
+            assert bad.wait(timeout=120) == EXIT_UNHEALTHY, output(run_dir)[-2000:]
+            report = guard.report("node2")
+            assert report is not None and [r.name for r in report.failures] == ["open_files"]
+            assert "RLIMIT_NOFILE is 256" in report.failures[0].message
+            assert (guard.get("node2") is not None) == (attempt == 2)
+        log = (run_dir / "logs" / "node2.log").read_text()
+        assert "failed its health checks and does not join" in log
+        assert proc.poll() is None  # the others carried on
+
+        waiting_since = time.time()
+        agents.append(start_agent(run_dir, "node2", etcd_endpoint))
+        wait_event(
+            run_dir,
+            proc,
+            lambda e: e["event"] == "quarantine_wait" and e["node"] == "node2",
+            waiting_since,
+        )
+        cleared = time.time()
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "launcher.quarantine",
+                "clear",
+                "node2",
+                f"job_id={job_id}",
+                f"cluster.etcd_endpoints=[{etcd_endpoint}]",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.stdout.strip() == "node2: cleared", out.stderr
+        joined = wait_event(
+            run_dir, proc, lambda e: e["event"] == "round_joined" and e["node"] == "node2", cleared
+        )
+        assert joined["world_size"] == 3
+        wait_event(
+            run_dir, proc, lambda e: e["event"] == "step" and e["world_size"] == 3, joined["ts"]
+        )
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        wait_exit(proc, run_dir)
+        for agent in agents:
+            if agent.poll() is None:
+                agent.terminate()
+                agent.wait(timeout=30)
+
+    events = read_events(run_dir)
+    before = [e for e in events if e["ts"] < cleared]
+    # node2 never entered a round, and cost the others no round, until it was cleared.
+    assert [sorted(e["members"]) for e in before if e["event"] == "round_formed"] == [
+        ["node0", "node1"]
+    ]
+    failed = [e for e in events if e["event"] == "health_failed"]
+    assert [e["quarantined_until"] is not None for e in failed] == [False, True]
+    checked = [e for e in events if e["event"] == "health_checked" and e["node"] == "node2"]
+    assert [e["ok"] for e in checked] == [False, False, True]

@@ -11,53 +11,18 @@ import time
 import pytest
 
 from elastic.config import RendezvousConfig
-from elastic.etcd import connect
 from elastic.rendezvous import (
     JobView,
     NodeIdInUse,
     NodeRecord,
-    Rendezvous,
     Round,
     plan_round,
     shrink_only,
 )
 
-FAST = RendezvousConfig(lease_ttl_s=2, settle_s=0.3, first_round_wait_s=0.3)
-
 
 def node(name: str, rev: int = 0, incarnation: int = 0, slots: int = 1) -> NodeRecord:
     return NodeRecord(name, "127.0.0.1", 1000, slots, incarnation, ready=True, joined_rev=rev)
-
-
-@pytest.fixture
-def make(etcd_endpoint: str, job_id: str):  # type: ignore[no-untyped-def]
-    """Join nodes of one job; every node still joined is made to leave at the end."""
-    joined: list[Rendezvous] = []
-
-    def _make(
-        name: str,
-        *,
-        min_nodes: int = 1,
-        max_nodes: int = 3,
-        slots: int = 1,
-        cfg: RendezvousConfig = FAST,
-    ) -> Rendezvous:
-        r = Rendezvous(
-            connect([etcd_endpoint]),
-            job_id=job_id,
-            node=NodeRecord(name, "127.0.0.1", 1000 + len(joined), slots),
-            cfg=cfg,
-            min_nodes=min_nodes,
-            max_nodes=max_nodes,
-        )
-        r.join()
-        r.set_ready()
-        joined.append(r)
-        return r
-
-    yield _make
-    for r in joined:
-        r.leave()
 
 
 def round_number(n: int):  # type: ignore[no-untyped-def]

@@ -1,0 +1,402 @@
+"""Is this node fit to join a round? The checks of the host, and the report they make.
+
+ChainerMN's ImageNet-in-15-minutes run kept crashing as it grew, not from bugs in training but
+from the machines: NCCL ran out of file descriptors under the default ``ulimit -n``, threads
+overflowed the default stack, and some GPUs were broken. One such node drags every round it joins
+down with it, so an agent proves its node fit before it joins (and before each rejoin), and a
+node that fails does not join at all.
+
+Every check reports pass, warn, fail or skip with a message that names the limit, the value found
+and, when it is not a pass, the fix. The host checks are here; the GPU checks are in
+:mod:`launcher.gpu_health`. Thresholds are the ``health`` config group. The agent publishes the
+report to etcd (:mod:`launcher.quarantine`), and ``python -m launcher.doctor`` prints it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import email.utils
+import json
+import os
+import resource
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from enum import Enum
+from pathlib import Path
+
+from elastic.config import Config, HealthConfig
+
+MB = 1 << 20
+GB = 1 << 30
+# A wall clock before this is unset (an RTC that lost power reads 1970 or the firmware's date).
+SANE_EPOCH = 1_735_689_600  # 2025-01-01 UTC
+
+
+class Status(str, Enum):
+    PASS = "pass"
+    WARN = "warn"
+    FAIL = "fail"
+    SKIP = "skip"
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    name: str
+    status: Status
+    message: str
+
+
+@dataclass(frozen=True)
+class HealthReport:
+    """The outcome of every check on one node, as published to etcd and printed by the doctor."""
+
+    node_id: str
+    host: str
+    checked_at: float
+    seconds: float
+    results: tuple[CheckResult, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    @property
+    def failures(self) -> list[CheckResult]:
+        return [r for r in self.results if r.status is Status.FAIL]
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["ok"] = self.ok
+        data["results"] = [{**asdict(r), "status": r.status.value} for r in self.results]
+        return json.dumps(data)
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> HealthReport:
+        data = json.loads(raw)
+        data.pop("ok", None)
+        results = tuple(
+            CheckResult(r["name"], Status(r["status"]), r["message"]) for r in data.pop("results")
+        )
+        return cls(**data, results=results)
+
+    def table(self) -> str:
+        """A plain-text table, one row per check, the message wrapped under its row."""
+        width = max([len(r.name) for r in self.results] + [5])
+        lines = [f"health of {self.node_id} ({self.host}), {self.seconds:.1f} s"]
+        lines.append(f"{'check'.ljust(width)}  status  detail")
+        for r in self.results:
+            lines.append(f"{r.name.ljust(width)}  {r.status.value.upper():<6}  {r.message}")
+        verdict = "fit to join" if self.ok else f"NOT fit to join: {len(self.failures)} failed"
+        counts = {s: sum(r.status is s for r in self.results) for s in Status}
+        lines.append(f"{verdict} ({', '.join(f'{n} {s.value}' for s, n in counts.items() if n)})")
+        return "\n".join(lines)
+
+
+# --- resource limits --------------------------------------------------------------------------
+
+
+def _limit(value: int, unit: int = 1, suffix: str = "") -> str:
+    return "unlimited" if value == resource.RLIM_INFINITY else f"{value // unit}{suffix}"
+
+
+def _raise_soft(which: int, target: int) -> tuple[int, int, int]:
+    """Raise the soft limit of ``which`` to ``target`` (capped by the hard limit), for this
+    process and so for every worker it starts. Returns (soft before, soft now, hard)."""
+    soft, hard = resource.getrlimit(which)
+    if hard != resource.RLIM_INFINITY:
+        target = hard if target == resource.RLIM_INFINITY else min(target, hard)
+    below = soft != resource.RLIM_INFINITY and (target == resource.RLIM_INFINITY or soft < target)
+    if below:
+        with contextlib.suppress(ValueError, OSError):  # reported as the soft limit that stayed
+            resource.setrlimit(which, (target, hard))
+    return soft, resource.getrlimit(which)[0], hard
+
+
+def check_open_files(cfg: HealthConfig) -> CheckResult:
+    """RLIMIT_NOFILE: the soft limit is raised to the hard one, and must reach the minimum."""
+    before, soft, hard = _raise_soft(resource.RLIMIT_NOFILE, resource.RLIM_INFINITY)
+    raised = f"; soft limit raised from {before}" if soft != before else ""
+    if soft != resource.RLIM_INFINITY and soft < cfg.min_open_files:
+        return CheckResult(
+            "open_files",
+            Status.FAIL,
+            f"RLIMIT_NOFILE is {soft} (hard limit {_limit(hard)}), below "
+            f"health.min_open_files={cfg.min_open_files}: NCCL and the data loader run out of "
+            "descriptors ('unhandled system error'). Fix: raise the hard limit of the agent's "
+            "user (ulimit -Hn 1048576 as root, nofile in /etc/security/limits.conf, "
+            "LimitNOFILE= in its systemd unit, docker --ulimit nofile=...), or lower "
+            "health.min_open_files",
+        )
+    return CheckResult(
+        "open_files",
+        Status.PASS,
+        f"RLIMIT_NOFILE {_limit(soft)} (hard {_limit(hard)}) >= "
+        f"health.min_open_files={cfg.min_open_files}{raised}",
+    )
+
+
+def check_stack(cfg: HealthConfig) -> CheckResult:
+    """RLIMIT_STACK: a lower soft limit is raised to the minimum, if the hard limit allows.
+
+    Only up to the minimum, not to the hard limit: glibc sizes every new thread's stack from the
+    soft limit, so a huge finite one would reserve that much address space per thread.
+    """
+    need = cfg.min_stack_mb * MB
+    before, soft, hard = _raise_soft(resource.RLIMIT_STACK, need)
+    raised = f"; soft limit raised from {_limit(before, MB, ' MB')}" if soft != before else ""
+    if soft != resource.RLIM_INFINITY and soft < need:
+        return CheckResult(
+            "stack",
+            Status.FAIL,
+            f"RLIMIT_STACK is {_limit(soft, MB, ' MB')} (hard limit {_limit(hard, MB, ' MB')}), "
+            f"below health.min_stack_mb={cfg.min_stack_mb}: deep call chains in communication "
+            "threads overflow it and segfault. Fix: raise the hard limit of the agent's user "
+            "(ulimit -Hs unlimited as root, stack in /etc/security/limits.conf, LimitSTACK= in "
+            "its systemd unit), or lower health.min_stack_mb",
+        )
+    return CheckResult(
+        "stack",
+        Status.PASS,
+        f"RLIMIT_STACK {_limit(soft, MB, ' MB')} (hard {_limit(hard, MB, ' MB')}) >= "
+        f"health.min_stack_mb={cfg.min_stack_mb}{raised}",
+    )
+
+
+# --- storage ----------------------------------------------------------------------------------
+
+
+def check_shm(cfg: HealthConfig, required: bool, path: str = "/dev/shm") -> CheckResult:
+    """Free space in /dev/shm. ``required``: NCCL or loader workers will use it (fail, not warn)."""
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError as exc:
+        return CheckResult(
+            "shm",
+            Status.FAIL if required else Status.WARN,
+            f"{path} is not usable ({exc}). Fix: mount a tmpfs there (docker --shm-size=8g)",
+        )
+    if free < cfg.min_shm_mb * MB:
+        why = (
+            "NCCL's intra-node transport and the data loader's workers need it"
+            if required
+            else "a CPU job without loader workers can do without, but NCCL and loader workers "
+            "cannot"
+        )
+        return CheckResult(
+            "shm",
+            Status.FAIL if required else Status.WARN,
+            f"{path} has {free // MB} MB free, below health.min_shm_mb={cfg.min_shm_mb}: {why}. "
+            "Fix: enlarge it (mount -o remount,size=8G /dev/shm; docker --shm-size=8g) or lower "
+            "health.min_shm_mb",
+        )
+    return CheckResult(
+        "shm", Status.PASS, f"{path} {free // MB} MB free >= health.min_shm_mb={cfg.min_shm_mb}"
+    )
+
+
+def checkpoint_bytes(cfg: Config) -> int:
+    """The size of one checkpoint: the model's parameters and buffers plus the SGD momentum,
+    counted on the meta device so nothing is allocated."""
+    import torch
+
+    from elastic.model import build_model
+
+    classes = cfg.data.generate.classes if cfg.data.synthetic else 1000
+    train = Path(cfg.data.root) / cfg.data.train_dir
+    if not cfg.data.synthetic and train.is_dir():
+        classes = sum(1 for p in train.iterdir() if p.is_dir()) or classes
+    with torch.device("meta"):
+        model = build_model(cfg.model, classes)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return 2 * params + buffers
+
+
+def check_checkpoint_disk(cfg: Config) -> CheckResult:
+    """Free space and write access where checkpoints go (local paths only)."""
+    url = cfg.checkpoint.url
+    protocol, _, path = url.partition("://") if "://" in url else ("file", "", url)
+    if protocol not in ("file", "local"):
+        return CheckResult(
+            "checkpoint_disk",
+            Status.SKIP,
+            f"checkpoint.url={url} is not a local path ({protocol}); free space not checked",
+        )
+    target = Path(path)
+    existing = next(p for p in (target, *target.parents) if p.exists())
+    need = max(
+        cfg.health.min_checkpoint_free_gb * GB, (cfg.checkpoint.keep + 1) * checkpoint_bytes(cfg)
+    )
+    free = shutil.disk_usage(existing).free
+    if not os.access(existing, os.W_OK):
+        return CheckResult(
+            "checkpoint_disk",
+            Status.FAIL,
+            f"{existing} (for checkpoint.url={url}) is not writable by this user. Fix: make it "
+            "writable or point checkpoint.url at a writable shared directory",
+        )
+    if free < need:
+        return CheckResult(
+            "checkpoint_disk",
+            Status.FAIL,
+            f"{existing} has {free / GB:.2f} GB free, below the {need / GB:.2f} GB needed "
+            f"(health.min_checkpoint_free_gb={cfg.health.min_checkpoint_free_gb}, and "
+            f"checkpoint.keep + 1 = {cfg.checkpoint.keep + 1} checkpoints of "
+            f"{checkpoint_bytes(cfg) / MB:.0f} MB). Fix: free space, point checkpoint.url "
+            "elsewhere, or lower checkpoint.keep",
+        )
+    return CheckResult(
+        "checkpoint_disk",
+        Status.PASS,
+        f"{existing} {free / GB:.1f} GB free, writable; needs {need / GB:.2f} GB",
+    )
+
+
+# --- etcd and the clock -----------------------------------------------------------------------
+
+
+def check_etcd_and_clock(cfg: HealthConfig, endpoints: list[str]) -> list[CheckResult]:
+    """Each etcd endpoint's /health, and this node's wall clock against the server's.
+
+    The server's clock comes from the HTTP ``Date`` header, whole seconds: the true offset lies
+    in ``[sent - date - 1, received - date]``, and the clock fails only when that whole interval
+    is beyond ``max_clock_skew_s``.
+    """
+    if not endpoints:
+        return [_embedded_etcd(cfg), _clock_alone()]
+    healthy, problems, offsets = [], [], []
+    for endpoint in endpoints:
+        url = "http://" + endpoint.removeprefix("http://") + "/health"
+        sent = time.time()
+        try:
+            with urllib.request.urlopen(url, timeout=cfg.etcd_timeout_s) as resp:
+                body = json.loads(resp.read())
+                received = time.time()
+                date = resp.headers.get("Date")
+        except (OSError, ValueError) as exc:
+            problems.append(f"{endpoint}: {getattr(exc, 'reason', exc)}")
+            continue
+        if str(body.get("health")) != "true":
+            problems.append(f"{endpoint}: unhealthy ({body.get('reason') or body})")
+            continue
+        healthy.append(f"{endpoint} {1000 * (received - sent):.0f} ms")
+        if date:
+            server = email.utils.parsedate_to_datetime(date).timestamp()
+            offsets.append((sent - server - 1, received - server))
+    if not healthy:
+        etcd = CheckResult(
+            "etcd",
+            Status.FAIL,
+            f"no etcd endpoint is healthy ({'; '.join(problems)}). Fix: check "
+            "cluster.etcd_endpoints and that the etcd cluster is up and reachable from this node",
+        )
+    elif problems:
+        etcd = CheckResult(
+            "etcd",
+            Status.WARN,
+            f"{len(healthy)}/{len(endpoints)} endpoints healthy ({', '.join(healthy)}); "
+            f"{'; '.join(problems)}. Fix: repair or remove the dead member from "
+            "cluster.etcd_endpoints",
+        )
+    else:
+        etcd = CheckResult("etcd", Status.PASS, "healthy: " + ", ".join(healthy))
+    return [etcd, _clock_against(cfg, offsets)]
+
+
+def _embedded_etcd(cfg: HealthConfig) -> CheckResult:
+    from launcher.embedded_etcd import etcd_binary
+
+    try:
+        binary = etcd_binary()
+        out = subprocess.run(
+            [binary, "--version"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout
+    except (FileNotFoundError, subprocess.SubprocessError, OSError) as exc:
+        return CheckResult(
+            "etcd",
+            Status.FAIL,
+            f"no cluster.etcd_endpoints and the embedded etcd cannot start ({exc})",
+        )
+    version = out.splitlines()[0] if out else "?"
+    return CheckResult(
+        "etcd", Status.PASS, f"no cluster.etcd_endpoints: the embedded {binary} runs ({version})"
+    )
+
+
+def _clock_alone() -> CheckResult:
+    now = time.time()
+    if now < SANE_EPOCH:
+        return _clock_unset(now)
+    return CheckResult(
+        "clock",
+        Status.PASS,
+        f"wall clock {_utc(now)}; no etcd server to compare with",
+    )
+
+
+def _clock_against(cfg: HealthConfig, offsets: list[tuple[float, float]]) -> CheckResult:
+    now = time.time()
+    if now < SANE_EPOCH:
+        return _clock_unset(now)
+    if not offsets:
+        return CheckResult("clock", Status.WARN, f"wall clock {_utc(now)}; etcd sent no Date")
+    low, high = max(o[0] for o in offsets), min(o[1] for o in offsets)
+    skew = low if low > 0 else high if high < 0 else 0.0
+    if abs(skew) > cfg.max_clock_skew_s:
+        return CheckResult(
+            "clock",
+            Status.FAIL,
+            f"this node's clock is {skew:+.1f} s off etcd's, beyond "
+            f"health.max_clock_skew_s={cfg.max_clock_skew_s}. Fix: synchronise it "
+            "(chronyc makestep, or enable NTP: timedatectl set-ntp true)",
+        )
+    return CheckResult(
+        "clock",
+        Status.PASS,
+        f"within {max(abs(low), abs(high)):.1f} s of etcd's "
+        f"(health.max_clock_skew_s={cfg.max_clock_skew_s})",
+    )
+
+
+def _clock_unset(now: float) -> CheckResult:
+    return CheckResult(
+        "clock",
+        Status.FAIL,
+        f"the wall clock reads {_utc(now)}, before {_utc(SANE_EPOCH)}: it was never set. "
+        "Fix: set it and enable NTP (timedatectl set-ntp true)",
+    )
+
+
+def _utc(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ts))
+
+
+# --- all together -----------------------------------------------------------------------------
+
+
+def run_checks(
+    cfg: Config, node_id: str, endpoints: list[str], slots: int, device: str
+) -> HealthReport:
+    """Every check for this node, as the agent runs them before joining and the doctor prints.
+
+    ``slots`` and ``device`` are what the agent will start (``launcher.agent.local_slots``).
+    """
+    from launcher.gpu_health import gpu_checks
+
+    started = time.monotonic()
+    h = cfg.health
+    results = [
+        check_open_files(h),
+        check_stack(h),
+        check_shm(h, required=device == "cuda" or cfg.data.loader_workers > 0),
+        check_checkpoint_disk(cfg),
+        *check_etcd_and_clock(h, endpoints),
+        *gpu_checks(cfg, slots, device),
+    ]
+    return HealthReport(
+        node_id, socket.getfqdn(), time.time(), time.monotonic() - started, tuple(results)
+    )

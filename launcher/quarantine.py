@@ -1,0 +1,254 @@
+"""Health reports, strikes and quarantine in etcd, and the operator's command for them.
+
+A node that fails again and again (its checks, its workers, its lease) costs every other node a
+new round each time it leaves and comes back. After ``health.max_strikes`` failures within
+``health.strike_window_s`` it is quarantined: it leaves the job and stays out for
+``health.quarantine_s``, after which it checks itself again and may rejoin. The cooldown is an
+etcd lease that nobody keeps alive, so it ends on time even if the node died meanwhile, and the
+leader never places a quarantined node in a round (:func:`elastic.rendezvous.plan_round`).
+
+Keys (``<rendezvous.prefix>/<job_id>`` is the job's rendezvous prefix):
+
+- ``<job>/quarantine/<node>``: JSON :class:`Entry` under a lease of TTL ``quarantine_s``; in the
+  rendezvous prefix, so every agent's watch sees it.
+- ``<job>.health/reports/<node>``: the node's last :class:`~launcher.health.HealthReport`.
+- ``<job>.health/strikes/<node>``: JSON list of its recent failures.
+
+Reports and strikes sit beside the rendezvous prefix, not in it, so that agents' watches and
+snapshots do not carry them. ``etcdctl get --prefix /elastic/<job>`` shows all of it.
+
+Operators: ``python -m launcher.quarantine list|clear|add [...] job_id=... cluster...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from elastic.config import HealthConfig
+from elastic.events import EventLog
+from elastic.rendezvous import QUARANTINE_DIR, job_prefix
+from launcher.health import HealthReport
+
+CLEAR_POLL_S = 1.0  # how soon a waiting node notices that an operator cleared it
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A quarantined node: since when, until when, why, and who put it there."""
+
+    node_id: str
+    since: float
+    until: float
+    reasons: tuple[str, ...]
+    by: str  # "agent" (its own strikes) or "operator"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> Entry:
+        data = json.loads(raw)
+        data["reasons"] = tuple(data["reasons"])
+        return cls(**data)
+
+
+class Quarantine:
+    """One job's health records in etcd, as seen from an agent or an operator's command."""
+
+    def __init__(
+        self,
+        client: Any,
+        prefix: str,
+        job_id: str,
+        cfg: HealthConfig,
+        events: EventLog | None = None,
+    ) -> None:
+        self._client = client
+        self._cfg = cfg
+        self._events = events
+        # In the rendezvous prefix: every agent's watch sees quarantine come and go.
+        self._entries = f"{job_prefix(prefix, job_id)}/{QUARANTINE_DIR}"
+        health = f"{job_prefix(prefix, job_id)}.health/"
+        self._reports = health + "reports/"
+        self._strikes = health + "strikes/"
+
+    # --- reports -------------------------------------------------------------------------------
+
+    def publish(self, report: HealthReport) -> None:
+        self._client.put(self._reports + report.node_id, report.to_json())
+
+    def report(self, node_id: str) -> HealthReport | None:
+        raw, _ = self._client.get(self._reports + node_id)
+        return HealthReport.from_json(raw) if raw else None
+
+    # --- strikes -------------------------------------------------------------------------------
+
+    def strikes(self, node_id: str) -> list[dict[str, Any]]:
+        """The node's failures within ``strike_window_s``, oldest first."""
+        raw, _ = self._client.get(self._strikes + node_id)
+        horizon = time.time() - self._cfg.strike_window_s
+        return [s for s in (json.loads(raw) if raw else []) if s["ts"] >= horizon]
+
+    def strike(self, node_id: str, reason: str) -> Entry | None:
+        """Count a failure of ``node_id``; quarantine it when it reaches ``max_strikes``.
+
+        Only the node itself strikes its own key, so the read-modify-write needs no transaction.
+        """
+        strikes = [*self.strikes(node_id), {"ts": time.time(), "reason": reason}]
+        self._emit("strike", strikes=len(strikes), max_strikes=self._cfg.max_strikes, reason=reason)
+        if len(strikes) < self._cfg.max_strikes:
+            self._client.put(self._strikes + node_id, json.dumps(strikes))
+            return None
+        return self.add(
+            node_id, self._cfg.quarantine_s, tuple(s["reason"] for s in strikes), by="agent"
+        )
+
+    # --- quarantine ----------------------------------------------------------------------------
+
+    def add(self, node_id: str, seconds: float, reasons: tuple[str, ...], by: str) -> Entry:
+        """Quarantine ``node_id`` for ``seconds``; its strikes start again from zero."""
+        now = time.time()
+        entry = Entry(node_id, now, now + seconds, reasons, by)
+        lease = self._client.lease(max(2, math.ceil(seconds)))
+        self._client.put(self._entries + node_id, entry.to_json(), lease=lease)
+        self._client.delete(self._strikes + node_id)
+        self._emit("quarantined", peer=node_id, until=entry.until, reasons=list(reasons), by=by)
+        return entry
+
+    def get(self, node_id: str) -> tuple[Entry, float] | None:
+        """The node's entry and the seconds its cooldown has left (from the lease), or None."""
+        raw, meta = self._client.get(self._entries + node_id)
+        if raw is None:
+            return None
+        return Entry.from_json(raw), self._left(meta)
+
+    def entries(self) -> list[tuple[Entry, float]]:
+        return sorted(
+            (
+                (Entry.from_json(raw), self._left(meta))
+                for raw, meta in self._client.get_prefix(self._entries)
+            ),
+            key=lambda e: e[0].node_id,
+        )
+
+    def clear(self, node_id: str) -> bool:
+        """End ``node_id``'s quarantine now and forget its strikes; False if it had none."""
+        deleted = bool(self._client.delete(self._entries + node_id))
+        self._client.delete(self._strikes + node_id)
+        return deleted
+
+    def wait_cleared(self, node_id: str, timeout_s: float) -> bool:
+        """Block until ``node_id`` is out of quarantine (cooldown over or cleared), at most
+        ``timeout_s``; True if it is.
+
+        It looks again when the lease should have run out, and every ``CLEAR_POLL_S`` for an
+        operator's clear: a watch would be quicker by a second, but etcd3's watch thread
+        outlives its client.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = self.get(node_id)
+            if found is None:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(left, found[1] + 0.1, CLEAR_POLL_S))
+
+    def _left(self, meta: Any) -> float:
+        if not meta.lease_id:
+            return math.inf
+        return float(max(0, self._client.get_lease_info(meta.lease_id).TTL))
+
+    def _emit(self, event: str, **fields: Any) -> None:
+        if self._events is not None:
+            self._events.emit(event, **fields)
+
+
+# --- the operator's command -------------------------------------------------------------------
+
+
+def _format_entries(entries: list[tuple[Entry, float]]) -> str:
+    if not entries:
+        return "no node is quarantined"
+    rows = [("node", "left", "until", "by", "reasons")]
+    for entry, left in entries:
+        until = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(entry.until))
+        rows.append((entry.node_id, f"{left:.0f} s", until, entry.by, "; ".join(entry.reasons)))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join(
+        "  ".join([*(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)), r[4]]) for r in rows
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m launcher.quarantine",
+        description="List, clear or add quarantined nodes of a running job. The job and its "
+        "etcd come from the same Hydra overrides as the launch, e.g. job_id=resnet50-run1 "
+        "cluster=bare_metal cluster.etcd_endpoints=[10.0.0.1:2379].",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    listing = sub.add_parser("list", help="quarantined nodes and the cooldown they have left")
+    listing.add_argument("--json", action="store_true", help="machine-readable output")
+    clear = sub.add_parser("clear", help="end nodes' quarantine now and forget their strikes")
+    clear.add_argument("nodes", nargs="*", help="node ids (see list)")
+    clear.add_argument("--all", action="store_true", help="every quarantined node")
+    add = sub.add_parser("add", help="keep a node out of the job (drain it) for a while")
+    add.add_argument("nodes", nargs="+", help="node ids")
+    add.add_argument("--seconds", type=float, default=0.0, help="default health.quarantine_s")
+    add.add_argument("--reason", default="put in quarantine by an operator")
+    argv = sys.argv[1:] if argv is None else argv
+    # key=value words are Hydra overrides, wherever they stand (node ids never contain '=').
+    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
+    args = parser.parse_args([a for a in argv if a not in overrides])
+
+    from elastic.etcd import EtcdUnavailable, connect
+    from launcher.cli import UsageError, compose
+
+    try:
+        cfg = compose(overrides, need_job=True)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        client = connect(list(cfg.cluster.etcd_endpoints))
+    except EtcdUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    q = Quarantine(client, cfg.rendezvous.prefix, cfg.job_id, cfg.health)
+    try:
+        if args.command == "list":
+            entries = q.entries()
+            if args.json:
+                print(json.dumps([{**asdict(e), "left_s": left} for e, left in entries]))
+            else:
+                print(_format_entries(entries))
+            return 0
+        if args.command == "clear":
+            nodes = [e.node_id for e, _ in q.entries()] if args.all else args.nodes
+            if not nodes:
+                print("error: name the nodes to clear, or pass --all", file=sys.stderr)
+                return 2
+            missing = [n for n in nodes if not q.clear(n)]
+            for n in nodes:
+                print(f"{n}: {'was not quarantined' if n in missing else 'cleared'}")
+            return 0
+        seconds = args.seconds or cfg.health.quarantine_s
+        for n in args.nodes:
+            entry = q.add(n, seconds, (args.reason,), by="operator")
+            until = time.strftime("%H:%M:%S", time.localtime(entry.until))
+            print(f"{n}: quarantined until {until}")
+        return 0
+    finally:
+        client.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
