@@ -178,10 +178,10 @@ def _nvml_readings(devices: list[int]) -> Iterator[dict[str, Any]]:
 
     try:
         for index in devices:
-            # CUDA and NVML number devices differently under CUDA_VISIBLE_DEVICES; the UUID
-            # names the same device in both.
-            uuid = "GPU-" + str(torch.cuda.get_device_properties(index).uuid)
-            handle = pynvml.nvmlDeviceGetHandleByUUID(uuid.encode())
+            handle = _nvml_handle(pynvml, torch.cuda.get_device_properties(index))
+            if handle is None:
+                yield {"kind": "nvml", "error": f"NVML does not know CUDA device {index}"}
+                return
             remap = read(pynvml.nvmlDeviceGetRemappedRows, handle)
             reasons_fn = getattr(
                 pynvml,
@@ -209,6 +209,20 @@ def _nvml_readings(devices: list[int]) -> Iterator[dict[str, Any]]:
             }
     finally:
         pynvml.nvmlShutdown()
+
+
+def _nvml_handle(pynvml: Any, props: Any) -> Any:
+    """NVML's handle for a CUDA device. CUDA and NVML number devices differently (under
+    CUDA_VISIBLE_DEVICES, and CUDA puts the fastest first), so match by UUID, else PCI address."""
+    try:
+        return pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{props.uuid}")
+    except pynvml.NVMLError:
+        pass
+    address = f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
+    try:
+        return pynvml.nvmlDeviceGetHandleByPciBusId(address)
+    except pynvml.NVMLError:
+        return None
 
 
 @dataclass(frozen=True)
