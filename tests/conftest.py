@@ -96,6 +96,21 @@ def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         os.environ["ELASTIC_CACHE"] = old
 
 
+def with_limit(argv: list[str], which: str, soft: int, hard: int) -> list[str]:
+    """``argv`` run with a lowered resource limit (``which``: a ``resource.RLIMIT_*`` name).
+
+    The limit is set by a small interpreter that then execs ``argv``, not by ``preexec_fn``:
+    this test process holds gRPC threads (the etcd clients), and Python code between fork and
+    exec trips gRPC's fork handlers (the child can abort in its epoll poller).
+    """
+    setter = (
+        "import os, resource, sys; "
+        f"resource.setrlimit(resource.{which}, ({soft}, {hard})); "
+        "os.execv(sys.argv[1], sys.argv[1:])"
+    )
+    return [sys.executable, "-c", setter, *argv]
+
+
 def launch(run_dir: Path, *overrides: str, job_id: str = "job") -> subprocess.Popen[str]:
     """Start ``python -m launcher`` with the fast job settings; output goes to run_dir.out."""
     run_dir.parent.mkdir(parents=True, exist_ok=True)

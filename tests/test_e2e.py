@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import resource
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -22,7 +20,7 @@ from elastic.events import EventFollower, read_events
 from launcher.agent import EXIT_UNHEALTHY
 from launcher.quarantine import Quarantine
 
-from .conftest import launch, output
+from .conftest import launch, output, with_limit
 
 SAMPLES_PER_EPOCH = 240  # 10 classes x 24 images (tests/conftest.FAST_JOB)
 START_TIMEOUT_S = 180
@@ -78,27 +76,25 @@ def assert_invariants(run_dir: Path, epochs: int) -> list[dict]:
 
 
 def start_agent(
-    run_dir: Path, node_id: str, etcd_endpoint: str, preexec: Callable[[], None] | None = None
+    run_dir: Path, node_id: str, etcd_endpoint: str, max_files: int = 0
 ) -> subprocess.Popen[bytes]:
     """One more node for a running job, as an operator would start it on another machine;
-    ``preexec`` runs in the child before exec (to lower its limits)."""
+    with ``max_files``, under that RLIMIT_NOFILE (soft and hard)."""
+    argv = [
+        sys.executable,
+        "-m",
+        "launcher.agent",
+        "--config",
+        str(run_dir / "config.yaml"),
+        "--node-id",
+        node_id,
+        "--etcd",
+        etcd_endpoint,
+    ]
+    if max_files:
+        argv = with_limit(argv, "RLIMIT_NOFILE", max_files, max_files)
     with open(run_dir / "logs" / f"{node_id}.log", "a") as log:
-        return subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "launcher.agent",
-                "--config",
-                str(run_dir / "config.yaml"),
-                "--node-id",
-                node_id,
-                "--etcd",
-                etcd_endpoint,
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            preexec_fn=preexec,
-        )
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
 
 
 def other_node(run_dir: Path, nodes: int) -> str:
@@ -309,12 +305,11 @@ def test_unfit_node_stays_out_is_quarantined_and_joins_once_cleared(
     )
     wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["step"] >= 1)
     guard = Quarantine(etcd_client, "/elastic", job_id, config.HealthConfig())
-    low_fds = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))  # noqa: E731
     agents: list[subprocess.Popen[bytes]] = []
 
     try:
         for attempt in (1, 2):
-            agents.append(bad := start_agent(run_dir, "node2", etcd_endpoint, preexec=low_fds))
+            agents.append(bad := start_agent(run_dir, "node2", etcd_endpoint, max_files=256))
             assert bad.wait(timeout=120) == EXIT_UNHEALTHY, output(run_dir)[-2000:]
             report = guard.report("node2")
             assert report is not None and [r.name for r in report.failures] == ["open_files"]

@@ -9,7 +9,6 @@ import resource
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,7 @@ from launcher.health import (
     check_shm,
 )
 
-REPO = Path(__file__).resolve().parent.parent
+from .conftest import REPO, with_limit
 
 
 def on_device(device: str) -> Config:
@@ -34,12 +33,8 @@ def on_device(device: str) -> Config:
     return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, device=device))
 
 
-def limited(which: int, soft: int, hard: int) -> Callable[[], None]:
-    return lambda: resource.setrlimit(which, (soft, hard))
-
-
-def run_check(check: str, preexec: Callable[[], None], **health: object) -> dict:
-    """Run one limit check in a child whose limits ``preexec`` lowered for real."""
+def run_check(check: str, limit: tuple[str, int, int], **health: object) -> dict:
+    """Run one limit check in a child under a really lowered ``limit`` (name, soft, hard)."""
     code = (
         "import json, dataclasses\n"
         "from elastic.config import HealthConfig\n"
@@ -48,9 +43,8 @@ def run_check(check: str, preexec: Callable[[], None], **health: object) -> dict
         "print(json.dumps({'status': r.status.value, 'message': r.message}))\n"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code],
+        with_limit([sys.executable, "-c", code], *limit),
         cwd=REPO,
-        preexec_fn=preexec,
         capture_output=True,
         text=True,
         timeout=60,
@@ -60,7 +54,7 @@ def run_check(check: str, preexec: Callable[[], None], **health: object) -> dict
 
 
 def test_open_files_below_minimum_fails_naming_the_limit_and_fix() -> None:
-    r = run_check("check_open_files", limited(resource.RLIMIT_NOFILE, 256, 256))
+    r = run_check("check_open_files", ("RLIMIT_NOFILE", 256, 256))
     assert r["status"] == "fail"
     assert "RLIMIT_NOFILE is 256" in r["message"]
     assert "health.min_open_files=4096" in r["message"] and "Fix:" in r["message"]
@@ -70,27 +64,31 @@ def test_open_files_soft_limit_is_raised_to_the_hard_one() -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard < 4096:
         pytest.skip(f"this machine's hard RLIMIT_NOFILE is {hard}")
-    r = run_check("check_open_files", limited(resource.RLIMIT_NOFILE, 512, hard))
+    r = run_check("check_open_files", ("RLIMIT_NOFILE", 512, hard))
     assert r["status"] == "pass"
     assert f"RLIMIT_NOFILE {hard}" in r["message"] and "raised from 512" in r["message"]
 
 
 def test_stack_below_minimum_fails_and_a_low_soft_limit_is_raised() -> None:
     mb = 1 << 20
-    r = run_check("check_stack", limited(resource.RLIMIT_STACK, 2 * mb, 4 * mb))
+    r = run_check("check_stack", ("RLIMIT_STACK", 2 * mb, 4 * mb))
     assert r["status"] == "fail"
     assert "RLIMIT_STACK is 4 MB (hard limit 4 MB)" in r["message"]
     assert "health.min_stack_mb=8" in r["message"]
-    r = run_check("check_stack", limited(resource.RLIMIT_STACK, 2 * mb, 16 * mb), min_stack_mb=16)
+    r = run_check("check_stack", ("RLIMIT_STACK", 2 * mb, 16 * mb), min_stack_mb=16)
     assert r["status"] == "pass" and "raised from 2 MB" in r["message"], r
 
 
 def test_doctor_prints_a_failing_report_and_exits_non_zero() -> None:
     """The doctor with a lowered open-file limit: JSON, one failure, the GPU checks skipped."""
     proc = subprocess.run(
-        [sys.executable, "-m", "launcher.doctor", "--json", "cluster.device=cpu"],
+        with_limit(
+            [sys.executable, "-m", "launcher.doctor", "--json", "cluster.device=cpu"],
+            "RLIMIT_NOFILE",
+            256,
+            256,
+        ),
         cwd=REPO,
-        preexec_fn=limited(resource.RLIMIT_NOFILE, 256, 256),
         capture_output=True,
         text=True,
         timeout=120,
