@@ -46,7 +46,7 @@ from elastic.etcd import EtcdUnavailable, connect
 from elastic.events import EventLog
 from elastic.rendezvous import Member, NodeRecord, Rendezvous, Round
 from launcher.health import Status, run_checks
-from launcher.quarantine import Entry, Quarantine
+from launcher.quarantine import Entry, Quarantine, clear_command
 from launcher.workers import WorkerGroup, WorkerSlot
 
 log = logging.getLogger("launcher.agent")
@@ -194,10 +194,10 @@ class Agent:
             seen = self.rdzv.changes
             if self.stop_signal is not None:
                 return 128 + self.stop_signal
-            if self.node_id in self.rdzv.view.quarantined or self.rdzv.fenced.is_set():
-                why = "was quarantined"
-                if self.rdzv.fenced.is_set():
-                    why = "lost its place in the job (fenced)"
+            fenced = self.rdzv.fenced.is_set()
+            if fenced or self.node_id in self.rdzv.view.quarantined:
+                why = "lost its place in the job (fenced)" if fenced else "was quarantined"
+                if fenced:
                     self._strike(why)
                 code = self._rejoin(why)
                 if code:
@@ -348,9 +348,9 @@ class Agent:
             self.current = None
         for s in failed:
             s.stop(0)
-        if crashed and self._strike(f"worker(s) crashed with exit codes {codes}"):
-            return self._rejoin("quarantined")
         if crashed:
+            if self._strike(f"worker(s) crashed with exit codes {codes}"):
+                return self._rejoin("quarantined")
             code = self._check()
             if code:
                 return code
@@ -385,14 +385,11 @@ class Agent:
                 "quarantine_wait", left_s=left, reasons=list(entry.reasons), by=entry.by
             )
             log.warning(
-                "%s is quarantined for %.0f s more (%s); waiting. To end it sooner: "
-                "python -m launcher.quarantine clear %s job_id=%s cluster.etcd_endpoints=[%s]",
+                "%s is quarantined for %.0f s more (%s); waiting. To end it sooner: %s",
                 self.node_id,
                 left,
                 "; ".join(entry.reasons),
-                self.node_id,
-                self.cfg.job_id,
-                ",".join(self.endpoints),
+                clear_command(self.node_id, self.cfg.job_id, self.endpoints),
             )
             while not self.guard.wait_cleared(self.node_id, QUARANTINE_POLL_S):
                 if self.stop_signal is not None:
@@ -413,7 +410,7 @@ class Agent:
             "health_checked",
             ok=report.ok,
             seconds=round(report.seconds, 3),
-            counts={s.value: sum(r.status is s for r in report.results) for s in Status},
+            counts=report.counts,
             warnings=[f"{r.name}: {r.message}" for r in report.results if r.status is Status.WARN],
         )
         if report.ok:

@@ -26,7 +26,7 @@ from launcher.health import CheckResult, Status, run_checks
 def quarantine_row(cfg: Config, node_id: str) -> CheckResult:
     """Whether ``node_id`` is quarantined in ``cfg``'s job, and how many strikes it has."""
     from elastic.etcd import EtcdUnavailable, connect
-    from launcher.quarantine import Quarantine
+    from launcher.quarantine import Quarantine, clear_command
 
     try:
         client = connect(list(cfg.cluster.etcd_endpoints), timeout_s=cfg.health.etcd_timeout_s)
@@ -42,8 +42,7 @@ def quarantine_row(cfg: Config, node_id: str) -> CheckResult:
                 Status.FAIL,
                 f"{node_id} is quarantined in job {cfg.job_id} for {left:.0f} s more "
                 f"({'; '.join(entry.reasons)}). Fix: repair the cause, then wait, or clear it: "
-                f"python -m launcher.quarantine clear {node_id} job_id={cfg.job_id} "
-                f"cluster.etcd_endpoints=[{','.join(cfg.cluster.etcd_endpoints)}]",
+                + clear_command(node_id, cfg.job_id, list(cfg.cluster.etcd_endpoints)),
             )
         strikes = len(q.strikes(node_id))
         return CheckResult(

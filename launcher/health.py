@@ -68,6 +68,11 @@ class HealthReport:
     def failures(self) -> list[CheckResult]:
         return [r for r in self.results if r.status is Status.FAIL]
 
+    @property
+    def counts(self) -> dict[str, int]:
+        """How many checks ended in each status, by status name."""
+        return {s.value: sum(r.status is s for r in self.results) for s in Status}
+
     def to_json(self) -> str:
         data = asdict(self)
         data["ok"] = self.ok
@@ -91,8 +96,7 @@ class HealthReport:
         for r in self.results:
             lines.append(f"{r.name.ljust(width)}  {r.status.value.upper():<6}  {r.message}")
         verdict = "fit to join" if self.ok else f"NOT fit to join: {len(self.failures)} failed"
-        counts = {s: sum(r.status is s for r in self.results) for s in Status}
-        lines.append(f"{verdict} ({', '.join(f'{n} {s.value}' for s, n in counts.items() if n)})")
+        lines.append(f"{verdict} ({', '.join(f'{n} {s}' for s, n in self.counts.items() if n)})")
         return "\n".join(lines)
 
 
@@ -228,9 +232,8 @@ def check_checkpoint_disk(cfg: Config) -> CheckResult:
         )
     target = Path(path)
     existing = next(p for p in (target, *target.parents) if p.exists())
-    need = max(
-        cfg.health.min_checkpoint_free_gb * GB, (cfg.checkpoint.keep + 1) * checkpoint_bytes(cfg)
-    )
+    one = checkpoint_bytes(cfg)
+    need = max(cfg.health.min_checkpoint_free_gb * GB, (cfg.checkpoint.keep + 1) * one)
     free = shutil.disk_usage(existing).free
     if not os.access(existing, os.W_OK):
         return CheckResult(
@@ -246,7 +249,7 @@ def check_checkpoint_disk(cfg: Config) -> CheckResult:
             f"{existing} has {free / GB:.2f} GB free, below the {need / GB:.2f} GB needed "
             f"(health.min_checkpoint_free_gb={cfg.health.min_checkpoint_free_gb}, and "
             f"checkpoint.keep + 1 = {cfg.checkpoint.keep + 1} checkpoints of "
-            f"{checkpoint_bytes(cfg) / MB:.0f} MB). Fix: free space, point checkpoint.url "
+            f"{one / MB:.0f} MB). Fix: free space, point checkpoint.url "
             "elsewhere, or lower checkpoint.keep",
         )
     return CheckResult(

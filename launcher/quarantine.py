@@ -171,6 +171,14 @@ class Quarantine:
             self._events.emit(event, **fields)
 
 
+def clear_command(node_id: str, job_id: str, endpoints: list[str]) -> str:
+    """The command line an operator runs to end ``node_id``'s quarantine now."""
+    return (
+        f"python -m launcher.quarantine clear {node_id} job_id={job_id} "
+        f"cluster.etcd_endpoints=[{','.join(endpoints)}]"
+    )
+
+
 # --- the operator's command -------------------------------------------------------------------
 
 

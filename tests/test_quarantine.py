@@ -92,6 +92,14 @@ def test_operator_adds_lists_and_clears(etcd_endpoint: str, job_id: str) -> None
     listed = json.loads(operator(etcd_endpoint, job_id, "list", "--json").stdout)
     assert [(e["node_id"], e["by"], e["reasons"]) for e in listed] == [("n3", "operator", ["disk"])]
     assert 590 < listed[0]["left_s"] <= 600
+    doctor = subprocess.run(
+        [sys.executable, "-m", "launcher.doctor", "--json", "--node-id", "n3",
+         f"job_id={job_id}", f"cluster.etcd_endpoints=[{etcd_endpoint}]"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert doctor.returncode == 1, doctor.stderr
+    (row,) = [r for r in json.loads(doctor.stdout)["results"] if r["status"] == "fail"]
+    assert row["name"] == "quarantine" and "launcher.quarantine clear n3" in row["message"]
     cleared = operator(etcd_endpoint, job_id, "clear", "--all")
     assert cleared.returncode == 0 and cleared.stdout.strip() == "n3: cleared"
     assert json.loads(operator(etcd_endpoint, job_id, "list", "--json").stdout) == []
