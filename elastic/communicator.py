@@ -20,9 +20,7 @@ shrinks the old group (``torch.distributed.shrink_group``) instead of building a
 # No ``from __future__ import annotations`` here: DDP checks the comm hook's annotations at run
 # time and wants the real GradBucket and Future types, not strings.
 import logging
-import os
 import threading
-from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Any
 
@@ -34,41 +32,9 @@ from elastic.control import Assignment
 
 log = logging.getLogger(__name__)
 
-# Exit code of a worker that gave up on its round because peers went away and no new round came:
-# not this worker's fault, so its agent restarts it without reporting a failure of its own.
-EXIT_PEER_LOST = 75
-
 
 class RoundAborted(RuntimeError):
     """The agent moved this worker out of its round (a new round was formed, or standby)."""
-
-
-@dataclass(frozen=True)
-class WorkerEnv:
-    """What an agent tells a worker it spawns; rounds come later, over the control channel."""
-
-    config: str  # path of the resolved config.yaml
-    run_dir: str
-    node_id: str
-    local_rank: int
-    local_world_size: int
-    threads: int
-
-    _NAMES = {"local_rank": "LOCAL_RANK", "local_world_size": "LOCAL_WORLD_SIZE"}
-
-    def to_environ(self) -> dict[str, str]:
-        return {
-            self._NAMES.get(f.name, "ELASTIC_" + f.name.upper()): str(getattr(self, f.name))
-            for f in fields(self)
-        }
-
-    @classmethod
-    def from_environ(cls) -> "WorkerEnv":
-        values = {}
-        for f in fields(cls):
-            raw = os.environ[cls._NAMES.get(f.name, "ELASTIC_" + f.name.upper())]
-            values[f.name] = int(raw) if f.type in (int, "int") else raw
-        return cls(**values)
 
 
 def pick_device(requested: str, local_rank: int) -> torch.device:

@@ -1,4 +1,9 @@
-"""The control channel between an agent and each of its workers: JSON lines over a socket pair.
+"""The contract between an agent and each of its workers: environment, messages, exit codes.
+
+A worker is started with a :class:`WorkerEnv` in its environment, talks to its agent over a
+control channel (JSON lines over a socket pair), and ends with an exit code the agent acts on:
+0 (the job is trained), :data:`EXIT_PEER_LOST` (peers went away and no round came: not this
+worker's fault), anything else a local failure (a strike, and a restart).
 
 Workers live across rounds, so the agent cannot hand them a round through the environment once;
 it sends each new assignment down this channel, and the worker sends back what the agent needs to
@@ -8,7 +13,7 @@ One socket pair per worker, created by the agent and inherited by the worker (it
 
 Messages, agent to worker: ``assign`` (round, rank, world size, store address) and ``standby``
 (leave the current round and wait). Worker to agent: ``ready``, ``status`` (step, phase, round),
-``peer_lost`` (round, error) and ``left`` (round).
+and ``peer_lost`` (round, error).
 """
 
 from __future__ import annotations
@@ -20,12 +25,45 @@ import os
 import socket
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 CONTROL_FD_ENV = "ELASTIC_CONTROL_FD"
+
+
+# Exit code of a worker that gave up on its round because peers went away and no new round came:
+# not this worker's fault, so its agent restarts it without reporting a failure of its own.
+EXIT_PEER_LOST = 75
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """What an agent tells a worker it spawns; rounds come later, over the control channel."""
+
+    config: str  # path of the resolved config.yaml
+    run_dir: str
+    node_id: str
+    local_rank: int
+    local_world_size: int
+    threads: int
+
+    _NAMES = {"local_rank": "LOCAL_RANK", "local_world_size": "LOCAL_WORLD_SIZE"}
+
+    def to_environ(self) -> dict[str, str]:
+        return {
+            self._NAMES.get(f.name, "ELASTIC_" + f.name.upper()): str(getattr(self, f.name))
+            for f in fields(self)
+        }
+
+    @classmethod
+    def from_environ(cls) -> WorkerEnv:
+        values = {}
+        for f in fields(cls):
+            raw = os.environ[cls._NAMES.get(f.name, "ELASTIC_" + f.name.upper())]
+            values[f.name] = int(raw) if f.type in (int, "int") else raw
+        return cls(**values)
 
 
 @dataclass(frozen=True)

@@ -5,11 +5,16 @@ measured from these files (fault to first step after), the chaos tests judge run
 launcher's progress display follows them. Each line is written with a single ``write`` on a file
 opened with ``O_APPEND``, so the agent and its workers can share a node's file without
 interleaving; one file per node keeps bare-metal nodes from ever writing the same file.
+
+A fact that a person should also read in the process's log is written by one call,
+``emit(event, message, level=...)``, which appends the event and logs the message: the log line
+and the event can never disagree or be written twice by hand.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
@@ -23,9 +28,19 @@ def events_dir(run_dir: str | os.PathLike[str]) -> Path:
 
 
 class EventLog:
-    """Appends events for one process; ``fields`` given here go into every event."""
+    """Appends events for one process; ``fields`` given here go into every event.
 
-    def __init__(self, run_dir: str | os.PathLike[str], node_id: str, **fields: Any) -> None:
+    ``logger``: where the messages of :meth:`emit` are logged (the owning module's logger).
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        node_id: str,
+        logger: logging.Logger | None = None,
+        **fields: Any,
+    ) -> None:
+        self._log = logger or logging.getLogger(__name__)
         path = events_dir(run_dir)
         path.mkdir(parents=True, exist_ok=True)
         self.path = path / f"{node_id}.jsonl"
@@ -36,9 +51,14 @@ class EventLog:
         """Change fields that go into every later event (a worker's rank and round)."""
         self._fields.update(fields)
 
-    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+    def emit(
+        self, event: str, message: str | None = None, /, *, level: int = logging.INFO, **fields: Any
+    ) -> dict[str, Any]:
+        """Append one event; with ``message``, also log that line at ``level``."""
         record = {"ts": time.time(), "event": event, **self._fields, **fields}
         os.write(self._fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+        if message is not None:
+            self._log.log(level, "%s", message)
         return record
 
     def close(self) -> None:

@@ -38,15 +38,8 @@ from torch.utils.data import DataLoader
 
 from elastic import config
 from elastic.checkpoint import CheckpointManager
-from elastic.communicator import (
-    EXIT_PEER_LOST,
-    Communicator,
-    RoundAborted,
-    WorkerEnv,
-    is_peer_failure,
-    pick_device,
-)
-from elastic.control import Assignment, Channel
+from elastic.communicator import Communicator, RoundAborted, is_peer_failure, pick_device
+from elastic.control import EXIT_PEER_LOST, Assignment, Channel, WorkerEnv
 from elastic.data import SeededImageFolder
 from elastic.events import EventLog
 from elastic.lr_policy import LRPolicy

@@ -40,13 +40,13 @@ from pathlib import Path
 from types import FrameType
 
 from elastic import config
-from elastic.communicator import EXIT_PEER_LOST, WorkerEnv
-from elastic.control import Assignment
-from elastic.etcd import EtcdUnavailable, connect
+from elastic.control import EXIT_PEER_LOST, Assignment, WorkerEnv
 from elastic.events import EventLog
-from elastic.rendezvous import Member, NodeRecord, Rendezvous, Round
+from launcher.etcd import EtcdUnavailable, connect
 from launcher.health import Status, run_checks
 from launcher.quarantine import Entry, Quarantine, clear_command
+from launcher.rendezvous import Member, NodeRecord, Rendezvous, Round
+from launcher.slots import local_slots
 from launcher.workers import WorkerGroup, WorkerSlot
 
 log = logging.getLogger("launcher.agent")
@@ -54,18 +54,6 @@ log = logging.getLogger("launcher.agent")
 STOP_GRACE_S = 5.0  # how long workers get to exit after SIGTERM before SIGKILL
 EXIT_UNHEALTHY = 3  # the node failed its health checks (or cannot reach etcd) and did not join
 QUARANTINE_POLL_S = 2.0  # how often a quarantined node looks up from its wait (signals)
-
-
-def local_slots(cfg: config.Config) -> tuple[int, str]:
-    """How many workers this node runs, and on what device."""
-    import torch
-
-    use_cuda = cfg.cluster.device == "cuda" or (
-        cfg.cluster.device == "auto" and torch.cuda.is_available()
-    )
-    if use_cuda:
-        return cfg.cluster.workers_per_node or torch.cuda.device_count(), "cuda"
-    return cfg.cluster.workers_per_node or cfg.cluster.cpu_workers, "cpu"
 
 
 def probe(host: str, port: int, timeout_s: float) -> bool:
@@ -429,7 +417,7 @@ class Agent:
 
     def _strike(self, reason: str) -> Entry | None:
         """Count a failure of this node; the quarantine entry if this one put it there."""
-        from etcd3.exceptions import Etcd3Exception  # imported by now, after elastic.etcd's setup
+        from etcd3.exceptions import Etcd3Exception  # imported by now, after launcher.etcd's setup
 
         try:
             return self.guard.strike(self.node_id, reason)

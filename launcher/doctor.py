@@ -25,7 +25,7 @@ from launcher.health import CheckResult, Status, run_checks
 
 def quarantine_row(cfg: Config, node_id: str) -> CheckResult:
     """Whether ``node_id`` is quarantined in ``cfg``'s job, and how many strikes it has."""
-    from elastic.etcd import EtcdUnavailable, connect
+    from launcher.etcd import EtcdUnavailable, connect
     from launcher.quarantine import Quarantine, clear_command
 
     try:
@@ -66,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
-    from launcher.agent import local_slots
-    from launcher.cli import UsageError, compose, finalize
+    from launcher.compose import UsageError, compose, finalize
+    from launcher.slots import local_slots
 
     try:
         raw = compose(overrides)

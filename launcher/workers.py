@@ -20,8 +20,7 @@ from typing import Any
 
 import psutil
 
-from elastic.communicator import WorkerEnv
-from elastic.control import CONTROL_FD_ENV, Assignment, Channel
+from elastic.control import CONTROL_FD_ENV, Assignment, Channel, WorkerEnv
 from elastic.events import EventLog
 from elastic.lifeline import tied
 from launcher.watchdog import Watchdog

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from elastic.config import RendezvousConfig
-from elastic.etcd import connect
-from elastic.rendezvous import NodeRecord, Rendezvous
 from launcher.embedded_etcd import EmbeddedEtcd
+from launcher.etcd import connect
+from launcher.rendezvous import NodeRecord, Rendezvous
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -11,9 +11,8 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-import launcher.cli  # noqa: F401 - registers the schema with Hydra's ConfigStore
 from elastic.config import Config, ConfigError, validate
-from launcher.cli import finalize
+from launcher.compose import finalize
 
 from .conftest import REPO
 

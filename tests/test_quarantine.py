@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from elastic.config import HealthConfig
-from elastic.etcd import connect
-from elastic.rendezvous import JobView, Round, plan_round
+from launcher.etcd import connect
 from launcher.quarantine import Quarantine
+from launcher.rendezvous import JobView, Round, plan_round
 
 from .test_rendezvous import node, round_number
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from elastic.config import RendezvousConfig
-from elastic.rendezvous import (
+from launcher.rendezvous import (
     JobView,
     NodeIdInUse,
     NodeRecord,
@@ -157,8 +157,8 @@ def test_an_evicted_node_fences_itself_and_the_others_go_on(make) -> None:
 NODE_PROCESS = textwrap.dedent("""
     import sys
     from elastic.config import RendezvousConfig
-    from elastic.etcd import connect
-    from elastic.rendezvous import NodeRecord, Rendezvous
+    from launcher.etcd import connect
+    from launcher.rendezvous import NodeRecord, Rendezvous
     endpoint, job = sys.argv[1], sys.argv[2]
     r = Rendezvous(connect([endpoint]), job_id=job, node=NodeRecord("doomed", "127.0.0.1", 1, 1),
                    cfg=RendezvousConfig(lease_ttl_s=2, settle_s=0.3, first_round_wait_s=0.3),

@@ -281,11 +281,6 @@ class Rendezvous:
                 log.warning("could not revoke lease: %s", exc)
             self._lease = None
 
-    def rejoin(self) -> None:
-        """After fencing: leave what is left and register again as a new member."""
-        self.leave()
-        self.join()
-
     def report_failure(self, reason: str) -> None:
         """Leave the current round at once: this node's workers failed. The node is placed in a
         later round when it reports itself ready again."""
