@@ -1,8 +1,12 @@
 """The typed configuration schema shared by the launcher, the agents and the workers.
 
-Hydra composes YAML from ``conf/`` on top of these dataclasses, so a wrong type or an unknown key
-is refused by OmegaConf with the key's full name. :func:`validate` adds the checks that types
-cannot express (ranges, relations between keys, paths) and names the key and the fix for each.
+Hydra composes YAML from ``conf/`` on top of these dataclasses, so OmegaConf refuses a wrong type,
+an unknown key, or a spelling outside a :class:`Choice` enum (``cluster.mode``,
+``cluster.device``, ``optim.policy``) while composing, with the key's full name and, for an
+enum, the allowed values. A numeric key's range is declared next to the key with
+:func:`bounded`; :func:`validate` checks every declared range in one walk of the schema, then the
+few checks a range cannot express (relations between keys, formats, paths, storage backends,
+model names), and reports every problem at once, each with the key, the value and the fix.
 The agents and workers read the same schema back from the resolved ``config.yaml`` in the run
 directory, so every process of a job sees exactly the configuration the launcher checked.
 """
@@ -10,11 +14,104 @@ directory, so every process of a job sees exactly the configuration the launcher
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
 from pathlib import Path
+from typing import Any, TypeVar
 
 from omegaconf import OmegaConf
+
+N = TypeVar("N", int, float)
+G = TypeVar("G")
+
+# Field metadata keys: a numeric key's Bound, and the sibling flag that switches a group's
+# bounds on.
+_BOUND = "bound"
+_WHEN = "checked_when"
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The range a numeric key must lie in, with the reason and the fix :func:`validate` prints.
+
+    ``ge``/``gt`` and ``le``/``lt`` are the lower and upper limit (at most one of each). An empty
+    ``why`` is made from the limits ("must be at least 1", "must be in (0, 1]"), so that the
+    message and the check cannot disagree; a custom ``why`` says what the limit protects.
+    """
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    why: str = ""
+    fix: str = ""
+
+    def __post_init__(self) -> None:
+        if (self.ge is not None and self.gt is not None) or (
+            self.le is not None and self.lt is not None
+        ):
+            raise TypeError("a Bound takes at most one lower (ge/gt) and one upper (le/lt) limit")
+        if self.ge is None and self.gt is None and self.le is None and self.lt is None:
+            raise TypeError("a Bound needs a limit")
+        if not self.fix:
+            raise TypeError("a Bound needs the fix its message tells the user")
+        if not self.why:
+            object.__setattr__(self, "why", self._phrase())
+
+    def holds(self, value: float) -> bool:
+        return (
+            (self.ge is None or value >= self.ge)
+            and (self.gt is None or value > self.gt)
+            and (self.le is None or value <= self.le)
+            and (self.lt is None or value < self.lt)
+        )
+
+    def _phrase(self) -> str:
+        low = self.ge if self.ge is not None else self.gt
+        high = self.le if self.le is not None else self.lt
+        if low is not None and high is not None:
+            left = "[" if self.ge is not None else "("
+            right = "]" if self.le is not None else ")"
+            return f"must be in {left}{low:g}, {high:g}{right}"
+        if self.ge is not None:
+            return "must not be negative" if self.ge == 0 else f"must be at least {self.ge:g}"
+        if self.gt is not None:
+            return "must be positive" if self.gt == 0 else f"must be more than {self.gt:g}"
+        if self.le is not None:
+            return f"must be at most {self.le:g}"
+        return f"must be less than {self.lt:g}"
+
+
+# Fixes shared by many keys; ``{key}`` is the key's full name.
+SECONDS = "set {key} to a positive number of seconds"
+ANY_MINIMUM = "set {key}=0 to accept any value, or a positive minimum"
+
+
+def bounded(
+    default: N,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    why: str = "",
+    fix: str,
+) -> N:
+    """A dataclass field with ``default`` whose range :func:`validate` checks (see :class:`Bound`);
+    ``{key}`` in ``fix`` stands for the key's full name.
+
+    Declared next to the key, so that the key's type, default, comment and range are read in one
+    place, and a new key cannot be added without deciding its range and fix.
+    """
+    bound = Bound(ge=ge, gt=gt, le=le, lt=lt, why=why, fix=fix)
+    return field(default=default, metadata={_BOUND: bound})
+
+
+def checked_when(flag: str, factory: Callable[[], G]) -> G:
+    """A group of keys whose bounds are checked only while the sibling bool ``flag`` is on: the
+    settings of something that is not used cannot stop a job."""
+    return field(default_factory=factory, metadata={_WHEN: flag})
 
 
 class Choice(str, Enum):
@@ -57,9 +154,13 @@ class ModelConfig:
 class SyntheticDataConfig:
     """How the stand-in ImageFolder of JPEGs is generated when ``data.synthetic`` is on."""
 
-    classes: int = 10
-    images_per_class: int = 64
-    image_size: int = 40
+    classes: int = bounded(
+        10, ge=2, why="need two classes to learn", fix="set data.generate.classes=2 or more"
+    )
+    images_per_class: int = bounded(64, ge=1, fix="set data.generate.images_per_class=1 or more")
+    image_size: int = bounded(
+        40, ge=16, why="too small", fix="set data.generate.image_size=16 or more"
+    )
     seed: int = 0
 
 
@@ -71,32 +172,44 @@ class DataConfig:
     train_dir: str = "train"
     # Generate a small learnable ImageFolder at ``root`` once, instead of reading a real one.
     synthetic: bool = True
-    generate: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
-    crop_size: int = 224
-    batch_size: int = 32  # per worker
-    loader_workers: int = 0
+    # Checked only with ``synthetic`` on: a real ImageFolder generates nothing.
+    generate: SyntheticDataConfig = checked_when("synthetic", SyntheticDataConfig)
+    crop_size: int = bounded(
+        224,
+        ge=16,
+        why="too small for a ResNet",
+        fix="set data.crop_size to 16 or more (224 for ImageNet)",
+    )
+    # Per worker.
+    batch_size: int = bounded(32, ge=1, fix="set data.batch_size (per worker) to 1 or more")
+    loader_workers: int = bounded(
+        0, ge=0, fix="set data.loader_workers=0 (load in the worker) or more"
+    )
 
 
 @dataclass
 class OptimConfig:
     """SGD with momentum; the LR follows the linear scaling rule on the global batch."""
 
-    lr: float = 0.1  # the LR for ``reference_batch`` samples (0.1 per 256 in Goyal et al.)
-    reference_batch: int = 256
-    momentum: float = 0.9
+    # The LR for ``reference_batch`` samples (0.1 per 256 in Goyal et al.).
+    lr: float = bounded(0.1, gt=0, fix="set optim.lr, e.g. optim.lr=0.1")
+    reference_batch: int = bounded(256, ge=1, fix="set optim.reference_batch=256 (Goyal et al.)")
+    momentum: float = bounded(0.9, ge=0, lt=1, fix="set optim.momentum=0.9")
     nesterov: bool = False
-    weight_decay: float = 1e-4
+    weight_decay: float = bounded(1e-4, ge=0, fix="set optim.weight_decay=1e-4")
     # Goyal et al. apply no weight decay to batch-norm parameters and biases.
     decay_bn_and_bias: bool = False
-    warmup_epochs: float = 5.0
+    warmup_epochs: float = bounded(5.0, ge=0, fix="set optim.warmup_epochs=0 to switch warm-up off")
     milestones_epochs: list[float] = field(default_factory=lambda: [30.0, 60.0, 80.0])
-    gamma: float = 0.1
+    gamma: float = bounded(0.1, gt=0, le=1, fix="set optim.gamma=0.1")
     # What a change of world size does: ``rescale_lr`` keeps the per-worker batch, so the global
     # batch and the LR follow the world size; ``keep_global_batch`` keeps the global batch (and
     # the LR) with gradient accumulation.
     policy: Policy = Policy.rescale_lr
     # rescale_lr: an LR increase after a resize is ramped in over this many epochs of samples.
-    resize_warmup_epochs: float = 0.1
+    resize_warmup_epochs: float = bounded(
+        0.1, ge=0, fix="set optim.resize_warmup_epochs=0 to apply LR increases at once"
+    )
 
 
 @dataclass
@@ -104,17 +217,28 @@ class ClusterConfig:
     """Where the nodes come from: simulated on this machine, or one agent per bare-metal node."""
 
     mode: ClusterMode = ClusterMode.local
-    nodes: int = 2  # local: nodes to start; bare_metal: the usual size (max_nodes defaults to it)
-    min_nodes: int = 1
-    max_nodes: int = 0  # 0: the same as nodes
+    # local: nodes to start; bare_metal: the usual size (max_nodes defaults to it).
+    nodes: int = bounded(
+        2, ge=1, why="a job needs at least one node", fix="set cluster.nodes to 1 or more"
+    )
+    min_nodes: int = bounded(1, ge=1, fix="set cluster.min_nodes=1 or more")
+    # 0: the same as nodes.
+    max_nodes: int = bounded(
+        0, ge=0, fix="set cluster.max_nodes=0 (same as cluster.nodes) or a positive count"
+    )
     node_id: str = ""  # bare_metal: defaults to the host name
     host: str = ""  # address peers reach this node at; "" = 127.0.0.1 (local) or the FQDN
     device: Device = Device.auto
-    workers_per_node: int = 0  # 0: one per visible GPU, or cpu_workers on CPU
-    cpu_workers: int = 1
-    threads_per_worker: int = 0  # 0: this machine's cores shared among its workers
+    # 0: one per visible GPU, or cpu_workers on CPU.
+    workers_per_node: int = bounded(0, ge=0, fix="use 0 (one per GPU) or a positive count")
+    cpu_workers: int = bounded(1, ge=1, fix="set cluster.cpu_workers=1 or more")
+    # 0: this machine's cores shared among its workers.
+    threads_per_worker: int = bounded(
+        0, ge=0, fix="use 0 (share this machine's cores) or a positive count"
+    )
     etcd_endpoints: list[str] = field(default_factory=list)  # empty (local): embedded etcd
-    max_restarts: int = 10  # worker crashes a node survives before it leaves the job
+    # Worker crashes a node survives before it leaves the job.
+    max_restarts: int = bounded(10, ge=0, fix="set cluster.max_restarts=0 or more")
 
 
 @dataclass
@@ -122,21 +246,26 @@ class RendezvousConfig:
     """Membership in etcd: leases, round formation, and how long each wait may take."""
 
     prefix: str = "/elastic"
-    lease_ttl_s: int = 3
-    settle_s: float = 1.0
+    lease_ttl_s: int = bounded(
+        3,
+        ge=2,
+        why="etcd does not keep leases shorter than 2 s",
+        fix="set rendezvous.lease_ttl_s=2 or more",
+    )
+    settle_s: float = bounded(1.0, ge=0, fix=SECONDS)
     # The first round of a job waits up to this long for max_nodes, so that nodes that start a
     # few seconds apart do not cause a restart right after the job began.
-    first_round_wait_s: float = 30.0
-    join_timeout_s: float = 600.0
-    pg_timeout_s: float = 120.0
-    resync_s: float = 30.0
+    first_round_wait_s: float = bounded(30.0, ge=0, fix=SECONDS)
+    join_timeout_s: float = bounded(600.0, gt=0, fix=SECONDS)
+    pg_timeout_s: float = bounded(120.0, gt=0, fix=SECONDS)
+    resync_s: float = bounded(30.0, gt=0, fix=SECONDS)
     # A worker whose heartbeat stops, or that computes one step this long without handing its
     # gradients to the network, is taken for frozen (SIGSTOP, a hung GPU) and its node evicted.
-    watchdog_s: float = 10.0
+    watchdog_s: float = bounded(10.0, gt=0, fix=SECONDS)
     # After a failed collective, a peer agent that refuses a TCP connection within this long is
     # dead (its machine is up but the node's processes are gone) and is dropped at once,
     # without waiting for its lease to expire.
-    probe_timeout_s: float = 0.5
+    probe_timeout_s: float = bounded(0.5, gt=0, fix=SECONDS)
 
 
 @dataclass
@@ -144,8 +273,10 @@ class CheckpointConfig:
     """Sharded DCP checkpoints to an fsspec URL, committed by a JSON manifest."""
 
     url: str = ""  # "" = file://<run_dir>/checkpoints
-    every_steps: int = 50
-    keep: int = 3
+    every_steps: int = bounded(
+        50, ge=1, fix="set checkpoint.every_steps to the steps between checkpoints"
+    )
+    keep: int = bounded(3, ge=1, why="must keep at least one", fix="set checkpoint.keep=1 or more")
 
 
 @dataclass
@@ -157,43 +288,57 @@ class HealthConfig:
     # NCCL opens several descriptors per peer and channel, and the data loader one per shared
     # batch: ChainerMN hit "unhandled system error" at 192 GPUs with the default 1024. The soft
     # limit is raised to the hard one; below this the node fails.
-    min_open_files: int = 4096
+    min_open_files: int = bounded(4096, ge=0, fix=ANY_MINIMUM)
     # Deep call chains in NCCL's and MPI's progress threads segfaulted ChainerMN at 944 GPUs with
     # a small stack. A lower soft limit is raised to this; a hard limit below it fails.
-    min_stack_mb: int = 8
+    min_stack_mb: int = bounded(8, ge=0, fix=ANY_MINIMUM)
     # NCCL's intra-node transport and the data loader's workers pass tensors through /dev/shm
     # (Docker gives 64 MB unless told --shm-size). Fails on GPU nodes or with loader workers,
     # warns otherwise.
-    min_shm_mb: int = 512
+    min_shm_mb: int = bounded(512, ge=0, fix=ANY_MINIMUM)
     # Free space where checkpoints go, at least this much and at least checkpoint.keep + 1
     # checkpoints of the model (a new one is written before the oldest is deleted).
-    min_checkpoint_free_gb: float = 1.0
-    etcd_timeout_s: float = 3.0
+    min_checkpoint_free_gb: float = bounded(
+        1.0,
+        ge=0,
+        fix="set health.min_checkpoint_free_gb=0 to check only the estimated checkpoint size",
+    )
+    etcd_timeout_s: float = bounded(3.0, gt=0, fix=SECONDS)
     # The node's wall clock against the etcd server's: event times and round ages compare
     # clocks across nodes.
-    max_clock_skew_s: float = 2.0
+    max_clock_skew_s: float = bounded(2.0, gt=0, fix=SECONDS)
     # GPUs this node must see; 0: cluster.workers_per_node, or at least one.
-    expected_gpus: int = 0
+    expected_gpus: int = bounded(0, ge=0, fix=ANY_MINIMUM)
     max_gpu_temp_c: int = 85
     # Hardware slowdown (thermal, power brake) is a warning unless this is on.
     fail_on_throttle: bool = False
     # The share of each GPU's free memory the allocation probe fills and reads back.
-    gpu_memory_fraction: float = 0.9
+    gpu_memory_fraction: float = bounded(
+        0.9, gt=0, le=0.99, fix="set health.gpu_memory_fraction=0.9"
+    )
     # The matmul, memory and all-reduce probes run in a child process with this time limit: a
     # hung GPU fails the check instead of hanging the agent.
-    gpu_probe_timeout_s: float = 120.0
+    gpu_probe_timeout_s: float = bounded(120.0, gt=0, fix=SECONDS)
     # Quarantine: this many failures (failed checks, worker crashes, fencing) within
     # strike_window_s keep the node out of the job for quarantine_s.
-    max_strikes: int = 3
-    strike_window_s: float = 3600.0
-    quarantine_s: float = 1800.0
+    max_strikes: int = bounded(
+        3, ge=1, fix="set health.max_strikes=3 (failures before a node is quarantined)"
+    )
+    strike_window_s: float = bounded(3600.0, gt=0, fix=SECONDS)
+    quarantine_s: float = bounded(
+        1800.0,
+        ge=2,
+        why="etcd does not keep leases shorter than 2 s",
+        fix="set health.quarantine_s=2 or more",
+    )
 
 
 @dataclass
 class TrainerConfig:
-    epochs: float = 3.0
+    epochs: float = bounded(3.0, gt=0, fix="set trainer.epochs=1")
     seed: int = 0
-    log_every: int = 1  # steps between step events (progress, stall measurement)
+    # Steps between step events (progress, stall measurement).
+    log_every: int = bounded(1, ge=1, fix="set trainer.log_every=1")
     # Every rank logs the sample indices of every step it trains (``samples`` events), so a chaos
     # run can prove that each sample of an epoch was trained exactly once. Off for long runs.
     record_samples: bool = False
@@ -231,70 +376,53 @@ def max_nodes(cfg: Config) -> int:
     return cfg.cluster.max_nodes or cfg.cluster.nodes
 
 
+def _problem(key: str, value: object, why: str, fix: str) -> str:
+    """The one shape of a refusal: the key as typed on the command line, its value, why it
+    cannot work, and what to write instead."""
+    return f"{key}={value!r}: {why}. Fix: {fix}."
+
+
+def _bound_problems(node: Any, prefix: str = "") -> Iterator[str]:
+    """Every declared :class:`Bound` that ``node`` (a schema dataclass) or a group in it breaks.
+
+    Walks the fields in declaration order and recurses into groups with the dotted prefix, so
+    the keys are named as on the command line. A group declared with :func:`checked_when` is
+    skipped while its flag is off.
+    """
+    for f in fields(node):
+        value = getattr(node, f.name)
+        key = prefix + f.name
+        if is_dataclass(value):
+            flag = f.metadata.get(_WHEN)
+            if flag is None or getattr(node, flag):
+                yield from _bound_problems(value, key + ".")
+            continue
+        bound: Bound | None = f.metadata.get(_BOUND)
+        if bound is not None and not bound.holds(value):
+            yield _problem(key, value, bound.why, bound.fix.format(key=key))
+
+
 def validate(cfg: Config) -> None:
-    """Raise :class:`ConfigError` listing every value that cannot work, each with its fix."""
-    problems: list[str] = []
+    """Raise :class:`ConfigError` listing every value that cannot work, each with its fix.
+
+    First every range declared with :func:`bounded`, then what a range cannot express:
+    relations between keys, formats (etcd endpoints, the rendezvous prefix, sorted milestones),
+    and what the machine must have (a directory, a storage backend, a torchvision model). All
+    problems are reported at once, so that one launch attempt shows everything to fix.
+    """
+    problems: list[str] = list(_bound_problems(cfg))
 
     def need(ok: bool, key: str, value: object, why: str, fix: str) -> None:
         if not ok:
-            problems.append(f"{key}={value!r}: {why}. Fix: {fix}.")
+            problems.append(_problem(key, value, why, fix))
 
     c = cfg.cluster
-    need(
-        c.nodes >= 1,
-        "cluster.nodes",
-        c.nodes,
-        "a job needs at least one node",
-        "set cluster.nodes to 1 or more",
-    )
-    need(
-        c.min_nodes >= 1,
-        "cluster.min_nodes",
-        c.min_nodes,
-        "must be at least 1",
-        "set cluster.min_nodes=1 or more",
-    )
-    need(
-        c.max_nodes >= 0,
-        "cluster.max_nodes",
-        c.max_nodes,
-        "must not be negative",
-        "set cluster.max_nodes=0 (same as cluster.nodes) or a positive count",
-    )
     need(
         c.min_nodes <= max_nodes(cfg),
         "cluster.min_nodes",
         c.min_nodes,
         f"more than the most nodes a round may hold ({max_nodes(cfg)})",
         "lower cluster.min_nodes or raise cluster.max_nodes / cluster.nodes",
-    )
-    need(
-        c.workers_per_node >= 0,
-        "cluster.workers_per_node",
-        c.workers_per_node,
-        "must not be negative",
-        "use 0 (one per GPU) or a positive count",
-    )
-    need(
-        c.cpu_workers >= 1,
-        "cluster.cpu_workers",
-        c.cpu_workers,
-        "must be at least 1",
-        "set cluster.cpu_workers=1 or more",
-    )
-    need(
-        c.threads_per_worker >= 0,
-        "cluster.threads_per_worker",
-        c.threads_per_worker,
-        "must not be negative",
-        "use 0 (share this machine's cores) or a positive count",
-    )
-    need(
-        c.max_restarts >= 0,
-        "cluster.max_restarts",
-        c.max_restarts,
-        "must not be negative",
-        "set cluster.max_restarts=0 or more",
     )
     if c.mode == "bare_metal":
         need(
@@ -329,77 +457,9 @@ def validate(cfg: Config) -> None:
         "must start with '/' and not end with one",
         "use e.g. rendezvous.prefix=/elastic",
     )
-    need(
-        r.lease_ttl_s >= 2,
-        "rendezvous.lease_ttl_s",
-        r.lease_ttl_s,
-        "etcd does not keep leases shorter than 2 s",
-        "set rendezvous.lease_ttl_s=2 or more",
-    )
-    for key in (
-        "settle_s",
-        "first_round_wait_s",
-        "join_timeout_s",
-        "pg_timeout_s",
-        "resync_s",
-        "watchdog_s",
-        "probe_timeout_s",
-    ):
-        value = getattr(r, key)
-        need(
-            value >= 0 if key in ("settle_s", "first_round_wait_s") else value > 0,
-            f"rendezvous.{key}",
-            value,
-            "must be positive",
-            f"set rendezvous.{key} to a positive number of seconds",
-        )
 
     d = cfg.data
-    need(
-        d.batch_size >= 1,
-        "data.batch_size",
-        d.batch_size,
-        "must be at least 1",
-        "set data.batch_size (per worker) to 1 or more",
-    )
-    need(
-        d.crop_size >= 16,
-        "data.crop_size",
-        d.crop_size,
-        "too small for a ResNet",
-        "set data.crop_size to 16 or more (224 for ImageNet)",
-    )
-    need(
-        d.loader_workers >= 0,
-        "data.loader_workers",
-        d.loader_workers,
-        "must not be negative",
-        "set data.loader_workers=0 (load in the worker) or more",
-    )
-    if d.synthetic:
-        g = d.generate
-        need(
-            g.classes >= 2,
-            "data.generate.classes",
-            g.classes,
-            "need two classes to learn",
-            "set data.generate.classes=2 or more",
-        )
-        need(
-            g.images_per_class >= 1,
-            "data.generate.images_per_class",
-            g.images_per_class,
-            "must be at least 1",
-            "set data.generate.images_per_class=1 or more",
-        )
-        need(
-            g.image_size >= 16,
-            "data.generate.image_size",
-            g.image_size,
-            "too small",
-            "set data.generate.image_size=16 or more",
-        )
-    else:
+    if not d.synthetic:
         train = Path(d.root) / d.train_dir
         need(
             train.is_dir(),
@@ -411,35 +471,6 @@ def validate(cfg: Config) -> None:
         )
 
     o = cfg.optim
-    need(o.lr > 0, "optim.lr", o.lr, "must be positive", "set optim.lr, e.g. optim.lr=0.1")
-    need(
-        o.reference_batch >= 1,
-        "optim.reference_batch",
-        o.reference_batch,
-        "must be at least 1",
-        "set optim.reference_batch=256 (Goyal et al.)",
-    )
-    need(
-        0 <= o.momentum < 1,
-        "optim.momentum",
-        o.momentum,
-        "must be in [0, 1)",
-        "set optim.momentum=0.9",
-    )
-    need(
-        o.weight_decay >= 0,
-        "optim.weight_decay",
-        o.weight_decay,
-        "must not be negative",
-        "set optim.weight_decay=1e-4",
-    )
-    need(
-        o.warmup_epochs >= 0,
-        "optim.warmup_epochs",
-        o.warmup_epochs,
-        "must not be negative",
-        "set optim.warmup_epochs=0 to switch warm-up off",
-    )
     need(
         list(o.milestones_epochs) == sorted(o.milestones_epochs),
         "optim.milestones_epochs",
@@ -447,30 +478,8 @@ def validate(cfg: Config) -> None:
         "must be in increasing order",
         "sort the milestones",
     )
-    need(0 < o.gamma <= 1, "optim.gamma", o.gamma, "must be in (0, 1]", "set optim.gamma=0.1")
-    need(
-        o.resize_warmup_epochs >= 0,
-        "optim.resize_warmup_epochs",
-        o.resize_warmup_epochs,
-        "must not be negative",
-        "set optim.resize_warmup_epochs=0 to apply LR increases at once",
-    )
 
     k = cfg.checkpoint
-    need(
-        k.every_steps >= 1,
-        "checkpoint.every_steps",
-        k.every_steps,
-        "must be at least 1",
-        "set checkpoint.every_steps to the steps between checkpoints",
-    )
-    need(
-        k.keep >= 1,
-        "checkpoint.keep",
-        k.keep,
-        "must keep at least one",
-        "set checkpoint.keep=1 or more",
-    )
     if k.url:
         import fsspec
 
@@ -485,69 +494,6 @@ def validate(cfg: Config) -> None:
                 f"fsspec cannot write there ({exc})",
                 "use a file:// URL or install the fsspec backend for that scheme",
             )
-
-    h = cfg.health
-    for key in ("min_open_files", "min_stack_mb", "min_shm_mb", "expected_gpus"):
-        value = getattr(h, key)
-        need(
-            value >= 0,
-            f"health.{key}",
-            value,
-            "must not be negative",
-            f"set health.{key}=0 to accept any value, or a positive minimum",
-        )
-    need(
-        h.min_checkpoint_free_gb >= 0,
-        "health.min_checkpoint_free_gb",
-        h.min_checkpoint_free_gb,
-        "must not be negative",
-        "set health.min_checkpoint_free_gb=0 to check only the estimated checkpoint size",
-    )
-    for key in (
-        "etcd_timeout_s",
-        "max_clock_skew_s",
-        "gpu_probe_timeout_s",
-        "strike_window_s",
-    ):
-        value = getattr(h, key)
-        need(
-            value > 0,
-            f"health.{key}",
-            value,
-            "must be positive",
-            f"set health.{key} to a positive number of seconds",
-        )
-    need(
-        0 < h.gpu_memory_fraction <= 0.99,
-        "health.gpu_memory_fraction",
-        h.gpu_memory_fraction,
-        "must be in (0, 0.99]",
-        "set health.gpu_memory_fraction=0.9",
-    )
-    need(
-        h.max_strikes >= 1,
-        "health.max_strikes",
-        h.max_strikes,
-        "must be at least 1",
-        "set health.max_strikes=3 (failures before a node is quarantined)",
-    )
-    need(
-        h.quarantine_s >= 2,
-        "health.quarantine_s",
-        h.quarantine_s,
-        "etcd does not keep leases shorter than 2 s",
-        "set health.quarantine_s=2 or more",
-    )
-
-    t = cfg.trainer
-    need(t.epochs > 0, "trainer.epochs", t.epochs, "must be positive", "set trainer.epochs=1")
-    need(
-        t.log_every >= 1,
-        "trainer.log_every",
-        t.log_every,
-        "must be at least 1",
-        "set trainer.log_every=1",
-    )
 
     if cfg.model.name:
         from torchvision import models

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from elastic.config import OptimConfig
+from elastic.config import OptimConfig, Policy
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class Ramp:
 @dataclass(frozen=True)
 class LRPolicy:
     schedule: LRSchedule
-    policy: str  # rescale_lr | keep_global_batch
+    policy: Policy
     batch_size: int  # per worker
     resize_warmup_samples: int
 
@@ -81,13 +81,13 @@ class LRPolicy:
     def global_batch(self, world_size: int, first_global_batch: int) -> int:
         """The samples one step trains at ``world_size``; ``first_global_batch`` is the first
         round's (0 when this is the first round)."""
-        if self.policy == "keep_global_batch" and first_global_batch:
+        if self.policy is Policy.keep_global_batch and first_global_batch:
             return first_global_batch
         return world_size * self.batch_size
 
     def after_resize(self, samples_seen: int, old_lr: float, global_batch: int) -> Ramp | None:
         """The ramp to start when the world size changed, or None when the new LR applies now."""
-        if self.policy != "rescale_lr" or old_lr <= 0 or self.resize_warmup_samples == 0:
+        if self.policy is not Policy.rescale_lr or old_lr <= 0 or self.resize_warmup_samples == 0:
             return None
         if self.schedule.lr(samples_seen, global_batch) <= old_lr:
             return None

@@ -56,8 +56,11 @@ def compose(overrides: list[str], need_job: bool = False) -> Config:
             dcfg = hydra_compose(config_name="config", overrides=overrides)
         cfg: Config = OmegaConf.to_object(dcfg)  # type: ignore[assignment]
     except (HydraException, OmegaConfBaseException) as exc:
+        # Hydra says only which override failed ("Error merging override cluster.device=gpu");
+        # OmegaConf's error under it names the full key and, for an enum, the allowed values.
+        cause = f"\n{exc.__cause__}" if exc.__cause__ is not None else ""
         raise UsageError(
-            f"{exc}\nFix: pass overrides as key=value with the keys of conf/config.yaml "
+            f"{exc}{cause}\nFix: pass overrides as key=value with the keys of conf/config.yaml "
             "(every key is documented in elastic/config.py)"
         ) from exc
     if need_job and not cfg.job_id:

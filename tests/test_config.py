@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import zipfile
@@ -9,10 +10,12 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_module
+from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
-from elastic.config import Config, ConfigError, validate
-from launcher.compose import finalize
+from elastic.config import Bound, Config, ConfigError, validate
+from launcher.compose import UsageError, finalize
+from launcher.compose import compose as compose_launch
 
 from .conftest import REPO
 
@@ -62,7 +65,6 @@ def test_health_presets_compose() -> None:
         (["data.batch_size=0"], "data.batch_size"),
         (["rendezvous.lease_ttl_s=1"], "rendezvous.lease_ttl_s"),
         (["model.name=resnet9000"], "model.name"),
-        (["cluster.mode=cloud"], "cluster.mode"),
         (["checkpoint.every_steps=0"], "checkpoint.every_steps"),
         (["cluster=bare_metal"], "job_id"),
         (["cluster=bare_metal", "job_id=x"], "cluster.etcd_endpoints"),
@@ -73,12 +75,159 @@ def test_health_presets_compose() -> None:
         (["health.quarantine_s=1"], "health.quarantine_s"),
         (["health.max_strikes=0"], "health.max_strikes"),
         (["optim.milestones_epochs=[60,30]"], "optim.milestones_epochs"),
+        (["rendezvous.watchdog_s=0"], "rendezvous.watchdog_s"),
+        (["rendezvous.settle_s=-1"], "rendezvous.settle_s"),
+        (["data.generate.classes=1"], "data.generate.classes"),
+        (["optim.gamma=0"], "optim.gamma"),
+        (["trainer.epochs=0"], "trainer.epochs"),
+        (["cluster.max_nodes=-1"], "cluster.max_nodes"),
+        (["health.etcd_timeout_s=0"], "health.etcd_timeout_s"),
     ],
 )
 def test_bad_values_name_the_key_and_the_fix(overrides: list[str], key: str) -> None:
     with pytest.raises(ConfigError) as err:
         validate(composed(*overrides))
     assert f"{key}=" in str(err.value) and "Fix:" in str(err.value)
+
+
+# key=value: why. Fix: fix.  (the value is its repr; a list's repr has spaces)
+PROBLEM = re.compile(r"(?P<key>[a-z_.]+)=(?P<value>.+?): (?P<why>[^:]+?)\. Fix: (?P<fix>.+)\.")
+
+
+def test_every_problem_is_reported_at_once_in_one_shape() -> None:
+    """Declared bounds and hand-written checks alike print ``key=value: why. Fix: fix.``"""
+    with pytest.raises(ConfigError) as err:
+        validate(
+            composed(
+                "cluster.nodes=0",
+                "rendezvous.lease_ttl_s=1",
+                "optim.momentum=1",
+                "optim.milestones_epochs=[60,30]",
+                "health.gpu_memory_fraction=0",
+                "data.crop_size=8",
+            )
+        )
+    header, *lines = str(err.value).split("\n")
+    assert header == "invalid configuration:"
+    matches = [PROBLEM.fullmatch(line.removeprefix("  ")) for line in lines]
+    assert all(matches), lines
+    found = {m["key"]: m for m in matches if m}
+    assert set(found) == {
+        "cluster.nodes",
+        "cluster.min_nodes",  # 1 is more than the 0 nodes a round may hold
+        "rendezvous.lease_ttl_s",
+        "optim.momentum",
+        "optim.milestones_epochs",
+        "health.gpu_memory_fraction",
+        "data.crop_size",
+    }
+    # Custom reasons are kept; the others are made from the bound.
+    assert found["cluster.nodes"]["why"] == "a job needs at least one node"
+    assert found["rendezvous.lease_ttl_s"]["why"] == "etcd does not keep leases shorter than 2 s"
+    assert found["optim.momentum"]["why"] == "must be in [0, 1)"
+    assert found["health.gpu_memory_fraction"]["why"] == "must be in (0, 0.99]"
+    assert found["optim.momentum"]["value"] == "1.0"
+    assert found["optim.momentum"]["fix"] == "set optim.momentum=0.9"
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "rendezvous.lease_ttl_s=2",
+        "rendezvous.settle_s=0",
+        "optim.momentum=0",
+        "optim.gamma=1",
+        "optim.warmup_epochs=0",
+        "health.gpu_memory_fraction=0.99",
+        "health.quarantine_s=2",
+        "cluster.max_nodes=0",
+        "data.generate.classes=2",
+        "data.crop_size=16",
+    ],
+)
+def test_a_value_on_the_bound_passes(override: str) -> None:
+    validate(composed(override))
+
+
+def test_generate_bounds_are_checked_only_with_synthetic_data(tmp_path: Path) -> None:
+    (tmp_path / "train").mkdir()
+    validate(composed("data=imagenet", f"data.root={tmp_path}", "data.generate.classes=1"))
+    with pytest.raises(ConfigError, match="data.generate.classes=1"):
+        validate(composed("data.generate.classes=1"))
+
+
+def test_schema_defaults_satisfy_their_bounds() -> None:
+    validate(Config())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "why"),
+    [
+        ({"ge": 1}, "must be at least 1"),
+        ({"ge": 0}, "must not be negative"),
+        ({"gt": 0}, "must be positive"),
+        ({"gt": 0.5}, "must be more than 0.5"),
+        ({"le": 10}, "must be at most 10"),
+        ({"lt": 1}, "must be less than 1"),
+        ({"ge": 0, "lt": 1}, "must be in [0, 1)"),
+        ({"gt": 0, "le": 0.99}, "must be in (0, 0.99]"),
+        ({"ge": 2, "why": "etcd does not keep leases shorter than 2 s"}, "etcd does not keep"),
+    ],
+)
+def test_a_bound_says_why_from_its_limits(kwargs: dict[str, object], why: str) -> None:
+    bound = Bound(fix="set it", **kwargs)  # type: ignore[arg-type]
+    assert bound.why.startswith(why)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "value", "holds"),
+    [
+        ({"ge": 2}, 2, True),
+        ({"ge": 2}, 1.9, False),
+        ({"gt": 0}, 0, False),
+        ({"ge": 0, "lt": 1}, 0, True),
+        ({"ge": 0, "lt": 1}, 1, False),
+        ({"gt": 0, "le": 1}, 1, True),
+    ],
+)
+def test_a_bound_holds_on_its_closed_ends_only(
+    kwargs: dict[str, float], value: float, holds: bool
+) -> None:
+    assert Bound(fix="set it", **kwargs).holds(value) is holds  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"ge": 0, "gt": 0}, {"le": 1, "lt": 1}, {"ge": 0, "fix": ""}],
+)
+def test_a_bound_without_a_limit_or_a_fix_is_a_programming_error(
+    kwargs: dict[str, object],
+) -> None:
+    with pytest.raises(TypeError):
+        Bound(**{"fix": "set it", **kwargs})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "allowed"),
+    [
+        ("cluster.mode=cloud", "cluster.mode", "[local, bare_metal]"),
+        ("cluster.device=gpu", "cluster.device", "[auto, cpu, cuda]"),
+        ("optim.policy=foo", "optim.policy", "[rescale_lr, keep_global_batch]"),
+    ],
+)
+def test_a_spelling_outside_an_enum_is_refused_at_composition(
+    override: str, key: str, allowed: str
+) -> None:
+    with pytest.raises(HydraException) as err:  # Hydra's error wraps OmegaConf's
+        composed(override)
+    assert key in str(err.value)
+    assert allowed in str(err.value.__cause__)
+    # The commands that compose through launcher.compose show OmegaConf's text: the full key and
+    # the allowed values, not only Hydra's "Error merging override".
+    with pytest.raises(UsageError) as usage:
+        compose_launch([override])
+    assert f"full_key: {key}" in str(usage.value) and allowed in str(usage.value)
+    assert "Fix:" in str(usage.value)
 
 
 def run_cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
@@ -105,6 +254,7 @@ def run_cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]
         ("cluster.nodes=abc", "cluster.nodes"),  # a type error, caught by the schema
         ("cluster.nodez=3", "nodez"),  # an unknown key
         ("model=resnet9000", "model"),  # an unknown preset
+        ("cluster.device=gpu", "expected one of [auto, cpu, cuda]"),  # outside an enum
     ],
 )
 def test_launcher_refuses_bad_config_before_anything_starts(

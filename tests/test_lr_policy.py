@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from elastic.config import OptimConfig
+from elastic.config import OptimConfig, Policy
 from elastic.lr_policy import LRPolicy, LRSchedule, Ramp
 
 GOYAL = LRSchedule.from_config(
@@ -55,7 +55,7 @@ AFTER_WARMUP = 10_000  # samples seen: past the 5000-sample warm-up, before the 
 
 
 def policy(resize_warmup_epochs: float = 0.5, name: str = "rescale_lr") -> LRPolicy:
-    cfg = replace(RESIZE, policy=name, resize_warmup_epochs=resize_warmup_epochs)
+    cfg = replace(RESIZE, policy=Policy(name), resize_warmup_epochs=resize_warmup_epochs)
     return LRPolicy.from_config(cfg, batch_size=32, samples_per_epoch=1000)
 
 
