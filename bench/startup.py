@@ -6,7 +6,7 @@ torchrun: from its start until its (single) worker process runs the first line o
 which is what torchrun's agent does before training can begin. Each figure is the median of
 ``--repeats`` fresh processes, measured in one run on this machine, with the ratio ours / peer.
 
-    ./dev.sh bench-startup                 # or: .venv/bin/python bench/startup.py --repeats 5
+    .venv/bin/python bench/startup.py --repeats 5
     .venv/bin/python bench/startup.py --resume    # agents of a job that has a checkpoint
 
 The agent runs as the only node of a local job (``cluster.nodes=1``) with the embedded etcd; the
@@ -37,26 +37,35 @@ TIMEOUT_S = 180.0
 PEER_WORKER = "import sys, time; print(f'WORKER_STARTED {time.time()}', flush=True)"
 
 
+def one_node_job(workdir: Path, job_id: str, extra: list[str]) -> list[str]:
+    """The command line of a local job of one node, run directory ``workdir/job_id``."""
+    run_dir = workdir / job_id
+    return [
+        sys.executable,
+        "-m",
+        "launcher",
+        f"job_id={job_id}",
+        f"run_dir={run_dir}",
+        "cluster.nodes=1",
+        *extra,
+    ]
+
+
 def agent_startup(workdir: Path, job_id: str, extra: list[str]) -> float:
     """Seconds from the agent process's creation to its ``node_ready`` event."""
     run_dir = workdir / job_id
+    launched = time.time()
     launcher = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "launcher",
-            f"job_id={job_id}",
-            f"run_dir={run_dir}",
-            "cluster.nodes=1",
-            *extra,
-        ],
+        one_node_job(workdir, job_id, extra),
         cwd=workdir,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     try:
         follower = EventFollower(run_dir)
-        ready = follower.wait_for(lambda e: e["event"] == "node_ready", timeout_s=TIMEOUT_S)
+        ready = follower.wait_for(
+            lambda e: e["event"] == "node_ready" and e["ts"] >= launched, timeout_s=TIMEOUT_S
+        )
         started = next(
             p.create_time()
             for p in psutil.Process(launcher.pid).children(recursive=True)
@@ -69,21 +78,12 @@ def agent_startup(workdir: Path, job_id: str, extra: list[str]) -> float:
 
 
 def train_to_first_checkpoint(workdir: Path, job_id: str, extra: list[str]) -> None:
-    run_dir = workdir / job_id
     subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launcher",
-            f"job_id={job_id}",
-            f"run_dir={run_dir}",
-            "cluster.nodes=1",
-            "trainer.epochs=0.1",
-            *extra,
-        ],
+        one_node_job(workdir, job_id, ["trainer.epochs=0.1", *extra]),
         cwd=workdir,
         check=True,
         stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
         timeout=TIMEOUT_S,
     )
 

@@ -6,6 +6,10 @@ for machines), and exits 1 when a check fails, 2 on bad arguments. Given a job (
 ``cluster.etcd_endpoints``) it also says whether this node is quarantined in it. Nothing is
 written: not to etcd, and not where checkpoints go.
 
+It is meant to be quick, so it loads no torch unless it probes GPUs: the device is decided
+without CUDA where there can be no GPU (:func:`launcher.slots.local_slots`), and before the first
+checkpoint the disk check does not size the model (``run_checks(..., size_model=False)``).
+
     python -m launcher.doctor
     python -m launcher.doctor --json cluster=bare_metal job_id=resnet50-run1 \\
         cluster.etcd_endpoints=[10.0.0.1:2379] checkpoint.url=file:///shared/ckpt/run1
@@ -20,14 +24,16 @@ import socket
 import sys
 
 from elastic.config import Config
-from launcher.health import CheckResult, Status, run_checks
+from launcher.compose import UsageError, compose, finalize
+from launcher.etcd import EtcdUnavailable, connect
+from launcher.health import run_checks
+from launcher.health_report import CheckResult, Status
+from launcher.quarantine import Quarantine, clear_command
+from launcher.slots import local_slots
 
 
 def quarantine_row(cfg: Config, node_id: str) -> CheckResult:
     """Whether ``node_id`` is quarantined in ``cfg``'s job, and how many strikes it has."""
-    from launcher.etcd import EtcdUnavailable, connect
-    from launcher.quarantine import Quarantine, clear_command
-
     try:
         client = connect(list(cfg.cluster.etcd_endpoints), timeout_s=cfg.health.etcd_timeout_s)
     except EtcdUnavailable as exc:
@@ -66,9 +72,6 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
-    from launcher.compose import UsageError, compose, finalize
-    from launcher.slots import local_slots
-
     try:
         raw = compose(overrides)
     except UsageError as exc:
@@ -77,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = finalize(raw)
     node_id = args.node_id or cfg.cluster.node_id or socket.gethostname()
     slots, device = local_slots(cfg)
-    report = run_checks(cfg, node_id, list(cfg.cluster.etcd_endpoints), slots, device)
+    endpoints = list(cfg.cluster.etcd_endpoints)
+    report = run_checks(cfg, node_id, endpoints, slots, device, size_model=False)
     if raw.job_id and cfg.cluster.etcd_endpoints:
         row = quarantine_row(cfg, node_id)
         report = dataclasses.replace(report, results=(*report.results, row))

@@ -11,6 +11,10 @@ pending, row remapping, temperature, clock slowdown reasons); per device, matmul
 result (fp32 against a float64 reference, fp16 on tensor cores with integer inputs, whose result
 is exact); a device memory probe (allocate a share of the free memory, write, read back); an
 all-reduce across the node's GPUs through NCCL. CPU-only nodes skip all of it and say so.
+
+The rows are :mod:`launcher.health_report`'s types; :mod:`launcher.health` puts them in the
+node's report. torch and nvidia-ml-py are imported only where a GPU is used, so a CPU node never
+loads them.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastic.config import Config, HealthConfig
-from launcher.health import CheckResult, Status
+from launcher.health_report import CheckResult, Status
 
 # NVML clock event reasons (nvmlClocksEventReason*) that mean the hardware is slowing itself
 # down; power capping and idle are normal and are not listed.
@@ -46,7 +50,7 @@ ALLREDUCE_ELEMENTS = 16 << 20  # 64 MB of fp32 per GPU
 
 
 def gpu_checks(cfg: Config, slots: int, device: str) -> list[CheckResult]:
-    """The GPU rows of the health report; one skip row on a CPU node."""
+    """The GPU rows of the health report; one skip row on a CPU node, which imports no torch."""
     if device != "cuda":
         why = (
             "cluster.device=cpu"

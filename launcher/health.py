@@ -8,8 +8,13 @@ node that fails does not join at all.
 
 Every check reports pass, warn, fail or skip with a message that names the limit, the value found
 and, when it is not a pass, the fix. The host checks are here; the GPU checks are in
-:mod:`launcher.gpu_health`. Thresholds are the ``health`` config group. The agent publishes the
-report to etcd (:mod:`launcher.quarantine`), and ``python -m launcher.doctor`` prints it.
+:mod:`launcher.gpu_health`; :func:`run_checks` runs both into a report, whose types are
+:mod:`launcher.health_report`'s. Thresholds are the ``health`` config group. The agent publishes
+the report to etcd (:mod:`launcher.quarantine`), and ``python -m launcher.doctor`` prints it.
+
+The checks run before every join, so they cost only what they need: the size of a checkpoint
+comes from the newest checkpoint's manifest, and only a job without one yet builds the model (on
+the meta device, which imports torch and torchvision) to size it.
 """
 
 from __future__ import annotations
@@ -24,80 +29,18 @@ import socket
 import subprocess
 import time
 import urllib.request
-from dataclasses import asdict, dataclass
-from enum import Enum
 from pathlib import Path
 
 from elastic.config import Config, HealthConfig
+from elastic.manifest import manifest_bytes, newest_manifest
+from launcher.embedded_etcd import etcd_binary
+from launcher.gpu_health import gpu_checks
+from launcher.health_report import CheckResult, HealthReport, Status
 
 MB = 1 << 20
 GB = 1 << 30
 # A wall clock before this is unset (an RTC that lost power reads 1970 or the firmware's date).
 SANE_EPOCH = 1_735_689_600  # 2025-01-01 UTC
-
-
-class Status(str, Enum):
-    PASS = "pass"
-    WARN = "warn"
-    FAIL = "fail"
-    SKIP = "skip"
-
-
-@dataclass(frozen=True)
-class CheckResult:
-    name: str
-    status: Status
-    message: str
-
-
-@dataclass(frozen=True)
-class HealthReport:
-    """The outcome of every check on one node, as published to etcd and printed by the doctor."""
-
-    node_id: str
-    host: str
-    checked_at: float
-    seconds: float
-    results: tuple[CheckResult, ...]
-
-    @property
-    def ok(self) -> bool:
-        return not self.failures
-
-    @property
-    def failures(self) -> list[CheckResult]:
-        return [r for r in self.results if r.status is Status.FAIL]
-
-    @property
-    def counts(self) -> dict[str, int]:
-        """How many checks ended in each status, by status name."""
-        return {s.value: sum(r.status is s for r in self.results) for s in Status}
-
-    def to_json(self) -> str:
-        data = asdict(self)
-        data["ok"] = self.ok
-        data["results"] = [{**asdict(r), "status": r.status.value} for r in self.results]
-        return json.dumps(data)
-
-    @classmethod
-    def from_json(cls, raw: str | bytes) -> HealthReport:
-        data = json.loads(raw)
-        data.pop("ok", None)
-        results = tuple(
-            CheckResult(r["name"], Status(r["status"]), r["message"]) for r in data.pop("results")
-        )
-        return cls(**data, results=results)
-
-    def table(self) -> str:
-        """A plain-text table, one row per check, the message wrapped under its row."""
-        width = max([len(r.name) for r in self.results] + [5])
-        lines = [f"health of {self.node_id} ({self.host}), {self.seconds:.1f} s"]
-        lines.append(f"{'check'.ljust(width)}  status  detail")
-        for r in self.results:
-            lines.append(f"{r.name.ljust(width)}  {r.status.value.upper():<6}  {r.message}")
-        verdict = "fit to join" if self.ok else f"NOT fit to join: {len(self.failures)} failed"
-        lines.append(f"{verdict} ({', '.join(f'{n} {s}' for s, n in self.counts.items() if n)})")
-        return "\n".join(lines)
 
 
 # --- resource limits --------------------------------------------------------------------------
@@ -202,9 +145,21 @@ def check_shm(cfg: HealthConfig, required: bool, path: str = "/dev/shm") -> Chec
     )
 
 
-def checkpoint_bytes(cfg: Config) -> int:
-    """The size of one checkpoint: the model's parameters and buffers plus the SGD momentum,
-    counted on the meta device so nothing is allocated."""
+def checkpoint_bytes(cfg: Config, size_model: bool = True) -> int | None:
+    """The size of one checkpoint: what the newest committed one takes (its manifest, read without
+    torch); before the first one, with ``size_model``, the model's size (:func:`model_bytes`);
+    else None, not known."""
+    manifest = newest_manifest(cfg.checkpoint.url)
+    if manifest is not None:
+        return manifest_bytes(manifest)
+    return model_bytes(cfg) if size_model else None
+
+
+def model_bytes(cfg: Config) -> int:
+    """The size of a checkpoint of ``model.name``: its parameters and buffers plus the SGD
+    momentum, counted on the meta device so nothing is allocated."""
+    # Imported here, not at the top: elastic.model loads torch and torchvision (seconds), which
+    # only a node sizing a model before the job's first checkpoint needs.
     import torch
 
     from elastic.model import build_model
@@ -220,8 +175,13 @@ def checkpoint_bytes(cfg: Config) -> int:
     return 2 * params + buffers
 
 
-def check_checkpoint_disk(cfg: Config) -> CheckResult:
-    """Free space and write access where checkpoints go (local paths only)."""
+def check_checkpoint_disk(cfg: Config, size_model: bool = True) -> CheckResult:
+    """Free space and write access where checkpoints go (local paths only).
+
+    Room for ``checkpoint.keep + 1`` checkpoints (a new one is written before the oldest goes),
+    and at least ``health.min_checkpoint_free_gb``. Without ``size_model`` and before the first
+    checkpoint, the size of one is not known and only the latter is checked.
+    """
     url = cfg.checkpoint.url
     protocol, _, path = url.partition("://") if "://" in url else ("file", "", url)
     if protocol not in ("file", "local"):
@@ -232,9 +192,6 @@ def check_checkpoint_disk(cfg: Config) -> CheckResult:
         )
     target = Path(path)
     existing = next(p for p in (target, *target.parents) if p.exists())
-    one = checkpoint_bytes(cfg)
-    need = max(cfg.health.min_checkpoint_free_gb * GB, (cfg.checkpoint.keep + 1) * one)
-    free = shutil.disk_usage(existing).free
     if not os.access(existing, os.W_OK):
         return CheckResult(
             "checkpoint_disk",
@@ -242,6 +199,11 @@ def check_checkpoint_disk(cfg: Config) -> CheckResult:
             f"{existing} (for checkpoint.url={url}) is not writable by this user. Fix: make it "
             "writable or point checkpoint.url at a writable shared directory",
         )
+    free = shutil.disk_usage(existing).free
+    one = checkpoint_bytes(cfg, size_model)
+    if one is None:
+        return _checkpoint_disk_unsized(cfg, existing, free)
+    need = max(cfg.health.min_checkpoint_free_gb * GB, (cfg.checkpoint.keep + 1) * one)
     if free < need:
         return CheckResult(
             "checkpoint_disk",
@@ -256,6 +218,31 @@ def check_checkpoint_disk(cfg: Config) -> CheckResult:
         "checkpoint_disk",
         Status.PASS,
         f"{existing} {free / GB:.1f} GB free, writable; needs {need / GB:.2f} GB",
+    )
+
+
+def _checkpoint_disk_unsized(cfg: Config, existing: Path, free: int) -> CheckResult:
+    """The disk check before the first checkpoint, when the model is not sized (the doctor):
+    against ``health.min_checkpoint_free_gb`` alone."""
+    need = cfg.health.min_checkpoint_free_gb * GB
+    unknown = (
+        "the size of one checkpoint is not known before the first one is written (the agent "
+        f"sizes model.name={cfg.model.name} on the meta device before joining)"
+    )
+    if free < need:
+        return CheckResult(
+            "checkpoint_disk",
+            Status.FAIL,
+            f"{existing} has {free / GB:.2f} GB free, below "
+            f"health.min_checkpoint_free_gb={cfg.health.min_checkpoint_free_gb}; {unknown}. "
+            "Fix: free space, point checkpoint.url elsewhere, or lower "
+            "health.min_checkpoint_free_gb",
+        )
+    return CheckResult(
+        "checkpoint_disk",
+        Status.PASS,
+        f"{existing} {free / GB:.1f} GB free, writable; needs {need / GB:.2f} GB "
+        f"(health.min_checkpoint_free_gb); {unknown}",
     )
 
 
@@ -311,8 +298,6 @@ def check_etcd_and_clock(cfg: HealthConfig, endpoints: list[str]) -> list[CheckR
 
 
 def _embedded_etcd(cfg: HealthConfig) -> CheckResult:
-    from launcher.embedded_etcd import etcd_binary
-
     try:
         binary = etcd_binary()
         out = subprocess.run(
@@ -382,21 +367,28 @@ def _utc(ts: float) -> str:
 
 
 def run_checks(
-    cfg: Config, node_id: str, endpoints: list[str], slots: int, device: str
+    cfg: Config,
+    node_id: str,
+    endpoints: list[str],
+    slots: int,
+    device: str,
+    *,
+    size_model: bool = True,
 ) -> HealthReport:
     """Every check for this node, as the agent runs them before joining and the doctor prints.
 
-    ``slots`` and ``device`` are what the agent will start (``launcher.agent.local_slots``).
+    ``slots`` and ``device`` are what the agent will start (:func:`launcher.slots.local_slots`).
+    ``size_model``: before the job's first checkpoint, size one by building ``model.name`` on the
+    meta device. The agent does, to know the disk it needs; the doctor passes False, checks free
+    space against ``health.min_checkpoint_free_gb`` alone, and so loads no torch on a CPU node.
     """
-    from launcher.gpu_health import gpu_checks
-
     started = time.monotonic()
     h = cfg.health
     results = [
         check_open_files(h),
         check_stack(h),
         check_shm(h, required=device == "cuda" or cfg.data.loader_workers > 0),
-        check_checkpoint_disk(cfg),
+        check_checkpoint_disk(cfg, size_model),
         *check_etcd_and_clock(h, endpoints),
         *gpu_checks(cfg, slots, device),
     ]

@@ -1,18 +1,58 @@
 """How many workers a node runs, and on which device: the agent starts them, the doctor checks
-for them."""
+for them.
+
+Asking CUDA means importing torch, which costs seconds; on a machine that cannot have a usable
+NVIDIA GPU the answer is known without it. So the device is decided from plain facts first
+(:func:`device_without_cuda`: the ``cluster.device`` setting, the GPU device nodes, and
+``CUDA_VISIBLE_DEVICES``), and torch is asked only when a GPU may really be there.
+"""
 
 from __future__ import annotations
 
+import glob
+import os
+from collections.abc import Sequence
+
 from elastic import config
+
+# The nodes the NVIDIA driver creates per GPU (/dev/nvidia0, ...; not nvidiactl or nvidia-uvm),
+# and WSL2's GPU paravirtualisation device, through which CUDA reaches the host's GPUs.
+GPU_DEVICE_NODES = ("/dev/nvidia[0-9]*", "/dev/dxg")
+
+
+def gpu_device_nodes() -> list[str]:
+    """The GPU device nodes present on this machine."""
+    return sorted(path for pattern in GPU_DEVICE_NODES for path in glob.glob(pattern))
+
+
+def device_without_cuda(
+    setting: str, device_nodes: Sequence[str], cuda_visible_devices: str | None
+) -> str | None:
+    """The device this node trains on, when the facts decide it without asking CUDA; None when
+    only CUDA can tell (``auto``, and a GPU may be visible).
+
+    ``setting`` is ``cluster.device``; ``device_nodes`` are the GPU device nodes found
+    (:func:`gpu_device_nodes`); ``cuda_visible_devices`` is that variable, None when unset. CUDA
+    stops reading the variable at its first invalid entry, so an empty value or one that starts
+    with ``-1`` hides every GPU.
+    """
+    if setting in ("cpu", "cuda"):
+        return str(setting)
+    first = None if cuda_visible_devices is None else cuda_visible_devices.split(",")[0].strip()
+    if not device_nodes or first in ("", "-1"):
+        return "cpu"
+    return None
 
 
 def local_slots(cfg: config.Config) -> tuple[int, str]:
-    """How many workers this node runs, and on what device."""
-    import torch
-
-    use_cuda = cfg.cluster.device == "cuda" or (
-        cfg.cluster.device == "auto" and torch.cuda.is_available()
+    """How many workers this node runs, and on what device. Imports torch only when the node
+    may train on a GPU."""
+    device = device_without_cuda(
+        cfg.cluster.device, gpu_device_nodes(), os.environ.get("CUDA_VISIBLE_DEVICES")
     )
-    if use_cuda:
-        return cfg.cluster.workers_per_node or torch.cuda.device_count(), "cuda"
+    if device != "cpu":
+        import torch  # heavy (seconds): only where a GPU may be used
+
+        if device == "cuda" or torch.cuda.is_available():
+            return cfg.cluster.workers_per_node or torch.cuda.device_count(), "cuda"
     return cfg.cluster.workers_per_node or cfg.cluster.cpu_workers, "cpu"

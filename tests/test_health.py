@@ -1,10 +1,13 @@
 """Health checks: real resource limits in child processes, a real etcd, a real hung child; the
-judgement of GPU readings as pure logic, and the GPU path itself when a GPU is present."""
+judgement of GPU readings as pure logic, and the GPU path itself when a GPU is present. And what
+start-up costs: the doctor loads no torch on a CPU node, a checkpoint is sized from its manifest,
+and the device is decided without CUDA where there can be no GPU."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -14,16 +17,18 @@ from pathlib import Path
 import pytest
 
 from elastic.config import Config, HealthConfig
+from elastic.manifest import MANIFEST, newest_manifest
+from launcher import health
 from launcher.gpu_health import _read_lines, gpu_checks, judge_nvml, judge_probes, run_probe
 from launcher.health import (
-    CheckResult,
-    HealthReport,
-    Status,
     _clock_against,
     check_checkpoint_disk,
     check_etcd_and_clock,
     check_shm,
+    checkpoint_bytes,
 )
+from launcher.health_report import CheckResult, HealthReport, Status
+from launcher.slots import device_without_cuda, gpu_device_nodes
 
 from .conftest import REPO, with_limit
 
@@ -162,6 +167,116 @@ def test_shm_and_checkpoint_disk_below_minimum(tmp_path: Path) -> None:
     assert full.status is Status.FAIL and "health.min_checkpoint_free_gb" in full.message
     remote = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, url="s3://b"))
     assert check_checkpoint_disk(remote).status is Status.SKIP
+
+
+def with_checkpoint_url(url: str, **health_changes: object) -> Config:
+    cfg = Config()
+    return dataclasses.replace(
+        cfg,
+        checkpoint=dataclasses.replace(cfg.checkpoint, url=url, keep=1),
+        health=dataclasses.replace(cfg.health, **health_changes),
+    )
+
+
+def commit(folder: Path, sizes: dict[str, int] | None, raw: str | None = None) -> None:
+    """A checkpoint folder as the trainer leaves it: a manifest listing ``sizes`` (none: an
+    interrupted save; ``raw``: a manifest with that text)."""
+    folder.mkdir(parents=True)
+    files = {name: {"size": size, "sha256": "0" * 64} for name, size in (sizes or {}).items()}
+    if raw is not None:
+        (folder / MANIFEST).write_text(raw)
+    elif sizes is not None:
+        (folder / MANIFEST).write_text(json.dumps({"format": 1, "step": 1, "files": files}))
+
+
+def test_checkpoint_size_comes_from_the_newest_committed_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a checkpoint, its manifest sizes the next ones and no model is built: newer folders
+    that are not committed (no manifest, an unreadable one, moved aside) are passed over."""
+
+    def no_model(cfg: Config) -> int:
+        raise AssertionError("the model was sized although a checkpoint exists")
+
+    monkeypatch.setattr(health, "model_bytes", no_model)
+    root = tmp_path / "ck"
+    mb = 1 << 20
+    commit(root / "step_000000050", {"__0_0.distcp": 999 * mb})
+    commit(root / "step_000000100", {"__0_0.distcp": 300 * mb, ".metadata": 5 * mb})
+    commit(root / "step_000000150", None, raw="{not json")
+    commit(root / "step_000000200", None)
+    commit(root / "step_000000300.corrupt", {"__0_0.distcp": 1})
+    cfg = with_checkpoint_url(f"file://{root}", min_checkpoint_free_gb=0.0)
+    assert newest_manifest(cfg.checkpoint.url) is not None
+    assert checkpoint_bytes(cfg) == checkpoint_bytes(cfg, size_model=False) == 305 * mb
+    row = check_checkpoint_disk(cfg, size_model=False)
+    assert row.status is Status.PASS and row.message.endswith("needs 0.60 GB"), row
+    huge = tmp_path / "huge"
+    commit(huge / "step_000000001", {"__0_0.distcp": 1 << 50})
+    row = check_checkpoint_disk(with_checkpoint_url(str(huge)))
+    assert row.status is Status.FAIL, row
+    assert "checkpoint.keep + 1 = 2 checkpoints of 1073741824 MB" in row.message
+
+
+def test_before_the_first_checkpoint_the_doctor_checks_the_floor_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(health, "model_bytes", lambda cfg: 1 << 50)
+    cfg = with_checkpoint_url(f"file://{tmp_path}/ck")
+    assert checkpoint_bytes(cfg, size_model=False) is None
+    row = check_checkpoint_disk(cfg, size_model=False)
+    assert row.status is Status.PASS and "needs 1.00 GB" in row.message
+    assert "not known before the first one" in row.message
+    assert "model.name=resnet18 on the meta device" in row.message
+    full = check_checkpoint_disk(
+        with_checkpoint_url(cfg.checkpoint.url, min_checkpoint_free_gb=float(1 << 30)),
+        size_model=False,
+    )
+    assert full.status is Status.FAIL and "health.min_checkpoint_free_gb=" in full.message
+    assert "Fix:" in full.message
+    # The agent sizes the model instead (here a model too big for any disk).
+    assert check_checkpoint_disk(cfg).status is Status.FAIL
+
+
+def test_device_is_decided_without_cuda_where_there_can_be_no_gpu() -> None:
+    gpu = ["/dev/nvidia0"]
+    assert device_without_cuda("cpu", gpu, None) == "cpu"
+    assert device_without_cuda("cuda", [], "") == "cuda"  # asked for: the GPU checks say why not
+    assert device_without_cuda("auto", [], None) == "cpu"
+    assert device_without_cuda("auto", [], "0") == "cpu"
+    for hidden in ("", " ", "-1", "-1,0"):
+        assert device_without_cuda("auto", gpu, hidden) == "cpu", hidden
+    for visible in (None, "0", "1,0", "GPU-8f0e", "0,-1"):
+        assert device_without_cuda("auto", gpu, visible) is None, visible
+    assert device_without_cuda("auto", ["/dev/dxg"], None) is None  # WSL2
+    assert isinstance(device_without_cuda(Config().cluster.device, [], None), str)
+
+
+def torch_modules(importtime: str) -> list[str]:
+    """The torch and torchvision modules named in ``python -X importtime`` output."""
+    names = [line.rsplit("|", 1)[-1].strip() for line in importtime.splitlines() if "|" in line]
+    return [n for n in names if n.split(".")[0] in ("torch", "torchvision")]
+
+
+def test_doctor_imports_no_torch_on_a_cpu_node(tmp_path: Path) -> None:
+    """Start-up costs what it needs: on a node that trains on CPU, and before the first
+    checkpoint, the doctor neither asks CUDA nor sizes the model, so torch is never imported."""
+    env = {**os.environ, "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"}
+    hidden = {**env, "CUDA_VISIBLE_DEVICES": "-1"}
+    runs = [(["cluster.device=cpu"], env), (["cluster.device=auto"], hidden)]
+    if device_without_cuda("auto", gpu_device_nodes(), env.get("CUDA_VISIBLE_DEVICES")) == "cpu":
+        runs.append((["cluster.device=auto"], env))  # no GPU here: auto must see it unaided
+    for overrides, run_env in runs:
+        proc = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "launcher.doctor", "--json", *overrides,
+             f"checkpoint.url=file://{tmp_path}/ck"],
+            cwd=REPO, env=run_env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+        assert torch_modules(proc.stderr) == [], overrides
+        rows = {r.name: r for r in HealthReport.from_json(proc.stdout).results}
+        assert rows["gpu"].status is Status.SKIP
+        assert "not known before the first one" in rows["checkpoint_disk"].message
 
 
 def test_report_round_trips_through_json() -> None:

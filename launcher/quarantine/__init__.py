@@ -11,7 +11,7 @@ Keys (``<rendezvous.prefix>/<job_id>`` is the job's rendezvous prefix):
 
 - ``<job>/quarantine/<node>``: JSON :class:`Entry` under a lease of TTL ``quarantine_s``; in the
   rendezvous prefix, so every agent's watch sees it.
-- ``<job>.health/reports/<node>``: the node's last :class:`~launcher.health.HealthReport`.
+- ``<job>.health/reports/<node>``: the node's last :class:`~launcher.health_report.HealthReport`.
 - ``<job>.health/strikes/<node>``: JSON list of its recent failures.
 
 Reports and strikes sit beside the rendezvous prefix, not in it, so that agents' watches and
@@ -31,7 +31,7 @@ from typing import Any
 
 from elastic.config import HealthConfig
 from elastic.events import EventLog
-from launcher.health import HealthReport
+from launcher.health_report import HealthReport
 from launcher.rendezvous import QUARANTINE_DIR, job_prefix
 
 CLEAR_POLL_S = 1.0  # how soon a waiting node notices that an operator cleared it

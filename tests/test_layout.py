@@ -1,0 +1,105 @@
+"""The layout matches the processes: no import cycles, and a worker imports nothing of the agent's.
+
+``elastic/`` is what a worker imports and ``launcher/`` is the agent and the commands. The graph is
+read from the source (every ``import``, at module level or inside a function, since a function-level
+import hides a cycle rather than removing it), and a real worker module is imported in a fresh
+interpreter to see what it loads.
+
+    .venv/bin/python -m tests.test_layout     # prints the graph of elastic/ and launcher/
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("elastic", "launcher")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each module of ``elastic/`` and ``launcher/`` and the project modules it imports."""
+    modules = {
+        module_name(p): p for package in PACKAGES for p in sorted((REPO / package).rglob("*.py"))
+    }
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                candidates = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                candidates = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            targets.update(c for c in candidates if c in modules and c != name)
+        graph[name] = targets
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import cycle, each as the path that closes it (depth-first search)."""
+    found: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for target in sorted(graph[node]):
+            if state.get(target) == 1:
+                found.append(path[path.index(target) :] + [target])
+            elif target not in state:
+                visit(target, [*path, target])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return found
+
+
+def test_elastic_and_launcher_have_no_import_cycles() -> None:
+    graph = import_graph()
+    assert "launcher.agent" in graph and "elastic.trainer" in graph
+    assert cycles(graph) == []
+
+
+def test_elastic_imports_nothing_from_launcher() -> None:
+    graph = import_graph()
+    upward = {
+        m: sorted(t for t in targets if t.startswith("launcher")) for m, targets in graph.items()
+    }
+    assert {m: t for m, t in upward.items() if m.startswith("elastic") and t} == {}
+
+
+def test_a_worker_loads_no_module_of_the_launcher() -> None:
+    """What ``python -m elastic.trainer`` really imports, lazy imports included."""
+    probe = (
+        "import sys, elastic.trainer; "
+        "print(sorted(m for m in sys.modules if m == 'launcher' or m.startswith('launcher.')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c", "a"]]
+
+
+if __name__ == "__main__":
+    graph = import_graph()
+    for module in sorted(graph):
+        print(f"{module} -> {', '.join(sorted(graph[module])) or '-'}")
+    print(f"cycles: {cycles(graph) or 'none'}")
