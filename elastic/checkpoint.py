@@ -11,14 +11,25 @@ without a manifest is an interrupted save and is removed, one whose files do not
 aside as ``*.corrupt``. DCP's ``.metadata`` is a pickle, so verifying it against our own manifest
 before DCP reads it is what keeps resume from unpickling anything we did not write. DCP reshards
 on load, so a checkpoint written at one world size loads at any other.
+
+A save that fails on this side of the network (disk full, permission lost, the store down) is
+:class:`SaveFailed`: the half-written folder is removed, the newest good checkpoint stays, and
+the caller trains on and tries again at the next interval. DCP reports such a failure on every
+rank through a collective that completed, so the ranks agree on it. The collectives themselves run
+under the communicator's ``collective`` guard, which records a broken round: a peer that dies
+during a save is a peer failure, not a failed save.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import logging
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,13 +37,38 @@ import fsspec
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic.events import EventLog
+from elastic.manifest import FORMAT, MANIFEST, candidates
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
-FORMAT = 1
+
+# Runs a block of collectives of the current round (``Communicator.collective``).
+Collective = Callable[[str], AbstractContextManager[None]]
+
+
+def _no_guard(what: str) -> AbstractContextManager[None]:
+    return contextlib.nullcontext()
+
+
+class SaveFailed(Exception):
+    """A checkpoint could not be written here; the round and the older checkpoints are intact."""
+
+    def __init__(self, step: int, reason: str, fix: str) -> None:
+        super().__init__(f"checkpoint of step {step} failed: {reason}. Fix: {fix}")
+        self.step, self.reason, self.fix = step, reason, fix
+
+
+def save_failure_fix(errors: list[BaseException]) -> str:
+    """What an operator should do about a failed save, from the errors' errno (not their text)."""
+    codes = {getattr(e, "errno", None) for e in errors}
+    if codes & {errno.ENOSPC, errno.EDQUOT}:
+        return "free space where checkpoint.url points, or lower checkpoint.keep"
+    if codes & {errno.EACCES, errno.EPERM, errno.EROFS}:
+        return "make checkpoint.url writable by the job's user, or point it elsewhere"
+    return "check that checkpoint.url is reachable and writable from every node"
 
 
 @dataclass(frozen=True)
@@ -43,38 +79,70 @@ class CheckpointInfo:
 
 
 class CheckpointManager:
-    def __init__(self, url: str, keep: int, events: EventLog | None = None) -> None:
+    """The checkpoints under one URL. ``collective`` guards the collectives of a save or a load
+    (the worker passes ``Communicator.collective``)."""
+
+    def __init__(
+        self,
+        url: str,
+        keep: int,
+        events: EventLog | None = None,
+        collective: Collective = _no_guard,
+    ) -> None:
         self.url = url.rstrip("/")
         self.keep = keep
         self.events = events
+        self._collective = collective
         self.fs, self.root = fsspec.core.url_to_fs(self.url)
         self.fs.makedirs(self.root, exist_ok=True)
 
     # --- saving --------------------------------------------------------------------------------
 
     def save(self, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> str:
-        """Write a checkpoint; a collective, called by every rank with its state."""
+        """Write a checkpoint; a collective, called by every rank with its state.
+
+        Raises :class:`SaveFailed` when the bytes could not be written or committed (on every
+        rank when DCP's write failed, on rank 0 alone when the manifest could not be written).
+        """
         t0 = time.perf_counter()
         path = f"{self.root}/step_{step:09d}"
-        dcp.save(tensors, checkpoint_id=self._url(path))
+        try:
+            with self._collective("checkpoint save"):
+                dcp.save(tensors, checkpoint_id=self._url(path))
+        except CheckpointException as exc:
+            errors = [error for error, _ in exc.failures.values()]
+            reason = "; ".join(
+                f"rank {rank}: {type(error).__name__}: {error}"
+                for rank, (error, _) in sorted(exc.failures.items())
+            )
+            self._discard(path)
+            raise SaveFailed(step, reason, save_failure_fix(errors)) from None
         if dist.get_rank() == 0:
-            files = {
-                name: {
-                    "size": self.fs.size(f"{path}/{name}"),
-                    "sha256": self._sha256(f"{path}/{name}"),
+            try:
+                files = {
+                    name: {
+                        "size": self.fs.size(f"{path}/{name}"),
+                        "sha256": self._sha256(f"{path}/{name}"),
+                    }
+                    for name in self._files(path)
                 }
-                for name in self._files(path)
-            }
-            manifest = {
-                "format": FORMAT,
-                "step": step,
-                "saved_at": time.time(),
-                "files": files,
-                "world_size": dist.get_world_size(),
-                **meta,
-            }
-            self._write_json(f"{path}/{MANIFEST}", manifest)
-            self._prune()
+                manifest = {
+                    "format": FORMAT,
+                    "step": step,
+                    "saved_at": time.time(),
+                    "files": files,
+                    "world_size": dist.get_world_size(),
+                    **meta,
+                }
+                self._write_json(f"{path}/{MANIFEST}", manifest)
+            except Exception as exc:  # local I/O of any fsspec backend: the commit did not happen
+                self._discard(path)
+                reason = f"{type(exc).__name__}: {exc}"
+                raise SaveFailed(step, reason, save_failure_fix([exc])) from exc
+            try:
+                self._prune()
+            except Exception as exc:  # committed; an old folder stays until the next prune
+                log.warning("could not remove old checkpoints under %s: %s", self.url, exc)
             if self.events:
                 self.events.emit(
                     "checkpoint_saved",
@@ -90,6 +158,12 @@ class CheckpointManager:
         with self.fs.open(tmp, "w") as f:
             json.dump(data, f, indent=1)
         self.fs.mv(tmp, path)
+
+    def _discard(self, path: str) -> None:
+        """Remove what a failed save left (rank 0; every rank is past its writes by then)."""
+        if dist.get_rank() == 0:
+            with contextlib.suppress(Exception):  # the store may be what failed
+                self.fs.rm(path, recursive=True)
 
     def _prune(self) -> None:
         committed = [c for c in self._candidates() if self.fs.exists(f"{c}/{MANIFEST}")]
@@ -122,11 +196,13 @@ class CheckpointManager:
         choice: list[CheckpointInfo | None] = [None]
         if dist.get_rank() == 0:
             choice[0] = self.newest_valid()
-        dist.broadcast_object_list(choice, src=0)
+        with self._collective("checkpoint restore"):
+            dist.broadcast_object_list(choice, src=0)
         info = choice[0]
         if info is not None:
             t0 = time.perf_counter()
-            self.load(info, tensors)
+            with self._collective("checkpoint restore"):
+                self.load(info, tensors)
             if self.events and dist.get_rank() == 0:
                 self.events.emit(
                     "checkpoint_loaded",
@@ -159,16 +235,8 @@ class CheckpointManager:
     # --- helpers -------------------------------------------------------------------------------
 
     def _candidates(self) -> list[str]:
-        """Checkpoint folders, newest first."""
-        try:
-            entries = self.fs.ls(self.root, detail=False)
-        except FileNotFoundError:
-            return []
-        names = [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
-        steps = sorted(
-            (n for n in names if n.startswith("step_") and n[5:].isdigit()), reverse=True
-        )
-        return [f"{self.root}/{n}" for n in steps]
+        """Checkpoint folders, newest first (the layout is :mod:`elastic.manifest`'s)."""
+        return candidates(self.fs, self.root)
 
     def _files(self, path: str) -> list[str]:
         names = [e.rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(path, detail=False)]

@@ -15,13 +15,23 @@ threads, so a group with a collective still in flight is retired, not dropped: i
 the collective ends, which would otherwise stall the next round by up to the group's timeout.
 On NCCL, :meth:`abort` also aborts the communicator, and a round that only removed ranks
 shrinks the old group (``torch.distributed.shrink_group``) instead of building a new one.
+
+Whether a round broke is a fact the communicator records, never a guess from an error's text:
+every collective of a round runs through it (the comm hook's all-reduce, the group's set-up, and
+the blocks the trainer runs under :meth:`Communicator.collective`: the state sync and the
+checkpoint collectives), and the first one that fails is kept as :attr:`Communicator.failure`.
+An exception raised anywhere else is the worker's own fault.
 """
 
 # No ``from __future__ import annotations`` here: DDP checks the comm hook's annotations at run
 # time and wants the real GradBucket and Future types, not strings.
+import contextlib
 import logging
 import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import timedelta
+from enum import Enum
 from typing import Any
 
 import torch
@@ -35,6 +45,25 @@ log = logging.getLogger(__name__)
 
 class RoundAborted(RuntimeError):
     """The agent moved this worker out of its round (a new round was formed, or standby)."""
+
+
+class RoundEnd(Enum):
+    """Why a worker's round ended before the job was trained."""
+
+    LEFT = "left"  # the agent moved it to a newer round, or to standby
+    PEER_LOST = "peer_lost"  # a collective of the round failed: a peer died or the group broke
+    LOCAL_FAULT = "local_fault"  # neither: the worker's own fault
+
+
+@dataclass(frozen=True)
+class CollectiveFailure:
+    """A collective of the current round that failed: a peer died or the group broke."""
+
+    what: str  # which collective: "gradient all-reduce", "group set-up", "state sync", ...
+    error: str  # the exception, as the transport reported it (for people, never parsed)
+
+    def __str__(self) -> str:
+        return f"the {self.what} failed ({self.error})"
 
 
 def pick_device(requested: str, local_rank: int) -> torch.device:
@@ -65,6 +94,7 @@ class Communicator:
         self._works: list[dist.Work] = []  # this round's hook all-reduces
         self._retired: list[tuple[dist.ProcessGroup, list[dist.Work]]] = []
         self._announced = 0  # the newest round the agent has announced
+        self._failure: CollectiveFailure | None = None
         self.buckets_this_step = 0  # hook calls since begin_step(): how far backward got
         self.buckets_per_step = 0  # hook calls of the last complete step
 
@@ -82,29 +112,34 @@ class Communicator:
             previous, self.assignment = self.assignment, assignment
             self._aborted.clear()
             self._pending = []
+            self._failure = None
         self.buckets_per_step = 0  # DDP's buckets are rebuilt after its first step
-        shrunk = previous is not None and self._try_shrink(previous, assignment)
-        if not shrunk:
-            self.close()
-            store = dist.TCPStore(
-                assignment.store_host, assignment.store_port, is_master=False, timeout=self.timeout
-            )
-            options = None
-            if self.backend == "nccl":
-                # Non-blocking communicators let abort() return even when a kernel is stuck.
-                options = dist.ProcessGroupNCCL.Options()
-                options.config.blocking = False
-            dist.init_process_group(
-                self.backend,
-                store=dist.PrefixStore(f"round{assignment.round}/", store),
-                rank=assignment.rank,
-                world_size=assignment.world_size,
-                timeout=self.timeout,
-                device_id=self.device if self.device.type == "cuda" else None,
-                pg_options=options,
-            )
+        with self.collective("group set-up"):
+            shrunk = previous is not None and self._try_shrink(previous, assignment)
+            if not shrunk:
+                self.close()
+                self._init_group(assignment)
         if self._aborted.is_set():
             raise RoundAborted(f"round {self._announced} was announced")
+
+    def _init_group(self, assignment: Assignment) -> None:
+        store = dist.TCPStore(
+            assignment.store_host, assignment.store_port, is_master=False, timeout=self.timeout
+        )
+        options = None
+        if self.backend == "nccl":
+            # Non-blocking communicators let abort() return even when a kernel is stuck.
+            options = dist.ProcessGroupNCCL.Options()
+            options.config.blocking = False
+        dist.init_process_group(
+            self.backend,
+            store=dist.PrefixStore(f"round{assignment.round}/", store),
+            rank=assignment.rank,
+            world_size=assignment.world_size,
+            timeout=self.timeout,
+            device_id=self.device if self.device.type == "cuda" else None,
+            pg_options=options,
+        )
 
     def _try_shrink(self, previous: Assignment, new: Assignment) -> bool:
         """NCCL, and the new round only removed ranks of ours: shrink instead of re-creating."""
@@ -142,7 +177,36 @@ class Communicator:
 
     @property
     def aborted(self) -> bool:
+        """Whether the agent moved this worker out of the current round."""
         return self._aborted.is_set()
+
+    @property
+    def failure(self) -> CollectiveFailure | None:
+        """The first collective of the current round that failed, if one did."""
+        with self._lock:
+            return self._failure
+
+    @contextlib.contextmanager
+    def collective(self, what: str) -> Iterator[None]:
+        """Run collectives of the current round; an exception leaving the block is recorded as
+        the round's :attr:`failure` (and raised on).
+
+        Only collectives and what they carry belong in the block: a local fault inside it would
+        be taken for a broken round. DCP reports a rank's local failure through a collective that
+        completed, as a ``CheckpointException``, a ``BaseException``: it passes through here
+        without being recorded, which is right, since every rank's group is still intact.
+        """
+        try:
+            yield
+        except Exception as exc:
+            with self._lock:
+                self._record(what, exc)
+            raise
+
+    def _record(self, what: str, exc: BaseException) -> None:
+        """Keep the round's first failure; called with ``self._lock`` held."""
+        if self._failure is None:
+            self._failure = CollectiveFailure(what, f"{type(exc).__name__}: {exc}"[:300])
 
     def close(self) -> None:
         """Destroy the current group; retire it instead while a collective is still in flight."""
@@ -218,6 +282,7 @@ class Communicator:
                 try:
                     fut.value()
                 except Exception as exc:
+                    self._record("gradient all-reduce", exc)
                     ours.set_exception(exc)
                 else:
                     ours.set_result(tensor)
@@ -226,27 +291,12 @@ class Communicator:
         return ours
 
 
-def is_peer_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` comes from the communication layer (a peer died or the group broke).
-
-    DDP reports a failed all-reduce from its autograd hook as a plain RuntimeError, so besides
-    c10d's own error types the message is checked for the transports' wording.
-    """
-    if isinstance(exc, (dist.DistError, RoundAborted)):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and any(
-        marker in text
-        for marker in (
-            "Gloo",
-            "gloo",
-            "NCCL",
-            "Connection closed by peer",
-            "Connection reset",
-            "Broken pipe",
-            "Timed out",
-            "timed out",
-            "ProcessGroup",
-            "round was left",
-        )
-    )
+def round_end(aborted: bool, failure: CollectiveFailure | None) -> RoundEnd:
+    """Why a round ended with an exception, from what the communicator recorded: the agent's
+    abort comes first (the failure it causes is expected), then a failed collective; anything
+    else is local."""
+    if aborted:
+        return RoundEnd.LEFT
+    if failure is not None:
+        return RoundEnd.PEER_LOST
+    return RoundEnd.LOCAL_FAULT

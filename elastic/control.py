@@ -36,6 +36,9 @@ CONTROL_FD_ENV = "ELASTIC_CONTROL_FD"
 # Exit code of a worker that gave up on its round because peers went away and no new round came:
 # not this worker's fault, so its agent restarts it without reporting a failure of its own.
 EXIT_PEER_LOST = 75
+# Exit code of a worker that failed by itself (bad data, a CUDA error, a bug): its traceback is in
+# its log, and its agent counts a strike against the node.
+EXIT_FAILED = 1
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,14 @@ A worker outlives rounds. Read it top to bottom:
 - :func:`train_step` is one step: this rank's share of the global batch, in micro-batches when
   the policy keeps the global batch, then one optimizer step.
 
-A round breaks when a collective fails (a peer died: the worker reports it to its agent) or when
-the agent announces a new round (the communicator fails the step in flight). Either way at most
-the step in flight is lost, and the survivors' state carries on.
+A round ends in one of three ways, told apart by what the communicator recorded
+(:func:`elastic.communicator.round_end`), never by an error's text: the agent announced a new
+round (the communicator fails the step in flight), a collective failed (a peer died: the worker
+tells its agent, which finds the dead peer), or neither, which is this worker's own fault (bad
+data, a CUDA error): it exits with :data:`~elastic.control.EXIT_FAILED` and the traceback in its
+log, and its agent counts a strike. In the first two cases at most the step in flight is lost,
+and the survivors' state carries on. A checkpoint that cannot be written is not any of these:
+the round trains on, and the next interval tries again.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import queue
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -37,9 +43,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from elastic import config
-from elastic.checkpoint import CheckpointManager
-from elastic.communicator import Communicator, RoundAborted, is_peer_failure, pick_device
-from elastic.control import EXIT_PEER_LOST, Assignment, Channel, WorkerEnv
+from elastic.checkpoint import CheckpointManager, SaveFailed
+from elastic.communicator import Communicator, RoundAborted, RoundEnd, pick_device, round_end
+from elastic.control import EXIT_FAILED, EXIT_PEER_LOST, Assignment, Channel, WorkerEnv
 from elastic.data import SeededImageFolder
 from elastic.events import EventLog
 from elastic.lr_policy import LRPolicy
@@ -130,7 +136,7 @@ def main() -> int:
     env = WorkerEnv.from_environ()
     cfg = config.load(env.config)
     torch.set_num_threads(env.threads)
-    events = EventLog(env.run_dir, env.node_id, role="worker", local_rank=env.local_rank)
+    events = EventLog(env.run_dir, env.node_id, log, role="worker", local_rank=env.local_rank)
     device = pick_device(cfg.cluster.device, env.local_rank)
     comm = Communicator(device, cfg.rendezvous.pg_timeout_s)
     link = AgentLink(Channel.from_environ(), comm)
@@ -169,70 +175,56 @@ def main() -> int:
             train_round(w, assignment)
             comm.close()
             return 0
-        except Exception as exc:
-            if not (comm.aborted or is_peer_failure(exc) or isinstance(exc, CheckpointException)):
+        except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+            end = round_end(comm.aborted, comm.failure)
+            if end is RoundEnd.LOCAL_FAULT:
+                events.emit(
+                    "worker_failed",
+                    f"rank {assignment.rank} failed in round {assignment.round}: "
+                    f"{type(exc).__name__}: {exc}",
+                    level=logging.ERROR,
+                    error=f"{type(exc).__name__}: {exc}"[:500],
+                    step=w.progress.step if w.progress else 0,
+                )
                 raise
             w.interrupted_at = time.time()
-            if not (comm.aborted or isinstance(exc, RoundAborted)):
+            failure = comm.failure
+            if end is RoundEnd.PEER_LOST and failure is not None:
                 # A collective failed before the agent knew anything: tell it, so that it checks
                 # which peer is gone and drops it without waiting for the lease to expire.
-                link.channel.send("peer_lost", round=assignment.round, error=str(exc)[:300])
-                events.emit("worker_peer_lost", error=str(exc)[:300])
-            log.warning("rank %d left round %d: %s", assignment.rank, assignment.round, exc)
+                link.channel.send("peer_lost", round=assignment.round, error=failure.error)
+                events.emit(
+                    "worker_peer_lost",
+                    f"rank {assignment.rank} left round {assignment.round}: {failure}",
+                    level=logging.WARNING,
+                    what=failure.what,
+                    error=failure.error,
+                )
+            else:
+                log.info("rank %d left round %d for the next one", assignment.rank, last_round)
             del exc  # its traceback holds the round's DDP, whose hooks must go with it
 
 
+@dataclass(frozen=True)
+class RoundStart:
+    """Where a round begins: the state every rank now holds, the LR for this world size, and
+    when each step of entering it ended (for the recovery breakdown)."""
+
+    progress: Progress
+    global_batch: int
+    lr: float
+    source: int  # the rank whose memory the state came from; -1: a checkpoint or scratch
+    assigned_at: float
+    pg_ready_at: float
+    synced_at: float
+
+
 def train_round(w: Worker, a: Assignment) -> None:
+    """Enter round ``a``, then train step by step until the job is trained; a collective."""
     cfg, events, rank, world = w.cfg, w.events, a.rank, a.world_size
-    assigned_at = time.time()
-    w.link.status.update(phase="joining", round=a.round)
-    w.comm.enter(a)
-    pg_ready_at = time.time()
-
-    # The newest state any rank holds, from memory; the newest checkpoint only if none does.
-    progress, source = sync_state(w.tensors, w.progress, w.trained_round, w.device)
-    resumed_from = None
-    ckpt = CheckpointManager(cfg.checkpoint.url, cfg.checkpoint.keep, events)
-    if progress is None:
-        info = ckpt.restore(w.tensors)
-        progress = Progress.from_dict(info.manifest["progress"]) if info else Progress()
-        resumed_from = info.step if info else None
-    w.progress, w.trained_round = progress, a.round
-    synced_at = time.time()
-    events.emit("state_synced", step=progress.step, source=source, digest=w.state.digest())
-
-    # The LR policy for this world size; a change of global batch is logged and maybe ramped.
-    global_batch = w.policy.global_batch(world, progress.global_batch)
-    resized = bool(progress.global_batch) and progress.global_batch != global_batch
-    progress = replace(progress, global_batch=global_batch)
-    lr = w.policy.lr(progress.samples_seen, global_batch, progress.ramp)
-    if resized:
-        ramp = w.policy.after_resize(progress.samples_seen, progress.lr, global_batch)
-        progress = progress.with_ramp(ramp)
-        lr = w.policy.lr(progress.samples_seen, global_batch, progress.ramp)
-        if rank == 0:
-            events.emit(
-                "lr_changed",
-                reason="world_size",
-                old_world_size=progress.world_size,
-                world_size=world,
-                old_lr=progress.lr,
-                lr=lr,
-                ramp_samples=w.policy.resize_warmup_samples if ramp else 0,
-                policy=w.policy.policy,
-            )
-    if rank == 0:
-        events.emit(
-            "training_started",
-            world_size=world,
-            step=progress.step,
-            samples_seen=progress.samples_seen,
-            total_samples=w.total,
-            resumed_from=resumed_from,
-            in_place=source >= 0,
-            lr=lr,
-            global_batch=global_batch,
-        )
+    ckpt = CheckpointManager(cfg.checkpoint.url, cfg.checkpoint.keep, events, w.comm.collective)
+    start = enter_round(w, a, ckpt)
+    progress, global_batch = start.progress, start.global_batch
 
     ddp = w.comm.wrap(w.state.model)
     remaining = w.total - progress.samples_seen
@@ -266,23 +258,7 @@ def train_round(w: Worker, a: Assignment) -> None:
         w.progress = progress
 
         if rank == 0 and first_step and w.interrupted_at is not None:
-            now = time.time()
-            events.emit(
-                "recovered",
-                step=progress.step,
-                world_size=world,
-                interrupted_at=w.interrupted_at,
-                formed_at=a.formed_at,
-                assigned_at=assigned_at,
-                pg_ready_at=pg_ready_at,
-                synced_at=synced_at,
-                first_step_at=now,
-                rendezvous_s=max(0.0, a.formed_at - w.interrupted_at),
-                rebuild_s=pg_ready_at - max(a.formed_at, w.interrupted_at),
-                sync_s=synced_at - pg_ready_at,
-                first_step_s=now - synced_at,
-                in_place=source >= 0,
-            )
+            report_recovery(w, a, start, progress.step)
         first_step = False
         if rank == 0 and progress.step % cfg.trainer.log_every == 0:
             now = time.perf_counter()
@@ -313,6 +289,82 @@ def train_round(w: Worker, a: Assignment) -> None:
             samples_seen=progress.samples_seen,
             world_size=world,
         )
+
+
+def enter_round(w: Worker, a: Assignment, ckpt: CheckpointManager) -> RoundStart:
+    """The recovery steps of ARCHITECTURE.md that make a round trainable: build its group, agree
+    on the newest state any rank holds (a checkpoint only when none does), and set the LR the
+    policy gives for this world size, ramped when it grew."""
+    assigned_at = time.time()
+    w.link.status.update(phase="joining", round=a.round)
+    w.comm.enter(a)
+    pg_ready_at = time.time()
+
+    with w.comm.collective("state sync"):
+        progress, source = sync_state(w.tensors, w.progress, w.trained_round, w.device)
+    resumed_from = None
+    if progress is None:
+        info = ckpt.restore(w.tensors)
+        progress = Progress.from_dict(info.manifest["progress"]) if info else Progress()
+        resumed_from = info.step if info else None
+    w.progress, w.trained_round = progress, a.round
+    synced_at = time.time()
+    w.events.emit("state_synced", step=progress.step, source=source, digest=w.state.digest())
+
+    global_batch = w.policy.global_batch(a.world_size, progress.global_batch)
+    resized = bool(progress.global_batch) and progress.global_batch != global_batch
+    progress = replace(progress, global_batch=global_batch)
+    if resized:
+        ramp = w.policy.after_resize(progress.samples_seen, progress.lr, global_batch)
+        progress = progress.with_ramp(ramp)
+    lr = w.policy.lr(progress.samples_seen, global_batch, progress.ramp)
+    if a.rank == 0 and resized:
+        w.events.emit(
+            "lr_changed",
+            reason="world_size",
+            old_world_size=progress.world_size,
+            world_size=a.world_size,
+            old_lr=progress.lr,
+            lr=lr,
+            ramp_samples=w.policy.resize_warmup_samples if progress.ramp else 0,
+            policy=w.policy.policy,
+        )
+    if a.rank == 0:
+        w.events.emit(
+            "training_started",
+            world_size=a.world_size,
+            step=progress.step,
+            samples_seen=progress.samples_seen,
+            total_samples=w.total,
+            resumed_from=resumed_from,
+            in_place=source >= 0,
+            lr=lr,
+            global_batch=global_batch,
+        )
+    return RoundStart(progress, global_batch, lr, source, assigned_at, pg_ready_at, synced_at)
+
+
+def report_recovery(w: Worker, a: Assignment, start: RoundStart, step: int) -> None:
+    """The first step after a round broke: how long detection, rendezvous, rebuild, state sync
+    and the first step took (rank 0's ``recovered`` event)."""
+    assert w.interrupted_at is not None
+    now = time.time()
+    w.events.emit(
+        "recovered",
+        step=step,
+        world_size=a.world_size,
+        interrupted_at=w.interrupted_at,
+        formed_at=a.formed_at,
+        assigned_at=start.assigned_at,
+        pg_ready_at=start.pg_ready_at,
+        synced_at=start.synced_at,
+        first_step_at=now,
+        rendezvous_s=max(0.0, a.formed_at - w.interrupted_at),
+        rebuild_s=start.pg_ready_at - max(a.formed_at, w.interrupted_at),
+        sync_s=start.synced_at - start.pg_ready_at,
+        first_step_s=now - start.synced_at,
+        in_place=start.source >= 0,
+    )
 
 
 def train_step(
@@ -351,14 +403,31 @@ def train_step(
 
 
 def save(w: Worker, ckpt: CheckpointManager, progress: Progress, a: Assignment) -> None:
+    """Checkpoint this step. A save that fails here is reported and training goes on: the newest
+    good checkpoint stays, and the next interval tries again."""
     w.link.status["phase"] = "checkpoint"
-    ckpt.save(progress.step, w.tensors, {"progress": progress.to_dict(), "round": a.round})
+    try:
+        ckpt.save(progress.step, w.tensors, {"progress": progress.to_dict(), "round": a.round})
+    except SaveFailed as exc:
+        if a.rank == 0:
+            w.events.emit(
+                "checkpoint_failed",
+                f"{exc}; training goes on, the next interval tries again",
+                level=logging.WARNING,
+                step=exc.step,
+                reason=exc.reason,
+                fix=exc.fix,
+            )
     w.link.status["phase"] = "step"
 
 
 if __name__ == "__main__":
     faulthandler.enable()  # a native crash leaves its stack in the worker's log
-    code = main()
+    try:
+        code = main()
+    except (Exception, CheckpointException):  # a local fault: its traceback goes to the log
+        traceback.print_exc()
+        code = EXIT_FAILED
     # Leave without interpreter finalization. A gloo group retired with a collective still
     # blocked on a dead peer cannot be torn down cleanly (gloo cannot abort it), and destroying it
     # during finalization can crash the process (SIGSEGV) after the job is done, which the agent

@@ -59,10 +59,22 @@ def describe(ev: dict[str, Any]) -> str | None:
         )
     if kind == "checkpoint_saved":
         return f"checkpoint of step {ev['step']} saved in {ev['seconds']:.2f} s"
+    if kind == "checkpoint_failed":
+        return (
+            f"checkpoint of step {ev['step']} FAILED: {ev['reason']}. Fix: {ev['fix']}. "
+            "Training goes on; the newest good checkpoint is kept"
+        )
+    if kind == "worker_failed":
+        return f"{ev['node']}: worker rank {ev['rank']} failed: {ev['error']}"
     if kind == "checkpoint_skipped":
         return f"checkpoint {ev['url']} skipped: {ev['reason']}"
     if kind == "worker_exited" and ev["code"] not in (0, None) and not ev["stopped_by_agent"]:
         return f"{ev['node']}: worker {ev['local_rank']} exited with code {ev['code']}"
+    if kind == "restart_limit":
+        return (
+            f"{ev['node']}: workers crashed {ev['crashes']} times "
+            f"(cluster.max_restarts={ev['max_restarts']}); it leaves the job"
+        )
     if kind == "failure_reported":
         return f"{ev['node']}: reported a failure ({ev['reason']})"
     if kind == "fenced":
@@ -176,9 +188,11 @@ def summary(run_dir: Path, checkpoint_url: str, job_id: str, since: float = 0.0)
         lines.append(
             f"last step {steps[-1]['step']}: loss {steps[-1]['loss']:.4f}, lr {steps[-1]['lr']:.5f}"
         )
+    failed_saves = sum(e["event"] == "checkpoint_failed" for e in events)
     lines.append(
         f"rounds formed: {len(rounds)}, worker failures seen: {len(crashed)}, "
         f"checkpoints saved: {len(saved)}"
+        + (f", checkpoints failed: {failed_saves}" if failed_saves else "")
     )
     unfit = sorted({e["node"] for e in events if e["event"] == "health_failed"})
     if unfit:

@@ -1,7 +1,9 @@
-"""Sharded checkpoints with real gloo process groups: resharding, commit, damage, retention."""
+"""Sharded checkpoints with real gloo process groups: resharding, commit, damage, retention,
+and a save that fails on one rank."""
 
 from __future__ import annotations
 
+import errno
 import json
 from datetime import timedelta
 from pathlib import Path
@@ -10,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from elastic.checkpoint import MANIFEST, CheckpointManager
+from elastic.checkpoint import MANIFEST, CheckpointManager, SaveFailed, save_failure_fix
 from elastic.events import EventLog, read_events
 from elastic.state import TrainState
 from launcher.embedded_etcd import free_port
@@ -40,7 +42,10 @@ def _rank_main(
     state = make_state(seed)
     tensors = state.tensors()
     if action == "save":
-        manager.save(step, tensors, {"progress": {"step": step}})
+        try:
+            manager.save(step, tensors, {"progress": {"step": step}})
+        except SaveFailed as exc:  # every rank learns of it; the test reads what each one saw
+            Path(out, f"failed{rank}.json").write_text(json.dumps([exc.reason, exc.fix]))
     else:
         info = manager.restore(tensors)
         found = {
@@ -123,3 +128,33 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path: Path) -> None:
         "step_000000002",
         "step_000000003",
     ]
+
+
+def test_a_save_that_fails_on_one_rank_fails_on_every_rank_and_keeps_the_last_good_one(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 cannot write its shard (a directory stands where its file goes): DCP reports it to
+    every rank through a collective that completes, so both raise SaveFailed, the half-written
+    folder is removed and the checkpoint before it still loads."""
+    url = f"file://{tmp_path}/ckpt"
+    run_ranks(2, "save", url, tmp_path, step=5, seed=1)
+    trap = tmp_path / "ckpt" / "step_000000010" / "__1_0.distcp"
+    trap.mkdir(parents=True)
+    run_ranks(2, "save", url, tmp_path, step=10, seed=2)
+    seen = [json.loads((tmp_path / f"failed{rank}.json").read_text()) for rank in (0, 1)]
+    assert seen[0] == seen[1]
+    reason, fix = seen[0]
+    assert reason.startswith("rank 1: IsADirectoryError") and "checkpoint.url" in fix
+    assert not trap.parent.exists()
+    run_ranks(1, "load", url, tmp_path, seed=99)
+    got = loaded(tmp_path, 0)
+    assert got["step"] == 5 and got["tensors"] == expected(1)
+
+
+def test_the_fix_for_a_failed_save_follows_the_errno() -> None:
+    full = OSError(errno.ENOSPC, "No space left on device")
+    denied = PermissionError(errno.EACCES, "Permission denied")
+    assert "free space" in save_failure_fix([full])
+    assert "writable" in save_failure_fix([denied])
+    assert "free space" in save_failure_fix([denied, full])  # space first: it is the usual cause
+    assert "reachable" in save_failure_fix([ConnectionError("store down")])

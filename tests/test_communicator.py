@@ -1,4 +1,5 @@
-"""The communicator's round bookkeeping: which aborts apply, and when backward waits on peers.
+"""The communicator's round bookkeeping: which aborts apply, when backward waits on peers, and
+which failures it records.
 
 Pure logic, so no process group is built; the group itself is exercised end to end in
 test_e2e.py with real processes.
@@ -8,8 +9,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
-from elastic.communicator import Communicator, RoundAborted
+from elastic.communicator import (
+    CollectiveFailure,
+    Communicator,
+    RoundAborted,
+    RoundEnd,
+    round_end,
+)
 from elastic.control import Assignment
 
 
@@ -62,3 +70,27 @@ def test_later_steps_wait_for_peers_only_once_every_bucket_is_handed_over() -> N
     assert not c.waiting_for_peers  # backward still running: a hang here is this worker's
     c.buckets_this_step = 3
     assert c.waiting_for_peers
+
+
+def test_a_failure_inside_a_collective_block_is_recorded_once_and_raised() -> None:
+    c = comm()
+    with pytest.raises(RuntimeError), c.collective("state sync"):
+        raise RuntimeError("Connection closed by peer")
+    with pytest.raises(ValueError), c.collective("checkpoint save"):
+        raise ValueError("a later failure of the same round")
+    assert c.failure == CollectiveFailure("state sync", "RuntimeError: Connection closed by peer")
+
+
+def test_dcp_reporting_a_local_write_failure_through_the_collective_is_not_recorded() -> None:
+    c = comm()
+    with pytest.raises(CheckpointException), c.collective("checkpoint save"):
+        raise CheckpointException("write", {1: (OSError(28, "No space left"), None)})
+    assert c.failure is None
+
+
+def test_round_end_prefers_the_agents_abort_then_a_failed_collective() -> None:
+    failed = CollectiveFailure("gradient all-reduce", "RuntimeError: Connection reset")
+    assert round_end(aborted=True, failure=failed) is RoundEnd.LEFT
+    assert round_end(aborted=True, failure=None) is RoundEnd.LEFT
+    assert round_end(aborted=False, failure=failed) is RoundEnd.PEER_LOST
+    assert round_end(aborted=False, failure=None) is RoundEnd.LOCAL_FAULT

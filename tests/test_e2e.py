@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -16,6 +19,8 @@ from chaos.injectors import kill_node, kill_worker, node_with_rank, thaw_node
 from chaos.invariants import lr_violations, replica_violations, sample_violations
 from chaos.report import recovery
 from elastic import config
+from elastic.control import EXIT_FAILED, EXIT_PEER_LOST
+from elastic.data import ensure_synthetic
 from elastic.events import EventFollower, read_events
 from launcher.agent import EXIT_UNHEALTHY
 from launcher.quarantine import Quarantine
@@ -368,3 +373,121 @@ def test_unfit_node_stays_out_is_quarantined_and_joins_once_cleared(
     assert [e["quarantined_until"] is not None for e in failed] == [False, True]
     checked = [e for e in events if e["event"] == "health_checked" and e["node"] == "node2"]
     assert [e["ok"] for e in checked] == [False, False, True]
+
+
+def test_a_worker_whose_data_fails_is_a_local_crash_named_at_once(tmp_path: Path) -> None:
+    """One JPEG of the ImageFolder is unreadable. The worker that draws it fails by itself: it
+    exits with EXIT_FAILED and the traceback in its log, and its agent counts a strike. The
+    other node's worker sees its collective fail and is in a round of its own within seconds,
+    with its state in memory; nobody waits for rendezvous.join_timeout_s. (The bad sample is in
+    the step being redone, so whoever draws it next fails the same way, until quarantine.)"""
+    root = tmp_path / "data"
+    generate = config.SyntheticDataConfig(images_per_class=24)  # tests/conftest.FAST_JOB
+    ensure_synthetic(config.DataConfig(root=str(root), generate=generate))
+    bad = sorted((root / "train").rglob("*.jpg"))[0]
+    bad.write_bytes(b"not a JPEG")
+    run_dir = tmp_path / "run"
+    proc = launch(
+        run_dir,
+        "cluster.nodes=2",
+        "trainer.epochs=3",
+        f"data.root={root}",
+        "rendezvous.join_timeout_s=600",
+    )
+    try:
+        failed = wait_event(run_dir, proc, lambda e: e["event"] == "worker_failed")
+        assert "UnidentifiedImageError" in failed["error"] and bad.name in failed["error"]
+        victim = failed["node"]
+        exited = wait_event(
+            run_dir, proc, lambda e: e["event"] == "worker_exited" and e["node"] == victim
+        )
+        assert exited["code"] == EXIT_FAILED
+        strike = wait_event(run_dir, proc, lambda e: e["event"] == "strike")
+        assert strike["node"] == victim
+        alone = wait_event(
+            run_dir,
+            proc,
+            lambda e: e["event"] == "training_started" and e["world_size"] == 1,
+            failed["ts"],
+        )
+        assert alone["node"] != victim and alone["in_place"]
+        assert alone["ts"] - failed["ts"] < 60, output(run_dir)[-3000:]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        wait_exit(proc, run_dir)
+    log = (run_dir / "logs" / victim / f"worker{failed['local_rank']}.log").read_text()
+    assert "Traceback" in log and "UnidentifiedImageError" in log
+    events = read_events(run_dir)
+    gave_up = [e for e in events if e["event"] == "worker_exited" and e["code"] == EXIT_PEER_LOST]
+    assert gave_up == []
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size_mb: int) -> Iterator[Path]:
+    """A tmpfs of ``size_mb`` at ``path``; the test is skipped where it cannot be mounted."""
+    path.mkdir(parents=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill(path: Path) -> Path:
+    """Write zeros into ``path`` until its file system is full; the filler file."""
+    filler = path / "filler"
+    chunk = bytes(1 << 20)
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                f.write(chunk)
+                f.flush()
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+    return filler
+
+
+def test_a_checkpoint_store_that_fills_up_costs_checkpoints_not_the_round(tmp_path: Path) -> None:
+    """checkpoint.url is a 256 MB tmpfs, filled up after the first checkpoint. Each save then
+    fails with checkpoint_failed (reason and fix), training goes on in the same round with the
+    newest good checkpoint kept, and once space is back the next interval saves again."""
+    with small_tmpfs(tmp_path / "ckpt", 256) as store:
+        run_dir = tmp_path / "run"
+        proc = launch(
+            run_dir,
+            "cluster.nodes=2",
+            "trainer.epochs=6",
+            f"checkpoint.url=file://{store}",
+            "checkpoint.keep=1",
+            "health.min_checkpoint_free_gb=0",
+        )
+        try:
+            good = wait_event(run_dir, proc, lambda e: e["event"] == "checkpoint_saved")
+            filled = time.time()
+            filler = fill(store)
+            failed = wait_event(run_dir, proc, lambda e: e["event"] == "checkpoint_failed", filled)
+            assert "No space left" in failed["reason"] and "free space" in failed["fix"]
+            kept = sorted(p.name for p in store.glob("step_*"))
+            assert f"step_{good['step']:09d}" in kept, kept  # the newest good one stays
+            assert f"step_{failed['step']:09d}" not in kept  # the failed one was removed
+            wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["step"] > failed["step"])
+            freed = time.time()
+            filler.unlink()
+            again = wait_event(run_dir, proc, lambda e: e["event"] == "checkpoint_saved", freed)
+            assert again["step"] > failed["step"]
+            assert wait_exit(proc, run_dir) == 0, output(run_dir)[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        events = read_events(run_dir)
+        assert "FAILED" in output(run_dir)  # the progress display names it
+        assert [e["event"] for e in events if e["event"] == "round_formed"] == ["round_formed"]
+        assert not any(e["event"] in ("worker_peer_lost", "worker_failed") for e in events)
+        done = next(e for e in events if e["event"] == "training_done")
+        assert sorted(p.name for p in store.glob("step_*")) == [f"step_{done['step']:09d}"]
