@@ -23,6 +23,11 @@ One agent runs on every node (``cluster=bare_metal``), or one per simulated node
 5. When the workers finish the job, mark it done; when another node did, leave too.
 
 SIGTERM or SIGINT stops a node cleanly: workers stopped, lease revoked (its keys vanish at once).
+
+Everything the agent reacts to arrives in its inbox (:mod:`launcher.inbox`): worker messages and
+exits, signals, and changes of the rendezvous's view. Its loop is "gather the facts, decide, act":
+the decisions (what a worker exit, a lost peer, fencing or quarantine, a new round mean for this
+node) are pure functions in :mod:`launcher.decisions`, and the loop carries out their answers.
 """
 
 from __future__ import annotations
@@ -39,21 +44,27 @@ from datetime import timedelta
 from pathlib import Path
 from types import FrameType
 
+import torch.distributed as dist
+
 from elastic import config
-from elastic.control import EXIT_PEER_LOST, Assignment, WorkerEnv
+from elastic.control import WorkerEnv
 from elastic.events import EventLog
+from launcher import decisions as decide
 from launcher.etcd import EtcdUnavailable, connect
-from launcher.health import Status, run_checks
+from launcher.health import run_checks
+from launcher.health_report import Status
+from launcher.inbox import Inbox, Message, RendezvousChanged, Signal, WorkerPeerLost
 from launcher.quarantine import Entry, Quarantine, clear_command
-from launcher.rendezvous import Member, NodeRecord, Rendezvous, Round
+from launcher.rendezvous import JobView, NodeRecord, Rendezvous, Round
 from launcher.slots import local_slots
-from launcher.workers import WorkerGroup, WorkerSlot
+from launcher.workers import WorkerGroup
 
 log = logging.getLogger("launcher.agent")
 
 STOP_GRACE_S = 5.0  # how long workers get to exit after SIGTERM before SIGKILL
 EXIT_UNHEALTHY = 3  # the node failed its health checks (or cannot reach etcd) and did not join
 QUARANTINE_POLL_S = 2.0  # how often a quarantined node looks up from its wait (signals)
+IDLE_WAKE_S = 1.0  # the loop looks at the workers' watchdogs and the join timeout this often
 
 
 def probe(host: str, port: int, timeout_s: float) -> bool:
@@ -89,19 +100,19 @@ class Agent:
             1, cores // (self.slots * nodes_on_machine)
         )
         self.run_dir = Path(cfg.run_dir)
-        self.events = EventLog(self.run_dir, node_id, role="agent")
+        self.events = EventLog(self.run_dir, node_id, logger=log, role="agent")
+        self.inbox = Inbox()
         self.stop_signal: int | None = None
         self.rdzv: Rendezvous
         self.guard: Quarantine
         self.workers: WorkerGroup
         self.current: Round | None = None  # the round this node's workers were sent to
         self.crashes = 0
+        self.lost_round = 0  # the newest round in which a local worker saw a collective fail
 
     # --- life cycle ----------------------------------------------------------------------------
 
     def run(self) -> int:
-        import torch.distributed as dist
-
         self.events.emit("agent_started", pgid=os.getpgid(0), slots=self.slots, device=self.device)
         store = dist.TCPStore(
             "0.0.0.0",
@@ -113,8 +124,14 @@ class Agent:
         try:
             client = connect(self.endpoints, timeout_s=self.cfg.health.etcd_timeout_s)
         except EtcdUnavailable as exc:
-            log.error("%s cannot join: %s", self.node_id, exc)
-            self.events.emit("node_left", code=EXIT_UNHEALTHY, signal=None, reason=str(exc))
+            self.events.emit(
+                "node_left",
+                f"{self.node_id} cannot join: {exc}",
+                level=logging.ERROR,
+                code=EXIT_UNHEALTHY,
+                signal=None,
+                reason=str(exc),
+            )
             return EXIT_UNHEALTHY
         self.guard = Quarantine(
             client, self.cfg.rendezvous.prefix, self.cfg.job_id, self.cfg.health, self.events
@@ -127,6 +144,7 @@ class Agent:
             min_nodes=self.cfg.cluster.min_nodes,
             max_nodes=config.max_nodes(self.cfg),
             events=self.events,
+            on_change=lambda: self.inbox.put(RendezvousChanged()),
         )
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
@@ -152,7 +170,7 @@ class Agent:
             self.run_dir / "logs" / self.node_id,
             self.events,
             self.cfg.rendezvous.watchdog_s,
-            wake=self.rdzv.notify,
+            post=self.inbox.put,
         )
         log.info(
             "%s joined job %s (%d %s worker(s))",
@@ -172,173 +190,144 @@ class Agent:
         return code
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self.stop_signal = signum
-        self.rdzv.notify()
+        self.inbox.put(Signal(signum))  # reentrant: safe even if the main thread is in the queue
+
+    def _receive(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for messages and take in what they alone carry; the rest only
+        wake the loop, which then reads the workers and the view afresh."""
+        for msg in self.inbox.take(timeout):
+            self._take(msg)
+
+    def _take(self, msg: Message) -> None:
+        if isinstance(msg, Signal):
+            self.stop_signal = msg.signum
+        elif isinstance(msg, WorkerPeerLost):
+            self.lost_round = max(self.lost_round, msg.round)
 
     def _loop(self) -> int:
-        """React to whatever changed: signals, fencing, worker exits and reports, rounds."""
+        """Until the node is done or must go: gather the facts, decide (:mod:`launcher.decisions`),
+        act, and wait for the inbox (at most :data:`IDLE_WAKE_S`: watchdogs, the join timeout)."""
         waiting_since = time.monotonic()
         while True:
-            seen = self.rdzv.changes
             if self.stop_signal is not None:
                 return 128 + self.stop_signal
-            fenced = self.rdzv.fenced.is_set()
-            if fenced or self.node_id in self.rdzv.view.quarantined:
-                why = "lost its place in the job (fenced)" if fenced else "was quarantined"
-                if fenced:
-                    self._strike(why)
-                code = self._rejoin(why)
+            view = self.rdzv.view
+            rejoin = decide.on_membership(
+                self.rdzv.fenced.is_set(), self.node_id in view.quarantined
+            )
+            if rejoin is not None:
+                code = self._rejoin(rejoin)
                 if code:
                     return code
                 waiting_since = time.monotonic()
                 continue
-            codes = self.workers.exit_codes()
-            if 0 in codes:  # the job is trained: the others finish the same last step
+            self._kill_frozen()
+            exits = decide.on_worker_exits(
+                self.workers.exit_codes(), self.crashes, self.cfg.cluster.max_restarts
+            )
+            if isinstance(exits, decide.Finish):  # the others finish the same last step
                 self._finish()
                 return 0
-            if self.rdzv.view.done and self.current is None:
+            if view.done and self.current is None:
                 log.info("the job is done")
                 return 0
-            for slot in self.workers.slots:
-                reason = slot.frozen()
-                if reason is not None:
-                    self.events.emit("worker_frozen", local_rank=slot.env.local_rank, reason=reason)
-                    log.warning(
-                        "%s: worker %d frozen (%s)", self.node_id, slot.env.local_rank, reason
-                    )
-                    slot.kill()
-            failed = [s for s in self.workers.slots if s.exit_code not in (None, 0)]
-            if failed:
-                code = self._restart(failed)
+            if isinstance(exits, decide.GiveUp):
+                self.events.emit(
+                    "restart_limit",
+                    exits.message(self.node_id),
+                    level=logging.ERROR,
+                    crashes=exits.crashes,
+                    max_restarts=exits.max_restarts,
+                )
+                return 1
+            if isinstance(exits, decide.Restart):
+                code = self._restart(exits)
                 if code:
                     return code
                 continue
             if not self.rdzv.node.ready and self.workers.ready:
                 self.rdzv.set_ready()
-            self._handle_peer_lost()
-            self._follow_round()
+            self._probe_peers(view)
+            self._follow_round(view)
+            now = time.monotonic()
             if self.current is not None:
-                waiting_since = time.monotonic()
-            elif time.monotonic() - waiting_since > self.cfg.rendezvous.join_timeout_s:
-                self.events.emit("join_timeout", waited_s=time.monotonic() - waiting_since)
-                log.error(
-                    "%s was not placed in a round within rendezvous.join_timeout_s=%.0f; "
+                waiting_since = now
+            elif decide.join_timed_out(waiting_since, now, self.cfg.rendezvous.join_timeout_s):
+                self.events.emit(
+                    "join_timeout",
+                    f"{self.node_id} was not placed in a round within "
+                    f"rendezvous.join_timeout_s={self.cfg.rendezvous.join_timeout_s:.0f}; "
                     "are cluster.min_nodes nodes up?",
-                    self.node_id,
-                    self.cfg.rendezvous.join_timeout_s,
+                    level=logging.ERROR,
+                    waited_s=now - waiting_since,
                 )
                 return 1
-            self.rdzv.wait_change(seen, timeout=1.0)
+            self._receive(timeout=IDLE_WAKE_S)
 
-    # --- reactions -----------------------------------------------------------------------------
+    # --- acting on decisions -------------------------------------------------------------------
 
-    def _follow_round(self) -> None:
-        """Send the workers into a new round that lists this node, or to standby if it does not."""
-        view = self.rdzv.view
-        rnd = view.round
-        if rnd is None or (self.current is not None and rnd.number == self.current.number):
-            return
-        mine = view.nodes.get(self.node_id)
-        me = (
-            view.is_member(mine)
-            if mine and mine.incarnation == self.rdzv.node.incarnation
-            else None
-        )
-        if me is None:
-            if self.current is not None:
-                self.workers.standby()
-                self.events.emit("standby", round=rnd.number)
-                self.current = None
-            return
-        if not view.round_intact() or not self.workers.ready:
-            return  # a member is gone already: the next round follows at once
-        self.workers.assign(self._assignments(rnd, me))
-        self.events.emit(
-            "round_joined",
-            round=rnd.number,
-            world_size=rnd.world_size,
-            first_rank=me.first_rank,
-            members=[m.node_id for m in rnd.members],
-        )
-        log.info(
-            "%s: round %d, ranks %d-%d of %d",
-            self.node_id,
-            rnd.number,
-            me.first_rank,
-            me.first_rank + self.slots - 1,
-            rnd.world_size,
-        )
-        self.current = rnd
-
-    def _assignments(self, rnd: Round, me: Member) -> list[Assignment]:
-        excluded: tuple[int, ...] = ()
-        prev = self.current
-        if prev is not None and prev.number == rnd.number - 1:
-            kept = {m.node_id for m in rnd.members}
-            if all(prev.member(m.node_id) for m in rnd.members):
-                excluded = tuple(
-                    m.first_rank + i
-                    for m in prev.members
-                    if m.node_id not in kept
-                    for i in range(m.slots)
+    def _kill_frozen(self) -> None:
+        """Kill the workers the watchdog takes for frozen; they are restarted as crashed."""
+        for slot in self.workers.slots:
+            reason = slot.frozen()
+            if reason is not None:
+                self.events.emit(
+                    "worker_frozen",
+                    f"{self.node_id}: worker {slot.env.local_rank} frozen ({reason})",
+                    level=logging.WARNING,
+                    local_rank=slot.env.local_rank,
+                    reason=reason,
                 )
-        return [
-            Assignment(
+                slot.kill()
+
+    def _follow_round(self, view: JobView) -> None:
+        """Send the workers into a new round that lists this node, or to standby if it does not."""
+        step = decide.follow_round(view, self.rdzv.node, self.current, self.workers.ready)
+        if isinstance(step, decide.Standby):
+            self.workers.standby()
+            self.events.emit("standby", round=step.round)
+            self.current = None
+        elif isinstance(step, decide.Assign):
+            rnd, me = step.round, step.member
+            self.workers.assign(list(step.assignments))
+            self.events.emit(
+                "round_joined",
+                f"{self.node_id}: round {rnd.number}, ranks {me.first_rank}-"
+                f"{me.first_rank + me.slots - 1} of {rnd.world_size}",
                 round=rnd.number,
-                rank=me.first_rank + i,
                 world_size=rnd.world_size,
-                store_host=rnd.store_host,
-                store_port=rnd.store_port,
-                formed_at=rnd.formed_at,
-                shrinks_round=prev.number if excluded and prev else 0,
-                excluded_ranks=excluded,
+                first_rank=me.first_rank,
+                members=[m.node_id for m in rnd.members],
             )
-            for i in range(self.slots)
-        ]
+            self.current = rnd
 
-    def _handle_peer_lost(self) -> None:
+    def _probe_peers(self, view: JobView) -> None:
         """A worker saw a collective of the current round fail: drop the peers that are dead."""
-        rnd = self.current
-        if rnd is None or not any(s.peer_lost_round == rnd.number for s in self.workers.slots):
+        found = decide.on_peer_lost(self.current, self.lost_round, view, self.node_id)
+        if found is None:
             return
-        for s in self.workers.slots:
-            s.peer_lost_round = 0
-        view = self.rdzv.view
-        peers = [
-            (m, view.nodes[m.node_id])
-            for m in rnd.members
-            if m.node_id != self.node_id and m.node_id in view.nodes
-        ]
+        self.lost_round = 0
         timeout = self.cfg.rendezvous.probe_timeout_s
-        with ThreadPoolExecutor(max_workers=max(1, min(32, len(peers)))) as pool:
-            alive = list(pool.map(lambda p: probe(p[1].host, p[1].store_port, timeout), peers))
-        for (member, _), up in zip(peers, alive, strict=True):
-            if not up:
-                self.rdzv.evict(member, "its agent refuses connections")
+        with ThreadPoolExecutor(max_workers=max(1, min(32, len(found.peers)))) as pool:
+            up = list(pool.map(lambda p: probe(p.host, p.store_port, timeout), found.peers))
+        alive = {p.node_id: ok for p, ok in zip(found.peers, up, strict=True)}
+        for member in decide.peers_to_evict(found, alive):
+            self.rdzv.evict(member, "its agent refuses connections")
 
-    def _restart(self, failed: list[WorkerSlot]) -> int:
+    def _restart(self, plan: decide.Restart) -> int:
         """Leave the round and start the failed workers again once the node checks out healthy.
         Returns 0 to carry on, or the agent's exit code."""
-        crashed = [s for s in failed if s.exit_code != EXIT_PEER_LOST]
-        self.crashes += len(crashed)
-        if self.crashes > self.cfg.cluster.max_restarts:
-            log.error(
-                "%s: workers crashed %d times (cluster.max_restarts=%d); leaving",
-                self.node_id,
-                self.crashes,
-                self.cfg.cluster.max_restarts,
-            )
-            return 1
-        codes = [s.exit_code for s in failed]
-        self.rdzv.report_failure(f"worker exit codes {codes}")
+        self.crashes = plan.crashes
+        self.rdzv.report_failure(plan.reason)
         if self.current is not None:
             self.workers.standby()
             self.current = None
+        failed = [self.workers.slots[i] for i in plan.local_ranks]
         for s in failed:
             s.stop(0)
-        if crashed:
-            if self._strike(f"worker(s) crashed with exit codes {codes}"):
-                return self._rejoin("quarantined")
+        if plan.strike is not None:
+            if self._strike(plan.strike):
+                return self._rejoin(decide.Rejoin("quarantined", strike=False))
             code = self._check()
             if code:
                 return code
@@ -346,10 +335,12 @@ class Agent:
             s.start()
         return 0
 
-    def _rejoin(self, why: str) -> int:
+    def _rejoin(self, rejoin: decide.Rejoin) -> int:
         """Fenced or quarantined: this node's rounds go on without it. Leave, wait out any
         quarantine, check the node again and join as a new member; 0, or the exit code."""
-        log.warning("%s %s; leaving, to join again as a new member", self.node_id, why)
+        if rejoin.strike:
+            self._strike(rejoin.reason)
+        log.warning("%s %s; leaving, to join again as a new member", self.node_id, rejoin.reason)
         self.workers.stop(STOP_GRACE_S)
         self.current = None
         self.rdzv.leave()
@@ -361,6 +352,18 @@ class Agent:
             s.start()
         return 0
 
+    def _finish(self) -> None:
+        """A local worker finished the job: let the others finish, then mark the job done."""
+        deadline = time.monotonic() + STOP_GRACE_S * 6
+        while None in self.workers.exit_codes() and not self.rdzv.fenced.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._receive(timeout=min(left, IDLE_WAKE_S))
+        if all(c == 0 for c in self.workers.exit_codes()):
+            self.rdzv.mark_done()
+        self.current = None
+
     # --- health and quarantine -----------------------------------------------------------------
 
     def _admit(self) -> int:
@@ -370,16 +373,17 @@ class Agent:
         if found is not None:
             entry, left = found
             self.events.emit(
-                "quarantine_wait", left_s=left, reasons=list(entry.reasons), by=entry.by
-            )
-            log.warning(
-                "%s is quarantined for %.0f s more (%s); waiting. To end it sooner: %s",
-                self.node_id,
-                left,
-                "; ".join(entry.reasons),
-                clear_command(self.node_id, self.cfg.job_id, self.endpoints),
+                "quarantine_wait",
+                f"{self.node_id} is quarantined for {left:.0f} s more "
+                f"({'; '.join(entry.reasons)}); waiting. To end it sooner: "
+                + clear_command(self.node_id, self.cfg.job_id, self.endpoints),
+                level=logging.WARNING,
+                left_s=left,
+                reasons=list(entry.reasons),
+                by=entry.by,
             )
             while not self.guard.wait_cleared(self.node_id, QUARANTINE_POLL_S):
+                self._receive(timeout=0)
                 if self.stop_signal is not None:
                     return 128 + self.stop_signal
             self.events.emit("quarantine_over")
@@ -393,9 +397,9 @@ class Agent:
             return 0
         report = run_checks(self.cfg, self.node_id, self.endpoints, self.slots, self.device)
         self.guard.publish(report)
-        log.info("%s", report.table())
         self.events.emit(
             "health_checked",
+            report.table(),
             ok=report.ok,
             seconds=round(report.seconds, 3),
             counts=report.counts,
@@ -406,12 +410,12 @@ class Agent:
         failures = [f"{r.name}: {r.message}" for r in report.failures]
         entry = self._strike("failed health checks: " + ", ".join(r.name for r in report.failures))
         self.events.emit(
-            "health_failed", failures=failures, quarantined_until=entry.until if entry else None
-        )
-        log.error(
-            "%s failed its health checks and does not join the job:\n  %s",
-            self.node_id,
-            "\n  ".join(failures),
+            "health_failed",
+            f"{self.node_id} failed its health checks and does not join the job:\n  "
+            + "\n  ".join(failures),
+            level=logging.ERROR,
+            failures=failures,
+            quarantined_until=entry.until if entry else None,
         )
         return EXIT_UNHEALTHY
 
@@ -424,13 +428,6 @@ class Agent:
         except Etcd3Exception as exc:  # etcd away: the lease decides this node's fate instead
             log.warning("%s: could not record a strike (%s)", self.node_id, exc)
             return None
-
-    def _finish(self) -> None:
-        """A local worker finished the job: let the others finish, then mark the job done."""
-        self.rdzv.wait(lambda v: None not in self.workers.exit_codes(), timeout=STOP_GRACE_S * 6)
-        if all(c == 0 for c in self.workers.exit_codes()):
-            self.rdzv.mark_done()
-        self.current = None
 
 
 def main(argv: list[str] | None = None) -> int:

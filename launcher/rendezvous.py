@@ -25,6 +25,9 @@ least ``min_nodes`` are ready and either ``max_nodes`` are or membership has bee
 ``settle_s``. A peer that sees a node die (its agent refuses connections) deletes that node's key
 with :meth:`Rendezvous.evict` instead of waiting for the lease; an evicted node that was in fact
 alive sees its own key vanish and fences itself.
+
+Whoever follows the job (the agent) passes ``on_change``, called whenever the view changes or the
+node fences itself; it then reads :attr:`Rendezvous.view` and :attr:`Rendezvous.fenced`.
 """
 
 from __future__ import annotations
@@ -206,12 +209,16 @@ class Rendezvous:
         min_nodes: int,
         max_nodes: int,
         events: EventLog | None = None,
+        on_change: Callable[[], None] | None = None,
     ) -> None:
+        """``on_change`` is called on the rendezvous's threads, after each change of the view and
+        when this node is fenced; it must return at once (the agent posts to its inbox)."""
         self._client = client
         self._cfg = cfg
         self._min, self._max = min_nodes, max_nodes
         self._initial_settle = max(cfg.first_round_wait_s, cfg.settle_s)
         self._events = events
+        self._on_change = on_change or (lambda: None)
         self.node = node
         base = job_prefix(cfg.prefix, job_id)
         self._prefix = base + "/"
@@ -223,7 +230,6 @@ class Rendezvous:
 
         self._cond = threading.Condition()
         self._view = JobView()
-        self._changes = 0
         self._membership: tuple[tuple[str, int, int, bool], ...] = ()
         self._last_change = time.monotonic()
         self._lease: Any = None
@@ -323,29 +329,9 @@ class Rendezvous:
             )
             return self._view if ok else None
 
-    @property
-    def changes(self) -> int:
-        """A counter of view changes and notifications, for :meth:`wait_change`."""
-        with self._cond:
-            return self._changes
-
-    def wait_change(self, seen: int, timeout: float) -> None:
-        """Block until anything changed since :attr:`changes` read ``seen`` (no lost wake-ups)."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._changes != seen, timeout=timeout)
-
-    def notify(self) -> None:
-        """Wake :meth:`wait` callers so they re-check a predicate on state outside etcd.
-
-        The agent waits on this one condition for round changes, worker exits and signals
-        alike; with a single lock there is no lock order to get wrong.
-        """
-        with self._cond:
-            self._changes += 1
-            self._cond.notify_all()
-
     def _publish(self, view: JobView) -> None:
-        """Install a newer view; called with ``self._cond`` held."""
+        """Install a newer view; called with ``self._cond`` held, and then :meth:`_changed`
+        once it is released."""
         membership = tuple(
             sorted((n.node_id, n.joined_rev, n.incarnation, n.ready) for n in view.nodes.values())
         )
@@ -354,9 +340,16 @@ class Rendezvous:
             self._last_change = time.monotonic()
         # "done" is sticky: the key vanishes with its writer's lease once the job is over.
         self._view = replace(view, done=view.done or self._view.done)
-        self._changes += 1
         self._cond.notify_all()
         self._wake.set()
+
+    def _changed(self) -> None:
+        """Tell whoever follows the job that the view changed or this node was fenced; called
+        without ``self._cond`` held, so the callback can read the view."""
+        try:
+            self._on_change()
+        except Exception:  # the watch and keep-alive threads must survive a faulty callback
+            log.exception("rendezvous on_change callback failed")
 
     def _snapshot(self) -> None:
         resp = self._client.get_prefix_response(self._prefix)
@@ -374,12 +367,15 @@ class Rendezvous:
             elif key.startswith(self._quarantine_prefix):
                 quarantined.add(key[len(self._quarantine_prefix) :])
         with self._cond:
-            if resp.header.revision >= self._view.revision:
+            newer = resp.header.revision >= self._view.revision
+            if newer:
                 self._publish(
                     JobView(
                         nodes, rnd, round_rev, done, resp.header.revision, frozenset(quarantined)
                     )
                 )
+        if newer:
+            self._changed()
 
     def _on_watch(self, response: Any) -> None:
         """Runs on the etcd client's watch thread: apply each event to the view."""
@@ -388,6 +384,7 @@ class Rendezvous:
             self._watch_id = None
             self._wake.set()
             return
+        changed = False
         with self._cond:
             view = self._view
             nodes, rnd, round_rev, done = dict(view.nodes), view.round, view.round_rev, view.done
@@ -401,7 +398,7 @@ class Rendezvous:
                 if key.startswith(self._nodes_prefix):
                     node_id = key[len(self._nodes_prefix) :]
                     if deleted and node_id == self.node.node_id and not self._stop.is_set():
-                        self._fence("this node was evicted by a peer")
+                        changed |= self._fence("this node was evicted by a peer")
                     if deleted:
                         nodes.pop(node_id, None)
                     else:
@@ -415,6 +412,9 @@ class Rendezvous:
                     (quarantined.discard if deleted else quarantined.add)(node_id)
             if rev > view.revision:
                 self._publish(JobView(nodes, rnd, round_rev, done, rev, frozenset(quarantined)))
+                changed = True
+        if changed:
+            self._changed()
 
     # --- background threads ------------------------------------------------------------------
 
@@ -439,16 +439,25 @@ class Rendezvous:
                     continue
                 reason = f"lease not renewed for {ttl * 2 / 3:.1f} s ({exc.__class__.__name__})"
             with self._cond:
-                self._fence(reason)
+                fenced = self._fence(reason)
+            if fenced:
+                self._changed()
             return
 
-    def _fence(self, reason: str) -> None:
-        """Consider this node out of the job; called with ``self._cond`` held."""
-        if not self.fenced.is_set():
-            self._emit("fenced", reason=reason)
-            self.fenced.set()
-            self._changes += 1
-            self._cond.notify_all()
+    def _fence(self, reason: str) -> bool:
+        """Consider this node out of the job; called with ``self._cond`` held, and then
+        :meth:`_changed` if this returns True (it was not fenced yet)."""
+        if self.fenced.is_set():
+            return False
+        self._emit(
+            "fenced",
+            f"{self.node.node_id} is fenced out of the job: {reason}",
+            level=logging.WARNING,
+            reason=reason,
+        )
+        self.fenced.set()
+        self._cond.notify_all()
+        return True
 
     def _sync_loop(self) -> None:
         """Keep the watch alive, re-read the job now and then, and propose rounds as leader."""
@@ -534,6 +543,10 @@ class Rendezvous:
             )
         return bool(ok)
 
-    def _emit(self, event: str, **fields: Any) -> None:
+    def _emit(
+        self, event: str, message: str | None = None, /, *, level: int = logging.INFO, **fields: Any
+    ) -> None:
         if self._events is not None:
-            self._events.emit(event, **fields)
+            self._events.emit(event, message, level=level, **fields)
+        elif message is not None:
+            log.log(level, "%s", message)

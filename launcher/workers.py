@@ -3,6 +3,9 @@
 A worker is started once and lives across rounds; its agent sends it each round over a control
 channel (:mod:`elastic.control`) and hears back from it: ready, heartbeats, a peer lost. Only a
 worker that died is started again, in the same slot.
+
+A slot posts what the agent must react to (ready, a peer lost, the process's exit) to the agent's
+inbox (:mod:`launcher.inbox`); heartbeats only feed the slot's watchdog.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import psutil
 from elastic.control import CONTROL_FD_ENV, Assignment, Channel, WorkerEnv
 from elastic.events import EventLog
 from elastic.lifeline import tied
+from launcher.inbox import Message, WorkerExited, WorkerPeerLost, WorkerReady
 from launcher.watchdog import Watchdog
 
 
@@ -35,17 +39,16 @@ class WorkerSlot:
         log_dir: Path,
         events: EventLog,
         watchdog_s: float,
-        wake: Callable[[], None],
+        post: Callable[[Message], None],
     ) -> None:
         self.env = env
         self.log_path = log_dir / f"worker{env.local_rank}.log"
         self._events = events
-        self._wake = wake
+        self._post = post
         self._lock = threading.Lock()
         self.proc: subprocess.Popen[bytes] | None = None
         self.channel: Channel | None = None
         self.ready = False
-        self.peer_lost_round = 0  # the last round in which this worker saw a collective fail
         self.watchdog = Watchdog(watchdog_s)
         self.stopping = False
 
@@ -71,7 +74,7 @@ class WorkerSlot:
             )
         theirs.close()
         with self._lock:
-            self.channel, self.ready, self.peer_lost_round, self.stopping = channel, False, 0, False
+            self.channel, self.ready, self.stopping = channel, False, False
         channel.serve(self._on_message, name=f"worker{self.env.local_rank}-link")
         self._events.emit(
             "worker_started",
@@ -84,16 +87,18 @@ class WorkerSlot:
     def _on_message(self, msg: dict[str, Any]) -> None:
         kind = msg["type"]
         now = time.monotonic()
-        with self._lock:
-            if kind == "ready":
+        rank = self.env.local_rank
+        if kind == "ready":
+            with self._lock:
                 self.ready = True
                 self.watchdog.start(now)
-            elif kind == "status":
-                self.watchdog.heartbeat(msg, now)
-                return  # heartbeats need no action from the agent
-            elif kind == "peer_lost":
-                self.peer_lost_round = max(self.peer_lost_round, int(msg["round"]))
-        self._wake()
+            self._post(WorkerReady(rank))
+        elif kind == "status":
+            with self._lock:
+                self.watchdog.heartbeat(msg, now)  # the agent asks the watchdog on its own time
+        elif kind == "peer_lost":
+            self._post(WorkerPeerLost(rank, int(msg["round"])))
+        # "eof": the process exit follows, posted by _wait
 
     def _wait(self, proc: subprocess.Popen[bytes]) -> None:
         code = proc.wait()
@@ -104,7 +109,7 @@ class WorkerSlot:
             code=code,
             stopped_by_agent=self.stopping,
         )
-        self._wake()
+        self._post(WorkerExited(self.env.local_rank, code))
 
     @property
     def exit_code(self) -> int | None:
@@ -164,10 +169,10 @@ class WorkerGroup:
         log_dir: Path,
         events: EventLog,
         watchdog_s: float,
-        wake: Callable[[], None],
+        post: Callable[[Message], None],
     ) -> WorkerGroup:
         log_dir.mkdir(parents=True, exist_ok=True)
-        group = cls([WorkerSlot(env, log_dir, events, watchdog_s, wake) for env in envs])
+        group = cls([WorkerSlot(env, log_dir, events, watchdog_s, post) for env in envs])
         for slot in group.slots:
             slot.start()
         return group

@@ -11,14 +11,18 @@ import time
 import pytest
 
 from elastic.config import RendezvousConfig
+from launcher.etcd import connect
 from launcher.rendezvous import (
     JobView,
     NodeIdInUse,
     NodeRecord,
+    Rendezvous,
     Round,
     plan_round,
     shrink_only,
 )
+
+from .conftest import FAST
 
 
 def node(name: str, rev: int = 0, incarnation: int = 0, slots: int = 1) -> NodeRecord:
@@ -152,6 +156,45 @@ def test_an_evicted_node_fences_itself_and_the_others_go_on(make) -> None:
     assert b.fenced.wait(timeout=5)
     after = a.wait(lambda v: v.round.number > view.round.number, timeout=5)
     assert after is not None and [m.node_id for m in after.round.members] == ["a"]
+
+
+def eventually(check, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_on_change_is_called_for_view_changes_and_fencing(
+    make, etcd_endpoint: str, job_id: str
+) -> None:
+    """The agent's inbox hears of every change: the callback runs once the view or the fenced
+    flag shows it."""
+    seen: list[tuple[int, bool]] = []
+    b = Rendezvous(
+        connect([etcd_endpoint]),
+        job_id=job_id,
+        node=NodeRecord("b", "127.0.0.1", 1001, 1),
+        cfg=FAST,
+        min_nodes=1,
+        max_nodes=2,
+        on_change=lambda: seen.append((b.view.revision, b.fenced.is_set())),
+    )
+    b.join()
+    try:
+        b.set_ready()
+        a = make("a", max_nodes=2)
+        view = b.wait(lambda v: v.round is not None and v.round.world_size == 2, timeout=10)
+        assert view is not None
+        assert eventually(lambda: any(rev >= view.revision for rev, _ in seen))
+        assert not any(fenced for _, fenced in seen)
+        assert a.evict(view.round.member("b"), "test")
+        assert b.fenced.wait(timeout=5)
+        assert eventually(lambda: any(fenced for _, fenced in seen))
+    finally:
+        b.leave()
 
 
 NODE_PROCESS = textwrap.dedent("""

@@ -1,0 +1,229 @@
+"""The agent's decisions, as pure functions over plain data, like :func:`plan_round`.
+
+The agent (:mod:`launcher.agent`) gathers the facts (worker exit codes, the job's view in etcd,
+probe results, the time), asks these functions what to do, and carries out the answer. Nothing
+here talks to etcd, touches a process or reads a clock, so every branch is tested on literal data
+(``tests/test_decisions.py``), including the NCCL shrink that CPU runs never take end to end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from elastic.control import EXIT_PEER_LOST, Assignment
+from launcher.rendezvous import JobView, Member, NodeRecord, Round
+
+# --- worker exits ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Finish:
+    """A local worker finished the job: let the others finish the same last step, then mark the
+    job done."""
+
+
+@dataclass(frozen=True)
+class Restart:
+    """Leave the round and start the workers of ``local_ranks`` again."""
+
+    local_ranks: tuple[int, ...]
+    codes: tuple[int, ...]  # their exit codes, in the same order
+    crashes: int  # this node's worker crashes so far, these included
+    strike: str | None  # why this is a strike (a crash of its own), or None (EXIT_PEER_LOST only)
+
+    @property
+    def reason(self) -> str:
+        """What the node tells the others when it leaves the round."""
+        return f"worker exit codes {list(self.codes)}"
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    """Workers crashed more than ``cluster.max_restarts`` times: the node leaves the job."""
+
+    crashes: int
+    max_restarts: int
+
+    def message(self, node_id: str) -> str:
+        return (
+            f"{node_id}: workers crashed {self.crashes} times "
+            f"(cluster.max_restarts={self.max_restarts}); leaving the job"
+        )
+
+
+def on_worker_exits(
+    codes: Sequence[int | None], crashes: int, max_restarts: int
+) -> Finish | Restart | GiveUp | None:
+    """What to do about the local workers' exit codes (None: still running), by local rank.
+
+    Any 0 means the job is trained. Other codes are failures: each is restarted, and each that
+    is not :data:`EXIT_PEER_LOST` (peers went away, not this node's fault) counts as a crash and a
+    strike; more than ``max_restarts`` crashes in all and the node gives up. ``crashes`` is the
+    count before these exits. None when every worker still runs.
+    """
+    if 0 in codes:
+        return Finish()
+    failed = [(rank, code) for rank, code in enumerate(codes) if code is not None]
+    if not failed:
+        return None
+    crashed = [code for _, code in failed if code != EXIT_PEER_LOST]
+    total = crashes + len(crashed)
+    if total > max_restarts:
+        return GiveUp(total, max_restarts)
+    exit_codes = tuple(code for _, code in failed)
+    return Restart(
+        local_ranks=tuple(rank for rank, _ in failed),
+        codes=exit_codes,
+        crashes=total,
+        strike=f"worker(s) crashed with exit codes {list(exit_codes)}" if crashed else None,
+    )
+
+
+# --- membership -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rejoin:
+    """The job goes on without this node: stop the workers, leave, join again as a new member."""
+
+    reason: str
+    strike: bool  # whether it counts against the node (fencing does; quarantine is the sentence)
+
+
+def on_membership(fenced: bool, quarantined: bool) -> Rejoin | None:
+    """Whether this node lost its place in the job: its lease was lost or a peer evicted it
+    (``fenced``), or it is quarantined (by its own strikes or an operator)."""
+    if fenced:
+        return Rejoin("lost its place in the job (fenced)", strike=True)
+    if quarantined:
+        return Rejoin("was quarantined", strike=False)
+    return None
+
+
+# --- a failed collective --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Probe the agents of ``peers`` (the other members of ``round`` still registered)."""
+
+    round: Round
+    peers: tuple[NodeRecord, ...]
+
+
+def on_peer_lost(current: Round | None, lost_round: int, view: JobView, me: str) -> Probe | None:
+    """A local worker reported a failed collective of round ``lost_round`` (0: none): probe the
+    peers if that is the round the workers are in; a report about an older round is stale."""
+    if current is None or lost_round != current.number:
+        return None
+    peers = tuple(
+        view.nodes[m.node_id]
+        for m in current.members
+        if m.node_id != me and m.node_id in view.nodes
+    )
+    return Probe(current, peers)
+
+
+def peers_to_evict(probe: Probe, alive: Mapping[str, bool]) -> list[Member]:
+    """The members of the probed round whose agent refused the connection (``alive`` by node id;
+    a peer not probed counts as alive). A frozen or unreachable peer is left to its lease."""
+    return [
+        member
+        for peer in probe.peers
+        if not alive.get(peer.node_id, True) and (member := probe.round.member(peer.node_id))
+    ]
+
+
+# --- rounds ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Assign:
+    """Send the workers into ``round``, at the ranks of ``member``."""
+
+    round: Round
+    member: Member
+    assignments: tuple[Assignment, ...]  # one per local rank
+
+
+@dataclass(frozen=True)
+class Standby:
+    """The new round does not list this node: its workers leave theirs and wait."""
+
+    round: int
+
+
+def follow_round(
+    view: JobView, me: NodeRecord, current: Round | None, workers_ready: bool
+) -> Assign | Standby | None:
+    """What the current round of ``view`` means for this node, whose workers are in ``current``
+    (None: on standby); None when there is nothing to do now.
+
+    ``me`` is the node's own record: its incarnation may be ahead of the view's (a failure just
+    reported), and then a round listing the view's record is not this node's. Its registration is
+    the view's record (the node learns its create revision from the watch). A round that lists
+    this node is entered only when all its members are still live and ready, and this node's
+    workers are ready; otherwise a newer round follows at once, or the workers become ready.
+    """
+    rnd = view.round
+    if rnd is None or (current is not None and rnd.number == current.number):
+        return None
+    mine = view.nodes.get(me.node_id)
+    member = view.is_member(mine) if mine and mine.incarnation == me.incarnation else None
+    if member is None:
+        return Standby(rnd.number) if current is not None else None
+    if not view.round_intact() or not workers_ready:
+        return None
+    return Assign(rnd, member, tuple(assignments(current, rnd, member)))
+
+
+def excluded_ranks(previous: Round | None, new: Round) -> tuple[int, ...]:
+    """The ranks of ``previous`` that ``new`` drops, when ``new`` only removes nodes from it;
+    else ().
+
+    Only then may NCCL workers shrink their communicator in place: ``new`` must directly follow
+    ``previous``, and its members must be members of ``previous`` as the same registration and
+    incarnation (a restarted worker is not in the old communicator), with the same slots, in the
+    same order (the survivors' ranks close up in order).
+    """
+    if previous is None or new.number != previous.number + 1:
+        return ()
+    kept = {m.node_id for m in new.members}
+    survivors = [m for m in previous.members if m.node_id in kept]
+    same = [(m.node_id, m.joined_rev, m.incarnation, m.slots) for m in survivors] == [
+        (m.node_id, m.joined_rev, m.incarnation, m.slots) for m in new.members
+    ]
+    if not same:
+        return ()
+    return tuple(
+        m.first_rank + i for m in previous.members if m.node_id not in kept for i in range(m.slots)
+    )
+
+
+def assignments(previous: Round | None, new: Round, me: Member) -> list[Assignment]:
+    """What each of this node's workers (``me.slots`` of them) is told about round ``new``, after
+    round ``previous`` (None: on standby or fresh); local rank i gets global rank first_rank + i."""
+    excluded = excluded_ranks(previous, new)
+    return [
+        Assignment(
+            round=new.number,
+            rank=me.first_rank + i,
+            world_size=new.world_size,
+            store_host=new.store_host,
+            store_port=new.store_port,
+            formed_at=new.formed_at,
+            shrinks_round=previous.number if excluded and previous else 0,
+            excluded_ranks=excluded,
+        )
+        for i in range(me.slots)
+    ]
+
+
+# --- waiting for a round --------------------------------------------------------------------------
+
+
+def join_timed_out(waiting_since: float, now: float, limit_s: float) -> bool:
+    """Whether a node outside every round since ``waiting_since`` waited beyond ``limit_s``
+    (``rendezvous.join_timeout_s``; times from the same monotonic clock)."""
+    return now - waiting_since > limit_s

@@ -1,0 +1,83 @@
+"""The agent's inbox: everything the agent reacts to arrives here as one small message.
+
+Worker slots post what their workers say and when they exit (:mod:`launcher.workers`), the
+rendezvous posts when its view of the job changes or it fences this node
+(:mod:`launcher.rendezvous`), and the signal handlers post the signals. The agent's loop blocks on
+the inbox alone, with a timeout for what only time reveals (a frozen worker, the join timeout).
+
+Most messages are wake-ups: what they are about stays the truth of its owner (a slot's exit code,
+the rendezvous's view and fencing), which the agent reads when it wakes, so a message about a
+worker process that was replaced meanwhile does no harm. What exists only as a message is carried
+in it: a signal, and the round in which a worker saw a collective fail.
+
+The queue is a :class:`queue.SimpleQueue`, whose ``put`` is reentrant: a signal handler, which
+runs on the main thread between any two bytecodes, may post even while that thread is inside
+``get`` or ``put`` itself.
+"""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    """The worker of ``local_rank`` loaded its data and model and waits for a round."""
+
+    local_rank: int
+
+
+@dataclass(frozen=True)
+class WorkerPeerLost:
+    """The worker of ``local_rank`` saw a collective of ``round`` fail."""
+
+    local_rank: int
+    round: int  # stale once the agent is in a newer round
+
+
+@dataclass(frozen=True)
+class WorkerExited:
+    """The worker process of ``local_rank`` exited."""
+
+    local_rank: int
+    code: int  # negative: killed by that signal
+
+
+@dataclass(frozen=True)
+class Signal:
+    """The agent received ``signum`` (SIGTERM, SIGINT): stop the node cleanly."""
+
+    signum: int
+
+
+@dataclass(frozen=True)
+class RendezvousChanged:
+    """The rendezvous's view of the job changed, or it fenced this node."""
+
+
+Message = WorkerReady | WorkerPeerLost | WorkerExited | Signal | RendezvousChanged
+
+
+class Inbox:
+    """A queue of :data:`Message`; any thread, and a signal handler, may post."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Message] = queue.SimpleQueue()
+
+    def put(self, message: Message) -> None:
+        self._queue.put(message)
+
+    def take(self, timeout: float) -> list[Message]:
+        """Wait up to ``timeout`` seconds for a message, then take it and every one queued
+        behind it; an empty list when none came in time (``timeout`` 0: do not wait)."""
+        try:
+            first = self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
+        except queue.Empty:
+            return []
+        messages = [first]
+        while True:
+            try:
+                messages.append(self._queue.get_nowait())
+            except queue.Empty:
+                return messages

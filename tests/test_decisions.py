@@ -1,0 +1,289 @@
+"""The agent's decisions (launcher/decisions.py) on literal data: no etcd, no processes; and
+its inbox (launcher/inbox.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+from elastic.control import EXIT_PEER_LOST, Assignment
+from launcher.decisions import (
+    Assign,
+    Finish,
+    GiveUp,
+    Probe,
+    Rejoin,
+    Restart,
+    Standby,
+    assignments,
+    excluded_ranks,
+    follow_round,
+    join_timed_out,
+    on_membership,
+    on_peer_lost,
+    on_worker_exits,
+    peers_to_evict,
+)
+from launcher.inbox import Inbox, RendezvousChanged, Signal, WorkerExited, WorkerPeerLost
+from launcher.rendezvous import JobView, NodeRecord, Round
+
+from .test_rendezvous import node
+
+
+def job(
+    rnd: Round | None, *nodes: NodeRecord, quarantined: frozenset[str] = frozenset()
+) -> JobView:
+    return JobView({n.node_id: n for n in nodes}, rnd, quarantined=quarantined)
+
+
+# --- worker exits -------------------------------------------------------------------------------
+
+
+def test_running_workers_need_nothing() -> None:
+    assert on_worker_exits([None, None], crashes=0, max_restarts=3) is None
+
+
+def test_a_worker_that_finished_finishes_the_node() -> None:
+    assert on_worker_exits([0, 0], 0, 3) == Finish()
+    assert on_worker_exits([0, None], 0, 3) == Finish()  # the other finishes the same last step
+    assert on_worker_exits([0, -9], 5, 3) == Finish()  # finished beats crashed and gave up
+
+
+def test_a_crash_restarts_the_worker_with_a_strike() -> None:
+    plan = on_worker_exits([None, -9], crashes=1, max_restarts=3)
+    assert plan == Restart(
+        local_ranks=(1,),
+        codes=(-9,),
+        crashes=2,
+        strike="worker(s) crashed with exit codes [-9]",
+    )
+    assert isinstance(plan, Restart) and plan.reason == "worker exit codes [-9]"
+
+
+def test_peer_lost_restarts_without_a_strike() -> None:
+    plan = on_worker_exits([EXIT_PEER_LOST, None], crashes=3, max_restarts=3)
+    assert plan == Restart(local_ranks=(0,), codes=(EXIT_PEER_LOST,), crashes=3, strike=None)
+
+
+def test_a_crash_and_a_peer_lost_count_one_crash_and_restart_both() -> None:
+    plan = on_worker_exits([1, EXIT_PEER_LOST, None], crashes=0, max_restarts=3)
+    assert plan == Restart(
+        local_ranks=(0, 1),
+        codes=(1, EXIT_PEER_LOST),
+        crashes=1,
+        strike=f"worker(s) crashed with exit codes [1, {EXIT_PEER_LOST}]",
+    )
+
+
+def test_crashes_beyond_max_restarts_give_up() -> None:
+    assert isinstance(on_worker_exits([-9], crashes=2, max_restarts=3), Restart)  # the 3rd: ok
+    assert on_worker_exits([-9], crashes=3, max_restarts=3) == GiveUp(crashes=4, max_restarts=3)
+    assert on_worker_exits([1, 1], crashes=2, max_restarts=3) == GiveUp(4, 3)
+    assert on_worker_exits([-9], crashes=0, max_restarts=0) == GiveUp(1, 0)
+
+
+# --- membership ---------------------------------------------------------------------------------
+
+
+def test_fencing_rejoins_with_a_strike_and_quarantine_without() -> None:
+    assert on_membership(fenced=False, quarantined=False) is None
+    assert on_membership(fenced=True, quarantined=False) == Rejoin(
+        "lost its place in the job (fenced)", strike=True
+    )
+    assert on_membership(fenced=False, quarantined=True) == Rejoin("was quarantined", strike=False)
+    fenced_and_quarantined = on_membership(fenced=True, quarantined=True)
+    assert fenced_and_quarantined is not None and fenced_and_quarantined.strike
+
+
+# --- peer lost ----------------------------------------------------------------------------------
+
+
+def test_peer_lost_probes_the_other_members_still_registered() -> None:
+    rnd = Round.build(5, [node("a", 1), node("b", 2), node("c", 3)])
+    view = job(rnd, node("a", 1), node("c", 3), node("z", 9))  # b's key is gone already
+    found = on_peer_lost(rnd, lost_round=5, view=view, me="a")
+    assert found == Probe(rnd, (node("c", 3),))
+
+
+def test_no_report_or_a_stale_one_probes_nothing() -> None:
+    rnd = Round.build(5, [node("a", 1), node("b", 2)])
+    view = job(rnd, node("a", 1), node("b", 2))
+    assert on_peer_lost(rnd, lost_round=0, view=view, me="a") is None
+    assert on_peer_lost(rnd, lost_round=4, view=view, me="a") is None  # an older round
+    assert on_peer_lost(None, lost_round=5, view=view, me="a") is None  # on standby
+
+
+def test_only_peers_that_refuse_connections_are_evicted() -> None:
+    rnd = Round.build(5, [node("a", 1), node("b", 2), node("c", 3), node("d", 4)])
+    view = job(rnd, node("a", 1), node("b", 2), node("c", 3), node("d", 4))
+    found = on_peer_lost(rnd, 5, view, "a")
+    assert found is not None and [p.node_id for p in found.peers] == ["b", "c", "d"]
+    evicted = peers_to_evict(found, {"b": True, "c": False})  # d not probed: alive
+    assert [(m.node_id, m.joined_rev) for m in evicted] == [("c", 3)]
+    assert peers_to_evict(found, {"b": True, "c": True, "d": True}) == []
+
+
+def test_eviction_names_the_registration_the_round_lists() -> None:
+    """A peer that registered again since the round is evicted as the round's member: the
+    transaction compares the create revision, so the new registration is left alone."""
+    rnd = Round.build(5, [node("a", 1), node("b", 2)])
+    found = on_peer_lost(rnd, 5, job(rnd, node("a", 1), node("b", 7)), "a")
+    assert found is not None
+    [member] = peers_to_evict(found, {"b": False})
+    assert (member.node_id, member.joined_rev) == ("b", 2)
+
+
+# --- following rounds ---------------------------------------------------------------------------
+
+
+def me(name: str, incarnation: int = 0) -> NodeRecord:
+    """The node's own record: it does not know its registration (joined_rev stays 0)."""
+    return NodeRecord(name, "127.0.0.1", 1000, 1, incarnation, ready=True)
+
+
+def test_a_member_is_assigned_its_ranks() -> None:
+    rnd = Round.build(3, [node("a", 1, slots=2), node("b", 2, slots=2)])
+    view = job(rnd, node("a", 1, slots=2), node("b", 2, slots=2))
+    step = follow_round(view, me("b"), current=None, workers_ready=True)
+    assert isinstance(step, Assign) and step.round == rnd and step.member.node_id == "b"
+    assert [(a.round, a.rank, a.world_size) for a in step.assignments] == [(3, 2, 4), (3, 3, 4)]
+
+
+def test_the_round_already_followed_needs_nothing() -> None:
+    rnd = Round.build(3, [node("a", 1)])
+    assert follow_round(job(rnd, node("a", 1)), me("a"), rnd, True) is None
+    assert follow_round(job(None, node("a", 1)), me("a"), None, True) is None  # no round yet
+
+
+def test_a_round_without_this_node_puts_the_workers_on_standby() -> None:
+    old = Round.build(3, [node("a", 1), node("b", 2)])
+    new = Round.build(4, [node("a", 1)])
+    view = job(new, node("a", 1), node("b", 2))
+    assert follow_round(view, me("b"), current=old, workers_ready=True) == Standby(4)
+    assert follow_round(view, me("b"), current=None, workers_ready=True) is None  # standing by
+
+
+def test_a_round_of_an_older_registration_or_incarnation_is_not_this_node() -> None:
+    old = Round.build(3, [node("a", 1), node("b", 2)])
+    rnd = Round.build(4, [node("a", 1), node("b", 2)])
+    registered_again = job(rnd, node("a", 1), node("b", 7))
+    assert follow_round(registered_again, me("b"), old, True) == Standby(4)
+    # b reported a failure (incarnation 1) that the view does not show yet
+    assert follow_round(job(rnd, node("a", 1), node("b", 2)), me("b", 1), old, True) == Standby(4)
+
+
+def test_a_round_that_is_not_intact_or_workers_not_ready_waits() -> None:
+    rnd = Round.build(4, [node("a", 1), node("b", 2)])
+    assert follow_round(job(rnd, node("a", 1)), me("a"), None, True) is None  # b is gone
+    not_ready = NodeRecord("b", "127.0.0.1", 1000, 1, 0, ready=False, joined_rev=2)
+    assert follow_round(job(rnd, node("a", 1), not_ready), me("a"), None, True) is None
+    quarantined = job(rnd, node("a", 1), node("b", 2), quarantined=frozenset({"b"}))
+    assert follow_round(quarantined, me("a"), None, True) is None
+    assert follow_round(job(rnd, node("a", 1), node("b", 2)), me("a"), None, False) is None
+
+
+# --- assignments and the NCCL shrink ------------------------------------------------------------
+
+
+def test_ranks_follow_first_rank() -> None:
+    rnd = Round.build(1, [node("a", 1, slots=3), node("b", 2, slots=2)])
+    b = rnd.member("b")
+    assert b is not None
+    assert assignments(None, rnd, b) == [
+        Assignment(1, rank, 5, "127.0.0.1", 1000, rnd.formed_at) for rank in (3, 4)
+    ]
+
+
+def test_a_shrink_excludes_the_ranks_of_the_removed_node() -> None:
+    nodes = [node("a", 1, slots=2), node("b", 2, slots=2), node("c", 3, slots=2)]
+    previous = Round.build(7, nodes)  # a: 0-1, b: 2-3, c: 4-5
+    new = Round.build(8, [nodes[0], nodes[2]])  # b, from the middle, is gone
+    assert excluded_ranks(previous, new) == (2, 3)
+    c = new.member("c")
+    assert c is not None
+    given = assignments(previous, new, c)
+    assert [(a.rank, a.world_size) for a in given] == [(2, 4), (3, 4)]
+    assert {(a.shrinks_round, a.excluded_ranks) for a in given} == {(7, (2, 3))}
+    # the worker's side of the contract: a shrink of its own previous assignment
+    old_c = Assignment(7, 4, 6, "127.0.0.1", 1000, 0.0)
+    assert given[0].shrink_of(old_c) == [2, 3]
+
+
+def test_removing_several_nodes_excludes_all_their_ranks() -> None:
+    nodes = [node(n, i + 1, slots=2) for i, n in enumerate("abcd")]
+    previous = Round.build(2, nodes)
+    assert excluded_ranks(previous, Round.build(3, [nodes[1], nodes[3]])) == (0, 1, 4, 5)
+
+
+def test_a_round_that_adds_a_node_is_no_shrink() -> None:
+    a, b, c = node("a", 1, slots=2), node("b", 2, slots=2), node("c", 3, slots=2)
+    previous = Round.build(7, [a, b])
+    assert excluded_ranks(previous, Round.build(8, [a, b, c])) == ()
+    assert excluded_ranks(previous, Round.build(8, [a, c])) == ()  # b left, c came
+
+
+def test_a_round_that_skips_a_number_is_no_shrink() -> None:
+    a, b, c = node("a", 1), node("b", 2), node("c", 3)
+    previous = Round.build(7, [a, b, c])
+    new = Round.build(9, [a, c])
+    assert excluded_ranks(previous, new) == ()
+    member = new.member("c")
+    assert member is not None
+    assert {(x.shrinks_round, x.excluded_ranks) for x in assignments(previous, new, member)} == {
+        (0, ())
+    }
+
+
+def test_no_previous_round_or_nothing_removed_is_no_shrink() -> None:
+    a, b = node("a", 1), node("b", 2)
+    assert excluded_ranks(None, Round.build(1, [a, b])) == ()
+    assert excluded_ranks(Round.build(1, [a, b]), Round.build(2, [a, b])) == ()
+
+
+def test_a_restarted_or_re_registered_member_is_no_shrink() -> None:
+    """Its workers are new processes, not in the old communicator: everyone builds anew."""
+    a, b, c = node("a", 1), node("b", 2), node("c", 3)
+    previous = Round.build(7, [a, b, c])
+    assert excluded_ranks(previous, Round.build(8, [a, node("c", 3, incarnation=1)])) == ()
+    assert excluded_ranks(previous, Round.build(8, [a, node("c", 9)])) == ()
+
+
+def test_survivors_out_of_order_are_no_shrink() -> None:
+    a, b, c = node("a", 1), node("b", 2), node("c", 3)
+    previous = Round.build(7, [a, b, c])
+    assert excluded_ranks(previous, Round.build(8, [c, a])) == ()
+
+
+# --- waiting for a round ------------------------------------------------------------------------
+
+
+def test_join_timeout() -> None:
+    assert not join_timed_out(waiting_since=100.0, now=160.0, limit_s=60.0)
+    assert join_timed_out(waiting_since=100.0, now=160.5, limit_s=60.0)
+
+
+# --- the inbox ----------------------------------------------------------------------------------
+
+
+def test_the_inbox_hands_over_everything_queued_in_order() -> None:
+    inbox = Inbox()
+    assert inbox.take(0) == [] and inbox.take(0.01) == []
+    posted = [WorkerPeerLost(0, 3), WorkerExited(1, -9), RendezvousChanged()]
+    for msg in posted:
+        inbox.put(msg)
+    assert inbox.take(1.0) == posted
+    assert inbox.take(0) == []
+
+
+def test_a_signal_handler_wakes_an_agent_blocked_on_its_inbox() -> None:
+    inbox = Inbox()
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: inbox.put(Signal(signum)))
+    try:
+        threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+        t0 = time.monotonic()
+        assert inbox.take(10.0) == [Signal(signal.SIGUSR1)]
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
