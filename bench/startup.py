@@ -51,8 +51,9 @@ def one_node_job(workdir: Path, job_id: str, extra: list[str]) -> list[str]:
     ]
 
 
-def agent_startup(workdir: Path, job_id: str, extra: list[str]) -> float:
-    """Seconds from the agent process's creation to its ``node_ready`` event."""
+def agent_startup(workdir: Path, job_id: str, extra: list[str]) -> tuple[float, float]:
+    """Seconds from the agent process's creation to its ``node_ready`` event, and of those the
+    seconds its health checks took (its ``health_checked`` event)."""
     run_dir = workdir / job_id
     launched = time.time()
     launcher = subprocess.Popen(
@@ -63,15 +64,16 @@ def agent_startup(workdir: Path, job_id: str, extra: list[str]) -> float:
     )
     try:
         follower = EventFollower(run_dir)
-        ready = follower.wait_for(
-            lambda e: e["event"] == "node_ready" and e["ts"] >= launched, timeout_s=TIMEOUT_S
+        checked = follower.wait_for(
+            lambda e: e["event"] == "health_checked" and e["ts"] >= launched, timeout_s=TIMEOUT_S
         )
+        ready = follower.wait_for(lambda e: e["event"] == "node_ready", timeout_s=TIMEOUT_S)
         started = next(
             p.create_time()
             for p in psutil.Process(launcher.pid).children(recursive=True)
             if "launcher.agent" in " ".join(p.cmdline())
         )
-        return ready["ts"] - started
+        return ready["ts"] - started, checked["seconds"]
     finally:
         launcher.send_signal(signal.SIGTERM)
         launcher.wait(timeout=60)
@@ -129,19 +131,22 @@ def main() -> int:
         job = "resumed" if args.resume else "fresh"
         if args.resume:
             train_to_first_checkpoint(workdir, job, extra)
-        agents, doctors, peers = [], [], []
+        agents, checks, doctors, peers = [], [], [], []
         for i in range(args.repeats):
-            agents.append(agent_startup(workdir, job if args.resume else f"fresh{i}", extra))
+            took, checked = agent_startup(workdir, job if args.resume else f"fresh{i}", extra)
+            agents.append(took)
+            checks.append(checked)
             doctors.append(doctor_wall(workdir))
             peers.append(torchrun_startup(workdir))
             print(
-                f"run {i + 1}: agent {agents[-1]:.2f} s, doctor {doctors[-1]:.2f} s, "
-                f"torchrun {peers[-1]:.2f} s",
+                f"run {i + 1}: agent {took:.2f} s (health checks {checked:.2f} s), "
+                f"doctor {doctors[-1]:.2f} s, torchrun {peers[-1]:.2f} s",
                 flush=True,
             )
-    agent, doctor, peer = (statistics.median(x) for x in (agents, doctors, peers))
+    agent, check, doctor, peer = (statistics.median(x) for x in (agents, checks, doctors, peers))
     kind = "with a checkpoint" if args.resume else "fresh job"
     print(f"agent start to node_ready ({kind}): {agent:.2f} s (median of {args.repeats})")
+    print(f"  of which the health checks:      {check:.2f} s")
     print(f"torchrun start to its worker:      {peer:.2f} s; ours / torchrun = {agent / peer:.1f}x")
     print(f"python -m launcher.doctor:         {doctor:.2f} s")
     return 0
