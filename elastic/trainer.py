@@ -178,12 +178,12 @@ def main() -> int:
         except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
             end = round_end(comm.aborted, comm.failure)
             if end is RoundEnd.LOCAL_FAULT:
+                error = f"{type(exc).__name__}: {exc}"
                 events.emit(
                     "worker_failed",
-                    f"rank {assignment.rank} failed in round {assignment.round}: "
-                    f"{type(exc).__name__}: {exc}",
+                    f"rank {assignment.rank} failed in round {assignment.round}: {error}",
                     level=logging.ERROR,
-                    error=f"{type(exc).__name__}: {exc}"[:500],
+                    error=error[:500],
                     step=w.progress.step if w.progress else 0,
                 )
                 raise
@@ -207,12 +207,11 @@ def main() -> int:
 
 @dataclass(frozen=True)
 class RoundStart:
-    """Where a round begins: the state every rank now holds, the LR for this world size, and
-    when each step of entering it ended (for the recovery breakdown)."""
+    """Where a round begins: the state every rank now holds, the global batch for this world
+    size, and when each step of entering it ended (for the recovery breakdown)."""
 
     progress: Progress
     global_batch: int
-    lr: float
     source: int  # the rank whose memory the state came from; -1: a checkpoint or scratch
     assigned_at: float
     pg_ready_at: float
@@ -341,7 +340,7 @@ def enter_round(w: Worker, a: Assignment, ckpt: CheckpointManager) -> RoundStart
             lr=lr,
             global_batch=global_batch,
         )
-    return RoundStart(progress, global_batch, lr, source, assigned_at, pg_ready_at, synced_at)
+    return RoundStart(progress, global_batch, source, assigned_at, pg_ready_at, synced_at)
 
 
 def report_recovery(w: Worker, a: Assignment, start: RoundStart, step: int) -> None:

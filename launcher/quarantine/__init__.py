@@ -1,4 +1,4 @@
-"""Health reports, strikes and quarantine in etcd, and the operator's command for them.
+"""Health reports, strikes and quarantine in etcd, as the agent and the operator's command use them.
 
 A node that fails again and again (its checks, its workers, its lease) costs every other node a
 new round each time it leaves and comes back. After ``health.max_strikes`` failures within
