@@ -17,10 +17,11 @@ On NCCL, :meth:`abort` also aborts the communicator, and a round that only remov
 shrinks the old group (``torch.distributed.shrink_group``) instead of building a new one.
 
 Whether a round broke is a fact the communicator records, never a guess from an error's text:
-every collective of a round runs through it (the comm hook's all-reduce, the group's set-up, and
-the blocks the trainer runs under :meth:`Communicator.collective`: the state sync and the
-checkpoint collectives), and the first one that fails is kept as :attr:`Communicator.failure`.
-An exception raised anywhere else is the worker's own fault.
+every collective of a round runs through it (the comm hook's all-reduce, the group's set-up,
+DDP's one-time bucket rebuild, and the blocks the trainer runs under
+:meth:`Communicator.collective`: the state sync and the checkpoint collectives), and the first
+one that fails is kept as :attr:`Communicator.failure`. An exception raised anywhere else is the
+worker's own fault.
 """
 
 # No ``from __future__ import annotations`` here: DDP checks the comm hook's annotations at run
@@ -97,6 +98,7 @@ class Communicator:
         self._failure: CollectiveFailure | None = None
         self.buckets_this_step = 0  # hook calls since begin_step(): how far backward got
         self.buckets_per_step = 0  # hook calls of the last complete step
+        self._ddp: DistributedDataParallel | None = None  # this round's, until its buckets settle
 
     # --- rounds ------------------------------------------------------------------------------
 
@@ -241,6 +243,7 @@ class Communicator:
             init_sync=False,
         )
         ddp.register_comm_hook(None, self._allreduce_hook)
+        self._ddp = ddp
         return ddp
 
     def begin_step(self) -> None:
@@ -249,7 +252,18 @@ class Communicator:
             self._works = [w for w in self._works if not w.is_completed()]
 
     def end_step(self) -> None:
+        """After the optimizer step. The first one of a round also settles DDP's buckets.
+
+        DDP re-buckets the gradients once, in the forward after its first backward, and agrees
+        on the new buckets with a broadcast from rank 0 that no hook sees: a peer lost then
+        would surface from ``forward()`` as if the model itself had failed. Running that
+        rebuild here, as a recorded collective, leaves the forward with nothing to exchange.
+        """
         self.buckets_per_step = self.buckets_this_step
+        ddp, self._ddp = self._ddp, None
+        if ddp is not None and torch.is_grad_enabled():
+            with self.collective("DDP bucket rebuild"):
+                ddp.reducer._rebuild_buckets()  # a no-op at world size 1
 
     @property
     def waiting_for_peers(self) -> bool:
@@ -271,7 +285,8 @@ class Communicator:
                 return ours
             self._pending.append(ours)
         tensor = bucket.buffer().div_(dist.get_world_size())
-        work = dist.all_reduce(tensor, async_op=True)
+        with self.collective("gradient all-reduce"):  # gloo may refuse at once: peer gone
+            work = dist.all_reduce(tensor, async_op=True)
         with self._lock:
             self._works.append(work)
 

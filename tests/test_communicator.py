@@ -1,14 +1,20 @@
 """The communicator's round bookkeeping: which aborts apply, when backward waits on peers, and
 which failures it records.
 
-Pure logic, so no process group is built; the group itself is exercised end to end in
-test_e2e.py with real processes.
+Mostly pure logic; one test builds a real two-rank gloo group and loses a peer at each point of
+a step where DDP talks to it.
 """
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic.communicator import (
@@ -19,6 +25,7 @@ from elastic.communicator import (
     round_end,
 )
 from elastic.control import Assignment
+from launcher.embedded_etcd import free_port
 
 
 def assignment(number: int) -> Assignment:
@@ -94,3 +101,58 @@ def test_round_end_prefers_the_agents_abort_then_a_failed_collective() -> None:
     assert round_end(aborted=True, failure=None) is RoundEnd.LEFT
     assert round_end(aborted=False, failure=failed) is RoundEnd.PEER_LOST
     assert round_end(aborted=False, failure=None) is RoundEnd.LOCAL_FAULT
+
+
+def _survivor_main(rank: int, port: int, leaves_before: tuple[int, str], out: str) -> None:
+    """Both ranks train until rank 1 exits before ``leaves_before`` (step, phase); rank 0 trains
+    on until its step fails, and writes what it recorded."""
+    c = Communicator(torch.device("cpu"), timeout_s=20)
+    c.enter(
+        Assignment(
+            round=1, rank=rank, world_size=2, store_host="127.0.0.1", store_port=port, formed_at=0
+        )
+    )
+    torch.manual_seed(0)
+    ddp = c.wrap(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)))
+
+    def leave_if(step: int, phase: str) -> None:
+        if rank == 1 and (step, phase) == tuple(leaves_before):
+            os._exit(0)  # as a killed peer: no goodbye, its sockets just close
+
+    result = {"failure": None, "error": None}
+    for step in range(1, 5):
+        try:
+            c.begin_step()
+            leave_if(step, "step")
+            ddp(torch.ones(4, 8)).sum().backward()
+            leave_if(step, "end_step")
+            c.end_step()
+        except RuntimeError as exc:
+            result = {"failure": c.failure and c.failure.what, "error": type(exc).__name__}
+            break
+    Path(out).write_text(json.dumps(result | {"end": round_end(c.aborted, c.failure).value}))
+    os._exit(0)  # the group is broken: tearing it down would only wait for its timeout
+
+
+@pytest.mark.parametrize(
+    ("leaves_before", "failed"),
+    [
+        ((1, "step"), "gradient all-reduce"),
+        ((1, "end_step"), "DDP bucket rebuild"),
+        ((3, "step"), "gradient all-reduce"),
+    ],
+)
+def test_a_peer_lost_at_any_point_of_a_step_is_a_recorded_failure(
+    tmp_path: Path, leaves_before: tuple[int, str], failed: str
+) -> None:
+    """The first all-reduce, DDP's one-time bucket rebuild (a broadcast from rank 0 that DDP
+    would otherwise run inside the second forward) and a later all-reduce: wherever the peer
+    vanishes, the survivor's error is a recorded collective failure, so its worker reports a
+    lost peer instead of crashing as if it were at fault."""
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    out = tmp_path / "rank0.json"
+    mp.spawn(_survivor_main, args=(port, leaves_before, str(out)), nprocs=2, join=True)
+    del store
+    result = json.loads(out.read_text())
+    assert result == {"failure": failed, "error": "RuntimeError", "end": "peer_lost"}

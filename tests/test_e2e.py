@@ -379,7 +379,13 @@ def test_unfit_node_stays_out_is_quarantined_and_joins_once_cleared(
     assert [e for e in formed if e["ts"] > first_try] == []
     failed = [e for e in events if e["event"] == "health_failed"]
     assert [e["quarantined_until"] is not None for e in failed] == [False, True]
-    checked = [e for e in events if e["event"] == "health_checked" and e["node"] == "node2"]
+    # Up to its joining: after it, the shutdown (its peers stop first) may fence node2 and send
+    # it through a fresh check, which is the rejoin path, not what this test is about.
+    checked = [
+        e
+        for e in events
+        if e["event"] == "health_checked" and e["node"] == "node2" and e["ts"] <= joined["ts"]
+    ]
     assert [e["ok"] for e in checked] == [False, False, True]
 
 
