@@ -134,6 +134,52 @@ class Device(Choice):
     cuda = "cuda"
 
 
+class Precision(Choice):
+    """The dtype the forward and backward compute in (autocast); weights stay fp32."""
+
+    auto = "auto"  # bf16 on a GPU that has it, else fp32
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"  # with a GradScaler, whose state is part of the training state
+
+
+class GradDtype(Choice):
+    """The dtype gradients travel in through the all-reduce (ChainerMN's FP16 all-reduce)."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class OptimizerName(Choice):
+    """The update rule (:mod:`elastic.optim`)."""
+
+    sgd = "sgd"  # momentum SGD (Goyal et al.)
+    akiba = "akiba"  # RMSprop warm-up turning into momentum SGD (Akiba et al.)
+    lars = "lars"  # layer-wise adaptive rate scaling (You et al.; MLPerf ResNet-50)
+
+
+class Schedule(Choice):
+    """The LR's shape over samples seen, after warm-up (:mod:`elastic.lr_policy`)."""
+
+    step = "step"  # multiplied by gamma at each milestone
+    poly = "poly"  # polynomial decay to end_lr_factor of the peak at the end of training
+
+
+class BNStats(Choice):
+    """Which batch-norm statistics evaluation uses."""
+
+    running = "running"  # the moving averages, averaged over the ranks before evaluating
+    last_batch = "last_batch"  # the last training minibatch's, averaged over the ranks (Akiba)
+
+
+class Decode(Choice):
+    """Where JPEGs are decoded."""
+
+    cpu = "cpu"  # PIL in the loader workers
+    gpu = "gpu"  # torchvision.io.decode_jpeg on the worker's GPU (CUDA only)
+
+
 class Policy(Choice):
     """What a change of world size does to the batch and the LR (:mod:`elastic.lr_policy`)."""
 
@@ -148,6 +194,9 @@ class ModelConfig:
     name: str = "resnet18"
     # Goyal et al.: the last BN gamma of each residual block starts at zero.
     zero_init_residual: bool = True
+    # last_batch: batch norm keeps no moving averages; evaluation uses the statistics of the last
+    # training minibatch, averaged over every rank (Akiba et al.).
+    bn_stats: BNStats = BNStats.running
 
 
 @dataclass
@@ -162,6 +211,10 @@ class SyntheticDataConfig:
         40, ge=16, why="too small", fix="set data.generate.image_size=16 or more"
     )
     seed: int = 0
+    # The validation split (<root>/val/<class>/*.jpg), drawn from the same classes.
+    val_images_per_class: int = bounded(
+        16, ge=1, fix="set data.generate.val_images_per_class=1 or more"
+    )
 
 
 @dataclass
@@ -170,6 +223,8 @@ class DataConfig:
 
     root: str = "data/synthetic"
     train_dir: str = "train"
+    # <root>/<val_dir>/<class>/*.jpg, evaluated every trainer.eval_every_epochs; "" = none.
+    val_dir: str = "val"
     # Generate a small learnable ImageFolder at ``root`` once, instead of reading a real one.
     synthetic: bool = True
     # Checked only with ``synthetic`` on: a real ImageFolder generates nothing.
@@ -182,14 +237,44 @@ class DataConfig:
     )
     # Per worker.
     batch_size: int = bounded(32, ge=1, fix="set data.batch_size (per worker) to 1 or more")
+    # Loader processes per worker; -1: this node's cores divided among its workers.
     loader_workers: int = bounded(
-        0, ge=0, fix="set data.loader_workers=0 (load in the worker) or more"
+        0, ge=-1, fix="set data.loader_workers=-1 (auto), 0 (load in the worker) or more"
     )
+    decode: Decode = Decode.cpu
+
+
+@dataclass
+class AkibaConfig:
+    """The RMSprop warm-up of Akiba et al. (arXiv:1711.04325): each update blends an RMSprop
+    step into the momentum-SGD step, and the SGD share ramps from 0 to 1 in the shape of an ELU
+    (:func:`elastic.optim.sgd_share`)."""
+
+    # The ramp's middle (share 0.5) and its width, in epochs.
+    center_epochs: float = bounded(10.0, ge=0, fix="set optim.akiba.center_epochs=10")
+    period_epochs: float = bounded(5.0, gt=0, fix="set optim.akiba.period_epochs=5")
+    # Decay of the squared-gradient average (RMSprop's alpha).
+    rms_decay: float = bounded(0.99, gt=0, lt=1, fix="set optim.akiba.rms_decay=0.99")
+    rms_eps: float = bounded(1e-8, gt=0, fix="set optim.akiba.rms_eps=1e-8")
+    # The RMSprop step's LR as a fraction of the SGD LR (RMSprop steps are per element).
+    rms_lr_ratio: float = bounded(1e-3, gt=0, fix="set optim.akiba.rms_lr_ratio=1e-3")
+
+
+@dataclass
+class LarsConfig:
+    """LARS (arXiv:1708.03888) as MLPerf's ResNet-50 uses it: a per-layer trust ratio, none on
+    batch-norm parameters and biases."""
+
+    trust_coefficient: float = bounded(0.001, gt=0, fix="set optim.lars.trust_coefficient=0.001")
+    eps: float = bounded(0.0, ge=0, fix="set optim.lars.eps=0")
 
 
 @dataclass
 class OptimConfig:
-    """SGD with momentum; the LR follows the linear scaling rule on the global batch."""
+    """The update rule and the LR schedule; the LR follows the linear scaling rule on the global
+    batch whatever the rule."""
+
+    name: OptimizerName = OptimizerName.sgd
 
     # The LR for ``reference_batch`` samples (0.1 per 256 in Goyal et al.).
     lr: float = bounded(0.1, gt=0, fix="set optim.lr, e.g. optim.lr=0.1")
@@ -200,8 +285,21 @@ class OptimConfig:
     # Goyal et al. apply no weight decay to batch-norm parameters and biases.
     decay_bn_and_bias: bool = False
     warmup_epochs: float = bounded(5.0, ge=0, fix="set optim.warmup_epochs=0 to switch warm-up off")
+    schedule: Schedule = Schedule.step
+    # step: the LR is multiplied by gamma at each milestone.
     milestones_epochs: list[float] = field(default_factory=lambda: [30.0, 60.0, 80.0])
     gamma: float = bounded(0.1, gt=0, le=1, fix="set optim.gamma=0.1")
+    # Akiba et al.'s slow start: the LR is this fraction of its peak for the first epochs.
+    slow_start_epochs: float = bounded(0.0, ge=0, fix="set optim.slow_start_epochs=0 (off)")
+    slow_start_factor: float = bounded(
+        1.0, gt=0, le=1, fix="set optim.slow_start_factor to a fraction in (0, 1]"
+    )
+    # poly: (1 - progress)^power from the peak after warm-up down to end_lr_factor of it.
+    poly_power: float = bounded(2.0, gt=0, fix="set optim.poly_power=2 (MLPerf)")
+    end_lr_factor: float = bounded(0.0, ge=0, lt=1, fix="set optim.end_lr_factor=0")
+    label_smoothing: float = bounded(0.0, ge=0, lt=1, fix="set optim.label_smoothing=0.1")
+    akiba: AkibaConfig = field(default_factory=AkibaConfig)
+    lars: LarsConfig = field(default_factory=LarsConfig)
     # What a change of world size does: ``rescale_lr`` keeps the per-worker batch, so the global
     # batch and the LR follow the world size; ``keep_global_batch`` keeps the global batch (and
     # the LR) with gradient accumulation.
@@ -210,6 +308,14 @@ class OptimConfig:
     resize_warmup_epochs: float = bounded(
         0.1, ge=0, fix="set optim.resize_warmup_epochs=0 to apply LR increases at once"
     )
+
+
+@dataclass
+class CommConfig:
+    """How gradients travel."""
+
+    # The all-reduce casts each bucket to this dtype and back, through the abortable hook.
+    grad_dtype: GradDtype = GradDtype.fp32
 
 
 @dataclass
@@ -342,6 +448,13 @@ class TrainerConfig:
     # Every rank logs the sample indices of every step it trains (``samples`` events), so a chaos
     # run can prove that each sample of an epoch was trained exactly once. Off for long runs.
     record_samples: bool = False
+    precision: Precision = Precision.auto
+    # NHWC memory layout for convolutions; null: on for CUDA, off on CPU.
+    channels_last: bool | None = None
+    # Validation every this many epochs (of samples seen) and at the end; 0: only at the end.
+    eval_every_epochs: float = bounded(
+        1.0, ge=0, fix="set trainer.eval_every_epochs=0 to evaluate only at the end"
+    )
 
 
 @dataclass
@@ -351,6 +464,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
