@@ -173,13 +173,6 @@ class BNStats(Choice):
     last_batch = "last_batch"  # the last training minibatch's, averaged over the ranks (Akiba)
 
 
-class Decode(Choice):
-    """Where JPEGs are decoded."""
-
-    cpu = "cpu"  # PIL in the loader workers
-    gpu = "gpu"  # torchvision.io.decode_jpeg on the worker's GPU (CUDA only)
-
-
 class Policy(Choice):
     """What a change of world size does to the batch and the LR (:mod:`elastic.lr_policy`)."""
 
@@ -241,7 +234,6 @@ class DataConfig:
     loader_workers: int = bounded(
         0, ge=-1, fix="set data.loader_workers=-1 (auto), 0 (load in the worker) or more"
     )
-    decode: Decode = Decode.cpu
 
 
 @dataclass
