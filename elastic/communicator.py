@@ -84,9 +84,12 @@ def backend_for(device: torch.device) -> str:
 class Communicator:
     """Owns the default process group of the current round, and the DDP comm hook over it."""
 
-    def __init__(self, device: torch.device, timeout_s: float) -> None:
+    def __init__(
+        self, device: torch.device, timeout_s: float, grad_dtype: torch.dtype = torch.float32
+    ) -> None:
         self.device = device
         self.backend = backend_for(device)
+        self.grad_dtype = grad_dtype  # what gradients travel in (comm.grad_dtype)
         self.timeout = timedelta(seconds=timeout_s)
         self.assignment: Assignment | None = None
         self._lock = threading.Lock()
@@ -277,6 +280,18 @@ class Communicator:
     def _allreduce_hook(
         self, state: Any, bucket: dist.GradBucket
     ) -> torch.futures.Future[torch.Tensor]:
+        """Average ``bucket`` over the ranks, in :attr:`grad_dtype` on the network.
+
+        The bucket is divided by the world size in fp32, before the cast: the network then
+        carries each rank's share of the mean, which lies a world size further from fp16's
+        limit (65504) than the gradient, so a gradient or a sum whose mean fits does not turn
+        into inf on the way (torch's ``fp16_compress_hook`` divides after its cast, where a
+        large gradient has already overflowed). An inf would cost the whole step, which the
+        GradScaler then skips; what dividing first costs instead is that shares below fp16's
+        smallest subnormal (6e-8) flush to zero, which the GradScaler's loss scale keeps rare.
+        bf16 has fp32's range: for it the order changes nothing. The reduced tensor is cast
+        back into the bucket when the all-reduce completes, before our future completes.
+        """
         ours: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         with self._lock:
             self.buckets_this_step += 1
@@ -284,7 +299,8 @@ class Communicator:
                 ours.set_exception(RoundAborted("the round was left"))
                 return ours
             self._pending.append(ours)
-        tensor = bucket.buffer().div_(dist.get_world_size())
+        buffer = bucket.buffer().div_(dist.get_world_size())
+        tensor = buffer if buffer.dtype == self.grad_dtype else buffer.to(self.grad_dtype)
         with self.collective("gradient all-reduce"):  # gloo may refuse at once: peer gone
             work = dist.all_reduce(tensor, async_op=True)
         with self._lock:
@@ -292,15 +308,17 @@ class Communicator:
 
         def finish(fut: torch.futures.Future[Any]) -> None:
             with self._lock:
-                if ours.done():
-                    return  # aborted meanwhile
+                if ours.done() or self._aborted.is_set():
+                    return  # abort() completes ours: it took it from _pending under this lock
                 try:
                     fut.value()
                 except Exception as exc:
                     self._record("gradient all-reduce", exc)
                     ours.set_exception(exc)
                 else:
-                    ours.set_result(tensor)
+                    if tensor is not buffer:
+                        buffer.copy_(tensor)
+                    ours.set_result(buffer)
 
         work.get_future().add_done_callback(finish)
         return ours

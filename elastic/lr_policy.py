@@ -1,8 +1,16 @@
 """The learning rate as a function of samples seen and the global batch.
 
 Goyal et al. (arXiv:1706.02677): the LR grows linearly with the global batch
-(``lr = optim.lr * global_batch / optim.reference_batch``), reached by a gradual warm-up from the
-reference LR, then divided by ten at the milestones. Everything is keyed on samples seen, never on
+(``peak = optim.lr * global_batch / optim.reference_batch``, for every optimizer: with LARS too,
+``optim.lr`` is the LR for ``reference_batch`` samples), reached by a gradual warm-up from the
+reference LR. After warm-up the ``optim.schedule`` shape takes over:
+
+- ``step``: multiplied by ``gamma`` at each milestone (Goyal et al.: /10 at epochs 30, 60, 80);
+- ``poly``: ``end + (peak - end) * (1 - progress) ** poly_power`` from the end of warm-up to the
+  end of training, ``end = end_lr_factor * peak`` (the MLPerf ResNet-50 LARS schedule).
+
+Akiba et al.'s slow start (arXiv:1711.04325) multiplies the LR by ``slow_start_factor`` for the
+first ``slow_start_epochs``, whatever the shape. Everything is keyed on samples seen, never on
 steps: when the world size changes, the step count per epoch changes but the schedule does not
 move.
 
@@ -20,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from elastic.config import OptimConfig, Policy
+from elastic.config import ConfigError, OptimConfig, Policy, Schedule
 
 
 @dataclass(frozen=True)
@@ -28,30 +36,79 @@ class LRSchedule:
     base_lr: float  # the LR for reference_batch samples
     reference_batch: int
     warmup_samples: int
-    milestones: tuple[int, ...]  # samples seen at which the LR is multiplied by gamma
+    schedule: Schedule
+    milestones: tuple[int, ...]  # step: samples seen at which the LR is multiplied by gamma
     gamma: float
+    slow_start_samples: int  # the LR is slow_start_factor of itself before this many samples
+    slow_start_factor: float
+    total_samples: int  # poly: the samples the job trains (0 with step, which needs none)
+    poly_power: float
+    end_lr_factor: float  # poly: the LR at the end, as a fraction of the peak
 
     @classmethod
-    def from_config(cls, cfg: OptimConfig, samples_per_epoch: int) -> LRSchedule:
+    def from_config(
+        cls, cfg: OptimConfig, samples_per_epoch: int, total_samples: int | None = None
+    ) -> LRSchedule:
+        """``total_samples`` (the job's, ``trainer.epochs`` of samples) is needed by ``poly``,
+        which decays to the end of training; ``step`` does without."""
+        warmup_samples = round(cfg.warmup_epochs * samples_per_epoch)
+        if cfg.schedule == Schedule.poly:
+            if total_samples is None:
+                raise ValueError(
+                    "optim.schedule=poly decays until the end of training. Fix: pass "
+                    "total_samples (trainer.epochs of samples) to LRSchedule.from_config / "
+                    "LRPolicy.from_config."
+                )
+            if total_samples <= warmup_samples:
+                raise ConfigError(
+                    f"optim.warmup_epochs={cfg.warmup_epochs}: warm-up lasts the whole job "
+                    f"({total_samples} samples), leaving the poly decay nothing. Fix: lower "
+                    "optim.warmup_epochs below trainer.epochs."
+                )
         return cls(
             base_lr=cfg.lr,
             reference_batch=cfg.reference_batch,
-            warmup_samples=round(cfg.warmup_epochs * samples_per_epoch),
+            warmup_samples=warmup_samples,
+            schedule=Schedule(cfg.schedule),
             milestones=tuple(round(m * samples_per_epoch) for m in cfg.milestones_epochs),
             gamma=cfg.gamma,
+            slow_start_samples=round(cfg.slow_start_epochs * samples_per_epoch),
+            slow_start_factor=cfg.slow_start_factor,
+            total_samples=total_samples or 0,
+            poly_power=cfg.poly_power,
+            end_lr_factor=cfg.end_lr_factor,
         )
 
     def target(self, global_batch: int) -> float:
-        """The linear scaling rule: the LR once warm-up is over, before any decay."""
+        """The linear scaling rule: the peak LR, once warm-up is over and before any decay."""
         return self.base_lr * global_batch / self.reference_batch
 
     def lr(self, samples_seen: int, global_batch: int) -> float:
-        target = self.target(global_batch)
-        decay = self.gamma ** sum(samples_seen >= m for m in self.milestones)
+        """The warmed-up LR times the shape's decay, times the slow-start factor while it
+        lasts."""
+        lr = self._warmed(samples_seen, self.target(global_batch)) * self._decay(samples_seen)
+        if samples_seen < self.slow_start_samples:
+            lr *= self.slow_start_factor
+        return lr
+
+    def _warmed(self, samples_seen: int, peak: float) -> float:
+        """Linear from the reference LR (or the peak, if lower) to the peak over warm-up."""
+        if samples_seen >= self.warmup_samples:
+            return peak
+        start = min(self.base_lr, peak)
+        return start + (peak - start) * samples_seen / self.warmup_samples
+
+    def _decay(self, samples_seen: int) -> float:
+        """The shape's factor on the peak: gamma per milestone passed (step; a milestone inside
+        warm-up counts too), or the poly curve from 1 at the end of warm-up to
+        ``end_lr_factor`` at the end of training (poly)."""
+        if self.schedule == Schedule.step:
+            return self.gamma ** sum(samples_seen >= m for m in self.milestones)
         if samples_seen < self.warmup_samples:
-            start = min(self.base_lr, target)
-            target = start + (target - start) * samples_seen / self.warmup_samples
-        return target * decay
+            return 1.0
+        decay_samples = self.total_samples - self.warmup_samples
+        left = max(0.0, 1 - (samples_seen - self.warmup_samples) / decay_samples)
+        return self.end_lr_factor + (1 - self.end_lr_factor) * left**self.poly_power
 
 
 @dataclass(frozen=True)
@@ -70,9 +127,17 @@ class LRPolicy:
     resize_warmup_samples: int
 
     @classmethod
-    def from_config(cls, cfg: OptimConfig, batch_size: int, samples_per_epoch: int) -> LRPolicy:
+    def from_config(
+        cls,
+        cfg: OptimConfig,
+        batch_size: int,
+        samples_per_epoch: int,
+        total_samples: int | None = None,
+    ) -> LRPolicy:
+        """``total_samples``: the job's, needed by ``optim.schedule=poly`` (see
+        :meth:`LRSchedule.from_config`)."""
         return cls(
-            schedule=LRSchedule.from_config(cfg, samples_per_epoch),
+            schedule=LRSchedule.from_config(cfg, samples_per_epoch, total_samples),
             policy=cfg.policy,
             batch_size=batch_size,
             resize_warmup_samples=round(cfg.resize_warmup_epochs * samples_per_epoch),

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.lr_policy import Ramp
+from elastic.optim import create_state
 from elastic.sampler import SamplerState, StepPlan
 
 PROGRESS_BYTES = 4096  # room for the progress JSON in the sync broadcast
@@ -34,6 +35,7 @@ class Progress:
     global_batch: int = 0  # the latest round's (keep_global_batch keeps the first)
     ramp_start: int = -1  # samples seen when an LR increase began to be ramped in; -1: none
     ramp_from: float = 0.0
+    evaluated: int = 0  # the number of the last completed validation (0: none yet)
 
     @property
     def ramp(self) -> Ramp | None:
@@ -63,38 +65,44 @@ class Progress:
 
 
 class TrainState:
-    """A model and its SGD optimizer, seen as named tensors.
+    """A model and its optimizer, seen as named tensors.
 
     Only tensors go into checkpoints: ``torch.optim``'s own state dict carries Python objects that
-    DCP would pickle. For SGD the per-parameter state is the momentum buffer, created here up
-    front so that a fresh optimizer can receive a loaded one in place.
+    DCP would pickle. Every tensor of the optimizer's per-parameter state is one entry,
+    ``optim.<param name>.<state key>`` (SGD's ``optim.<name>.momentum_buffer``, Akiba's
+    ``square_avg`` besides). The state must exist before the first step, so that a fresh
+    optimizer can receive a loaded or broadcast one in place: the optimizers of
+    :mod:`elastic.optim` create theirs when built, and a torch SGD built elsewhere gets its
+    momentum buffers here (:func:`elastic.optim.create_state`).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model = model
         self.optimizer = optimizer
         self._names = {p: name for name, p in model.named_parameters()}
+        create_state(optimizer)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {f"model.{k}": v for k, v in self.model.state_dict().items()}
         for group in self.optimizer.param_groups:
-            if group.get("momentum", 0) == 0:
-                continue
             for p in group["params"]:
-                state = self.optimizer.state[p]
-                if state.get("momentum_buffer") is None:
-                    state["momentum_buffer"] = torch.zeros_like(
-                        p, memory_format=torch.preserve_format
-                    )
-                out[f"optim.{self._names[p]}.momentum_buffer"] = state["momentum_buffer"]
+                for key, value in self.optimizer.state.get(p, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        out[f"optim.{self._names[p]}.{key}"] = value
         return out
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
+    def apply(self, settings: dict[str, float]) -> None:
+        """Set every key of ``settings`` in every param group (the per-step settings besides
+        the LR, :func:`elastic.optim.step_settings`)."""
+        for group in self.optimizer.param_groups:
+            group.update(settings)
+
     def digest(self) -> str:
-        """sha256 of the parameters and momentum buffers: equal on every replica, bit for bit.
+        """sha256 of the parameters and the optimizer state: equal on every replica, bit for bit.
 
         Batch-norm statistics are left out on purpose: DDP runs with ``broadcast_buffers=False``,
         so they are per replica between syncs.

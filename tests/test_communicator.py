@@ -156,3 +156,40 @@ def test_a_peer_lost_at_any_point_of_a_step_is_a_recorded_failure(
     del store
     result = json.loads(out.read_text())
     assert result == {"failure": failed, "error": "RuntimeError", "end": "peer_lost"}
+
+
+def _reduced_survivor_main(rank: int, port: int, out: str) -> None:
+    """Both ranks send bf16 gradients; rank 1 vanishes before its second backward."""
+    c = Communicator(torch.device("cpu"), timeout_s=20, grad_dtype=torch.bfloat16)
+    c.enter(
+        Assignment(
+            round=1, rank=rank, world_size=2, store_host="127.0.0.1", store_port=port, formed_at=0
+        )
+    )
+    torch.manual_seed(0)
+    ddp = c.wrap(torch.nn.Linear(8, 1))
+    result = {}
+    for step in (1, 2):
+        try:
+            c.begin_step()
+            if rank == 1 and step == 2:
+                os._exit(0)
+            ddp(torch.ones(4, 8)).sum().backward()
+            c.end_step()
+        except RuntimeError as exc:
+            result = {"failure": c.failure and c.failure.what, "error": type(exc).__name__}
+            break
+    Path(out).write_text(json.dumps(result | {"end": round_end(c.aborted, c.failure).value}))
+    os._exit(0)
+
+
+def test_a_peer_lost_while_gradients_travel_in_bf16_is_a_recorded_failure(tmp_path: Path) -> None:
+    """The cast to the network's dtype and back keeps the all-reduce inside the recorded
+    collective and the failure on our future: the survivor reports a lost peer."""
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    out = tmp_path / "rank0.json"
+    mp.spawn(_reduced_survivor_main, args=(port, str(out)), nprocs=2, join=True)
+    del store
+    result = json.loads(out.read_text())
+    assert result == {"failure": "gradient all-reduce", "error": "RuntimeError", "end": "peer_lost"}

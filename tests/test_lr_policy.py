@@ -1,4 +1,5 @@
-"""The LR policy's arithmetic: linear scaling, warm-up and milestones, keyed on samples."""
+"""The LR policy's arithmetic: linear scaling, warm-up, milestones, slow start and poly decay, keyed
+on samples."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from elastic.config import OptimConfig, Policy
+from elastic.config import ConfigError, OptimConfig, Policy, Schedule
 from elastic.lr_policy import LRPolicy, LRSchedule, Ramp
 
 GOYAL = LRSchedule.from_config(
@@ -107,3 +108,91 @@ def test_keep_global_batch_keeps_the_first_rounds_batch_and_lr() -> None:
     assert p.after_resize(AFTER_WARMUP, old, p.global_batch(2, 96)) is None
     assert p.lr(AFTER_WARMUP, p.global_batch(2, 96), None) == pytest.approx(old)
     assert policy().global_batch(2, 96) == 64  # rescale_lr ignores the first round's batch
+
+
+# --- The seeds' shapes: Akiba's slow start, MLPerf's poly decay ---------------------------------
+
+
+def test_slow_start_scales_the_lr_until_it_ends() -> None:
+    """Akiba et al.: 0.5x for 40 epochs, then /10 at 40, 70 and 85; no LR warm-up."""
+    akiba = LRSchedule.from_config(
+        OptimConfig(
+            lr=0.1,
+            warmup_epochs=0,
+            slow_start_epochs=40,
+            slow_start_factor=0.5,
+            milestones_epochs=[40, 70, 85],
+        ),
+        samples_per_epoch=1000,
+    )
+    peak = 0.1 * 32768 / 256  # 12.8
+    assert akiba.lr(0, 32768) == pytest.approx(0.5 * peak)  # 6.4 from the first step
+    assert akiba.lr(39_999, 32768) == pytest.approx(0.5 * peak)
+    assert akiba.lr(40_000, 32768) == pytest.approx(0.1 * peak)  # slow start over, first /10
+    assert akiba.lr(70_000, 32768) == pytest.approx(0.01 * peak)
+    assert akiba.lr(85_000, 32768) == pytest.approx(0.001 * peak)
+
+
+def test_slow_start_applies_to_the_warmed_up_lr() -> None:
+    cfg = replace(RESIZE, slow_start_epochs=10, slow_start_factor=0.5)
+    s = LRSchedule.from_config(cfg, samples_per_epoch=1000)
+    # halfway through the 5-epoch warm-up at 8192: (0.1 + (3.2 - 0.1) / 2) * 0.5
+    assert s.lr(2500, 8192) == pytest.approx((0.1 + 3.1 / 2) * 0.5)
+    assert s.lr(9_999, 8192) == pytest.approx(3.2 * 0.5)
+    assert s.lr(10_000, 8192) == pytest.approx(3.2)
+
+
+# lr 0.1 per 256 -> peak 0.4 at 1024; warm-up 10 epochs of 1000 samples; 50 epochs in all, so the
+# poly decay spans 50_000 - 10_000 = 40_000 samples; end = 0.25 * peak.
+POLY = OptimConfig(
+    lr=0.1, warmup_epochs=10, schedule=Schedule.poly, poly_power=2, end_lr_factor=0.25
+)
+
+
+def poly_policy(**kw) -> LRPolicy:
+    cfg = replace(POLY, **kw)
+    return LRPolicy.from_config(cfg, batch_size=32, samples_per_epoch=1000, total_samples=50_000)
+
+
+def test_poly_decay_by_hand() -> None:
+    s = poly_policy().schedule
+    assert s.lr(5_000, 1024) == pytest.approx(0.1 + (0.4 - 0.1) * 0.5)  # warm-up, halfway
+    assert s.lr(10_000, 1024) == pytest.approx(0.4)  # the peak
+    # end + (peak - end) * (1 - done / 40_000) ** 2 with end = 0.25 * 0.4 = 0.1:
+    assert s.lr(20_000, 1024) == pytest.approx(0.1 + 0.3 * 0.75**2)  # 0.26875
+    assert s.lr(30_000, 1024) == pytest.approx(0.1 + 0.3 * 0.5**2)  # 0.175
+    assert s.lr(50_000, 1024) == pytest.approx(0.1)  # the end
+    assert s.lr(60_000, 1024) == pytest.approx(0.1)  # never below it
+
+
+def test_poly_ends_at_zero_by_default() -> None:
+    s = poly_policy(end_lr_factor=0.0).schedule
+    assert s.lr(30_000, 1024) == pytest.approx(0.4 * 0.5**2)
+    assert s.lr(50_000, 1024) == 0.0
+
+
+def test_rescale_lr_scales_the_poly_peak_with_the_global_batch() -> None:
+    """1024 -> 512 samples per step halves the whole poly curve, the end LR included; growing
+    back is ramped in from the LR in use towards the decayed schedule."""
+    p = poly_policy(resize_warmup_epochs=0.5)
+    big, small = p.global_batch(32, 0), p.global_batch(16, 1024)
+    assert (big, small) == (1024, 512)
+    assert p.lr(30_000, small, None) == pytest.approx(0.05 + 0.15 * 0.5**2)  # peak 0.2, end 0.05
+    assert p.lr(30_000, small, None) / p.lr(30_000, big, None) == pytest.approx(0.5)
+    assert p.lr(50_000, small, None) == pytest.approx(0.05)
+    old = p.lr(30_000, small, None)
+    ramp = p.after_resize(30_000, old, big)
+    assert ramp == Ramp(30_000, old)
+    # 250 of the 500 ramp samples later: halfway from the old LR to the schedule at 30_250
+    scheduled = 0.1 + 0.3 * (1 - 20_250 / 40_000) ** 2
+    assert p.lr(30_250, big, ramp) == pytest.approx(old + (scheduled - old) * 0.5)
+    assert p.lr(30_500, big, ramp) == pytest.approx(0.1 + 0.3 * (1 - 20_500 / 40_000) ** 2)
+
+
+def test_poly_needs_the_total_and_room_after_warmup() -> None:
+    with pytest.raises(ValueError, match="optim.schedule=poly.*Fix: pass total_samples"):
+        LRPolicy.from_config(POLY, batch_size=32, samples_per_epoch=1000)
+    with pytest.raises(ConfigError, match="optim.warmup_epochs=10.*Fix: lower optim.warmup"):
+        LRSchedule.from_config(POLY, samples_per_epoch=1000, total_samples=10_000)
+    # the step schedule needs no total: the three-argument call still works
+    assert LRPolicy.from_config(RESIZE, 32, 1000).schedule.total_samples == 0

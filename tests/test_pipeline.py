@@ -1,0 +1,131 @@
+"""The input pipeline: loader sizing, and that neither loader processes nor the prefetcher change
+which batches are trained, in which order, with which pixels (the exactly-once invariant and the
+seeded augmentation rest on it)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from elastic.config import DataConfig, SyntheticDataConfig
+from elastic.data import SeededImageFolder, ensure_synthetic
+from elastic.pipeline import PREFETCH_FACTOR, Batch, Prefetcher, loader_workers, make_loader
+from elastic.sampler import ElasticSampler, SamplerState
+
+CPU = torch.device("cpu")
+STEPS = 7  # 4 images a step over 12 images: crosses two epoch boundaries
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> SeededImageFolder:
+    root = Path(tmp_path_factory.mktemp("pipeline")) / "data"
+    cfg = DataConfig(
+        root=str(root),
+        generate=SyntheticDataConfig(classes=2, images_per_class=6, image_size=20),
+        crop_size=16,
+    )
+    ensure_synthetic(cfg)
+    return SeededImageFolder(cfg, seed=3)
+
+
+def keys(dataset: SeededImageFolder) -> Iterator[list[tuple[int, int]]]:
+    """Rank 0's batch keys of a 2-worker job, as the trainer hands them to its loader."""
+    sampler = ElasticSampler(len(dataset), batch_size=2, seed=3)
+    return sampler.batches(SamplerState(), rank=0, world_size=2, limit=STEPS * 4)
+
+
+def plain(dataset: SeededImageFolder) -> list[Batch]:
+    """What the trainer's loader gave before this module: no workers, no prefetching."""
+    return list(DataLoader(dataset, batch_sampler=keys(dataset), num_workers=0))
+
+
+def assert_same(got: list[Batch], want: list[Batch]) -> None:
+    assert len(got) == len(want) == STEPS
+    for (images, targets), (want_images, want_targets) in zip(got, want, strict=True):
+        assert torch.equal(images.cpu(), want_images)
+        assert torch.equal(targets.cpu(), want_targets)
+
+
+@pytest.mark.parametrize(
+    ("requested", "workers_on_node", "cores", "expected"),
+    [
+        (-1, 8, 128, 15),  # 16 cores per GPU: one for the training process
+        (-1, 1, 16, 15),
+        (-1, 2, 2, 0),  # one core per worker: it decodes by itself
+        (-1, 4, 2, 0),  # fewer cores than workers
+        (0, 8, 128, 0),  # asked for: taken as is
+        (6, 8, 128, 6),
+    ],
+)
+def test_loader_workers_leave_a_core_for_training_when_auto(
+    requested: int, workers_on_node: int, cores: int, expected: int
+) -> None:
+    assert loader_workers(requested, workers_on_node, cores) == expected
+
+
+def test_loader_processes_give_the_batches_of_a_loader_without_them(
+    dataset: SeededImageFolder,
+) -> None:
+    loader = make_loader(dataset, keys(dataset), workers=2, device=CPU)
+    assert loader.persistent_workers and loader.prefetch_factor == PREFETCH_FACTOR
+    assert not loader.pin_memory  # pinning is for copies to a GPU
+    assert_same(list(loader), plain(dataset))
+
+
+def test_prefetcher_yields_the_loaders_batches_in_order(dataset: SeededImageFolder) -> None:
+    got = list(Prefetcher(make_loader(dataset, keys(dataset), workers=0, device=CPU), CPU))
+    assert_same(got, plain(dataset))
+    assert all(images.is_contiguous() for images, _ in got)
+
+
+def test_prefetcher_converts_images_to_channels_last_when_asked(
+    dataset: SeededImageFolder,
+) -> None:
+    loader = make_loader(dataset, keys(dataset), workers=0, device=CPU)
+    got = list(Prefetcher(loader, CPU, channels_last=True))
+    assert_same(got, plain(dataset))
+    for images, _ in got:
+        assert images.is_contiguous(memory_format=torch.channels_last)
+        assert not images.is_contiguous()
+
+
+def test_prefetcher_reads_at_most_one_batch_ahead() -> None:
+    drawn = 0
+
+    def source() -> Iterator[Batch]:
+        nonlocal drawn
+        for i in range(5):
+            drawn += 1
+            yield torch.full((2, 3, 4, 4), float(i)), torch.tensor([i, i])
+
+    for received, (images, _) in enumerate(Prefetcher(source(), CPU), start=1):
+        assert images[0, 0, 0, 0].item() == received - 1
+        assert drawn <= received + 1  # the batch handed out, and the next one
+    assert drawn == 5
+
+
+@pytest.mark.gpu
+def test_prefetcher_copies_on_a_side_stream_on_cuda(dataset: SeededImageFolder) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    device = torch.device("cuda", torch.cuda.current_device())
+    loader = make_loader(dataset, keys(dataset), workers=2, device=device)
+    assert loader.pin_memory
+    prefetcher = Prefetcher(loader, device, channels_last=True)
+    got = []
+    busy = torch.randn(4096, 4096, device=device)
+    for images, targets in prefetcher:
+        assert images.device == device and targets.device == device
+        assert images.is_contiguous(memory_format=torch.channels_last)
+        # Keep the current stream busy while the next batch is copied on the side stream; the
+        # values checked below are read on the current stream, after it waited for each copy.
+        for _ in range(4):
+            busy = (busy @ busy).tanh_()
+        got.append((images.clone(), targets.clone()))
+    assert prefetcher._stream is not None and prefetcher._stream != torch.cuda.current_stream()
+    torch.cuda.synchronize(device)
+    assert_same(got, plain(dataset))
