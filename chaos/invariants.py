@@ -20,7 +20,12 @@ def lr_violations(events: list[dict[str, Any]], cfg: Config, samples_per_epoch: 
     Replays the policy over rank 0's step events: a step whose world size differs from the
     step before it starts a ramp (when the policy ramps), exactly as the trainer must.
     """
-    policy = LRPolicy.from_config(cfg.optim, cfg.data.batch_size, samples_per_epoch)
+    policy = LRPolicy.from_config(
+        cfg.optim,
+        cfg.data.batch_size,
+        samples_per_epoch,
+        total_samples=round(cfg.trainer.epochs * samples_per_epoch),
+    )
     steps = [e for e in events if e["event"] == "step"]
     if not steps:
         return ["no step events"]

@@ -173,6 +173,26 @@ class BNStats(Choice):
     last_batch = "last_batch"  # the last training minibatch's, averaged over the ranks (Akiba)
 
 
+# What each backend's all_reduce sums, in torch 2.14. tests/test_precision.py all-reduces every
+# dtype listed for gloo, so a torch that drops one fails there, not in a job's first backward.
+REDUCIBLE: dict[str, frozenset[GradDtype]] = {
+    "gloo": frozenset(GradDtype),
+    "nccl": frozenset(GradDtype),
+}
+
+
+def grad_dtype_problem(backend: str, grad_dtype: GradDtype) -> str | None:
+    """The refusal ``validate`` reports when ``backend`` cannot all-reduce ``grad_dtype``."""
+    if grad_dtype in REDUCIBLE.get(backend, frozenset()):
+        return None
+    return problem(
+        "comm.grad_dtype",
+        str(grad_dtype),
+        f"the {backend} backend cannot all-reduce {grad_dtype}",
+        "set comm.grad_dtype=fp32",
+    )
+
+
 class Policy(Choice):
     """What a change of world size does to the batch and the LR (:mod:`elastic.lr_policy`)."""
 
@@ -482,7 +502,7 @@ def max_nodes(cfg: Config) -> int:
     return cfg.cluster.max_nodes or cfg.cluster.nodes
 
 
-def _problem(key: str, value: object, why: str, fix: str) -> str:
+def problem(key: str, value: object, why: str, fix: str) -> str:
     """The one shape of a refusal: the key as typed on the command line, its value, why it
     cannot work, and what to write instead."""
     return f"{key}={value!r}: {why}. Fix: {fix}."
@@ -505,7 +525,7 @@ def _bound_problems(node: Any, prefix: str = "") -> Iterator[str]:
             continue
         bound: Bound | None = f.metadata.get(_BOUND)
         if bound is not None and not bound.holds(value):
-            yield _problem(key, value, bound.why, bound.fix.format(key=key))
+            yield problem(key, value, bound.why, bound.fix.format(key=key))
 
 
 def validate(cfg: Config) -> None:
@@ -520,7 +540,7 @@ def validate(cfg: Config) -> None:
 
     def need(ok: bool, key: str, value: object, why: str, fix: str) -> None:
         if not ok:
-            problems.append(_problem(key, value, why, fix))
+            problems.append(problem(key, value, why, fix))
 
     c = cfg.cluster
     need(
@@ -575,6 +595,16 @@ def validate(cfg: Config) -> None:
             "point data.root at an ImageFolder whose train split is "
             "<data.root>/<data.train_dir>/<class>/<image>, or use data=synthetic",
         )
+        if d.val_dir:
+            val = Path(d.root) / d.val_dir
+            need(
+                val.is_dir(),
+                "data.val_dir",
+                d.val_dir,
+                f"{val} is not a directory",
+                'set data.val_dir="" to train without validation, or point it at the validation '
+                "split sorted into class folders (<data.root>/<data.val_dir>/<class>/<image>)",
+            )
 
     o = cfg.optim
     need(
@@ -584,6 +614,24 @@ def validate(cfg: Config) -> None:
         "must be in increasing order",
         "sort the milestones",
     )
+
+    need(
+        o.schedule != "poly" or o.warmup_epochs < cfg.trainer.epochs,
+        "optim.warmup_epochs",
+        o.warmup_epochs,
+        f"the poly schedule decays after warm-up, and trainer.epochs={cfg.trainer.epochs:g}",
+        "lower optim.warmup_epochs below trainer.epochs, or train longer",
+    )
+    need(
+        not (o.nesterov and o.name != "sgd"),
+        "optim.nesterov",
+        o.nesterov,
+        f"optim.name={o.name} has no Nesterov form",
+        "set optim.nesterov=false, or use optim=sgd",
+    )
+
+    backends = {"cpu": ["gloo"], "cuda": ["nccl"], "auto": ["gloo", "nccl"]}[str(c.device)]
+    problems += [p for b in backends if (p := grad_dtype_problem(b, cfg.comm.grad_dtype))]
 
     k = cfg.checkpoint
     if k.url:

@@ -40,16 +40,19 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader
 
 from elastic import config
 from elastic.checkpoint import CheckpointManager, SaveFailed
 from elastic.communicator import Communicator, RoundAborted, RoundEnd, pick_device, round_end
 from elastic.control import EXIT_FAILED, EXIT_PEER_LOST, Assignment, Channel, WorkerEnv
-from elastic.data import SeededImageFolder
+from elastic.data import SeededImageFolder, ValImageFolder
+from elastic.evaluate import average_bn_stats, due_evaluation, evaluate, use_last_batch_stats
 from elastic.events import EventLog
 from elastic.lr_policy import LRPolicy
-from elastic.model import build_model, build_optimizer
+from elastic.model import build_model
+from elastic.optim import build_optimizer, step_settings
+from elastic.pipeline import Prefetcher, loader_workers, make_loader
+from elastic.precision import MixedPrecision, dtype_of, resolve_channels_last, resolve_precision
 from elastic.sampler import ElasticSampler, StepPlan
 from elastic.state import Progress, TrainState, sync_state
 
@@ -121,10 +124,14 @@ class Worker:
     comm: Communicator
     link: AgentLink
     dataset: SeededImageFolder
+    val: ValImageFolder | None  # None: data.val_dir=""
     sampler: ElasticSampler
     policy: LRPolicy
     total: int  # samples the whole run trains
     state: TrainState
+    precision: MixedPrecision
+    channels_last: bool
+    loader_workers: int  # per training worker (data.loader_workers resolved)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     progress: Progress | None = None  # None until this process holds a state
     trained_round: int = -1  # the round this state was last trained or synced in
@@ -138,13 +145,22 @@ def main() -> int:
     torch.set_num_threads(env.threads)
     events = EventLog(env.run_dir, env.node_id, log, role="worker", local_rank=env.local_rank)
     device = pick_device(cfg.cluster.device, env.local_rank)
-    comm = Communicator(device, cfg.rendezvous.pg_timeout_s)
+    comm = Communicator(device, cfg.rendezvous.pg_timeout_s, dtype_of(cfg.comm.grad_dtype))
     link = AgentLink(Channel.from_environ(), comm)
+    precision = MixedPrecision(resolve_precision(cfg.trainer.precision, device), device)
+    channels_last = resolve_channels_last(cfg.trainer.channels_last, device)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # fixed input sizes: pick the fastest kernels once
 
     dataset = SeededImageFolder(cfg.data, cfg.trainer.seed)
     torch.manual_seed(cfg.trainer.seed)
     model = build_model(cfg.model, dataset.num_classes).to(device)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    if cfg.model.bn_stats == config.BNStats.last_batch:
+        use_last_batch_stats(model)
     state = TrainState(model, build_optimizer(model, cfg.optim))
+    total = round(cfg.trainer.epochs * len(dataset))
     w = Worker(
         cfg=cfg,
         env=env,
@@ -153,11 +169,18 @@ def main() -> int:
         comm=comm,
         link=link,
         dataset=dataset,
+        val=ValImageFolder(cfg.data) if cfg.data.val_dir else None,
         sampler=ElasticSampler(len(dataset), cfg.data.batch_size, cfg.trainer.seed),
-        policy=LRPolicy.from_config(cfg.optim, cfg.data.batch_size, len(dataset)),
-        total=round(cfg.trainer.epochs * len(dataset)),
+        policy=LRPolicy.from_config(cfg.optim, cfg.data.batch_size, len(dataset), total),
+        total=total,
         state=state,
-        tensors=state.tensors(),
+        precision=precision,
+        channels_last=channels_last,
+        # env.threads is this worker's share of the node's cores, as its agent divided them.
+        loader_workers=loader_workers(
+            cfg.data.loader_workers, env.local_world_size, env.threads * env.local_world_size
+        ),
+        tensors=state.tensors() | precision.tensors(),
     )
     link.status["phase"] = "idle"
     link.channel.send("ready")
@@ -223,19 +246,17 @@ def train_round(w: Worker, a: Assignment) -> None:
     cfg, events, rank, world = w.cfg, w.events, a.rank, a.world_size
     ckpt = CheckpointManager(cfg.checkpoint.url, cfg.checkpoint.keep, events, w.comm.collective)
     start = enter_round(w, a, ckpt)
-    progress, global_batch = start.progress, start.global_batch
+    global_batch = start.global_batch
+    # An evaluation the previous round broke off, or the end's when nothing is left to train.
+    progress = saved = maybe_evaluate(w, a, start.progress)
 
     ddp = w.comm.wrap(w.state.model)
     remaining = w.total - progress.samples_seen
-    loader = DataLoader(
-        w.dataset,
-        batch_sampler=w.sampler.batches(progress.sampler, rank, world, remaining, global_batch),
-        num_workers=cfg.data.loader_workers,
-        pin_memory=w.device.type == "cuda",
-    )
-    last_saved, t_log, samples_log = progress.step, time.perf_counter(), progress.samples_seen
+    batches = w.sampler.batches(progress.sampler, rank, world, remaining, global_batch)
+    loader = make_loader(w.dataset, batches, w.loader_workers, w.device)
+    t_log, samples_log = time.perf_counter(), progress.samples_seen
     first_step = True
-    for images, targets in loader:
+    for images, targets in Prefetcher(loader, w.device, w.channels_last):
         if w.comm.aborted:
             raise RoundAborted("a new round was announced")
         plan = w.sampler.plan(
@@ -251,10 +272,20 @@ def train_round(w: Worker, a: Assignment) -> None:
             )
         lr = w.policy.lr(progress.samples_seen, global_batch, progress.ramp)
         w.state.set_lr(lr)
+        w.state.apply(step_settings(cfg.optim, progress.samples_seen, len(w.dataset)))
         w.link.status.update(phase="step", step=progress.step + 1)
-        loss = train_step(w, ddp, images.to(w.device), targets.to(w.device), plan, world)
+        loss, taken = train_step(w, ddp, images, targets, plan, world)
         progress = progress.after(plan, w.sampler.advance(progress.sampler, plan), world, lr)
         w.progress = progress
+        if rank == 0 and not taken:
+            events.emit(
+                "step_skipped",
+                f"step {progress.step}: inf/nan in the fp16 gradients; the optimizer step was "
+                "skipped on every rank and the loss scale lowered",
+                level=logging.WARNING,
+                step=progress.step,
+                scale=w.precision.scaler.get_scale(),
+            )
 
         if rank == 0 and first_step and w.interrupted_at is not None:
             report_recovery(w, a, start, progress.step)
@@ -274,11 +305,12 @@ def train_round(w: Worker, a: Assignment) -> None:
                 samples_per_s=(progress.samples_seen - samples_log) / (now - t_log),
             )
             t_log, samples_log = now, progress.samples_seen
+        progress = maybe_evaluate(w, a, progress)  # before the save, which records it
         if progress.step % cfg.checkpoint.every_steps == 0:
             save(w, ckpt, progress, a)
-            last_saved = progress.step
+            saved = progress
 
-    if progress.step != last_saved:
+    if progress != saved:
         save(w, ckpt, progress, a)
     events.emit("state_digest", step=progress.step, digest=w.state.digest())
     if rank == 0:
@@ -321,6 +353,7 @@ def enter_round(w: Worker, a: Assignment, ckpt: CheckpointManager) -> RoundStart
         w.events.emit(
             "lr_changed",
             reason="world_size",
+            optimizer=str(w.cfg.optim.name),
             old_world_size=progress.world_size,
             world_size=a.world_size,
             old_lr=progress.lr,
@@ -366,6 +399,57 @@ def report_recovery(w: Worker, a: Assignment, start: RoundStart, step: int) -> N
     )
 
 
+def maybe_evaluate(w: Worker, a: Assignment, progress: Progress) -> Progress:
+    """Run the validation that is due after ``progress`` (a collective), if any; the progress
+    that records it.
+
+    Which evaluation is due is a pure function of the progress record
+    (:func:`elastic.evaluate.due_evaluation`), which travels with the state: an evaluation a
+    broken round cut short is due again in the next round, and a completed one is never redone.
+    Every rank evaluates its shard of the validation set; one all-reduce adds them up.
+    """
+    cfg = w.cfg
+    due = due_evaluation(
+        progress.samples_seen,
+        progress.evaluated,
+        len(w.dataset),
+        cfg.trainer.eval_every_epochs,
+        w.total,
+    )
+    if w.val is None or due is None:
+        return progress
+    w.link.status["phase"] = "evaluate"
+    t0 = time.perf_counter()
+    average_bn_stats(w.state.model, a.world_size, collective=w.comm.collective)
+    result = evaluate(
+        w.state.model,
+        w.val,
+        a.rank,
+        a.world_size,
+        w.device,
+        cfg.data.batch_size,
+        collective=w.comm.collective,
+        autocast=w.precision.autocast,
+        channels_last=w.channels_last,
+        loader_workers=w.loader_workers,
+    )
+    if a.rank == 0:
+        w.events.emit(
+            "evaluated",
+            evaluation=due,
+            epoch=round(progress.samples_seen / len(w.dataset), 4),
+            step=progress.step,
+            top1=result.top1,
+            top5=result.top5,
+            loss=result.loss,
+            count=result.count,
+            seconds=time.perf_counter() - t0,
+        )
+    w.link.status["phase"] = "step"
+    w.progress = replace(progress, evaluated=due)
+    return w.progress
+
+
 def train_step(
     w: Worker,
     ddp: DistributedDataParallel,
@@ -373,8 +457,10 @@ def train_step(
     targets: torch.Tensor,
     plan: StepPlan,
     world: int,
-) -> float:
-    """One optimizer step on this rank's share of the global batch; returns its mean loss.
+) -> tuple[float, bool]:
+    """One optimizer step on this rank's share of the global batch; returns its mean loss and
+    whether the optimizer stepped (an fp16 step with inf/nan gradients is skipped, on every
+    rank alike: see :class:`elastic.precision.MixedPrecision`).
 
     The share is split into micro-batches of at most ``data.batch_size`` (more than one only under
     ``keep_global_batch`` on a smaller world); gradients accumulate locally and are all-reduced
@@ -391,14 +477,16 @@ def train_step(
     parts = zip(
         images.tensor_split(n), targets.tensor_split(n), weight.tensor_split(n), strict=True
     )
+    smoothing = w.cfg.optim.label_smoothing
     for i, (x, y, wt) in enumerate(parts):
         with ddp.no_sync() if i < n - 1 else contextlib.nullcontext():
-            per_sample = F.cross_entropy(ddp(x), y, reduction="none")
-            (per_sample * wt).sum().backward()
-        total += (per_sample.detach() * (wt > 0)).sum().item()
-    w.state.optimizer.step()
+            with w.precision.autocast():
+                per_sample = F.cross_entropy(ddp(x), y, reduction="none", label_smoothing=smoothing)
+            w.precision.backward((per_sample * wt).sum())
+        total += (per_sample.detach().float() * (wt > 0)).sum().item()
+    taken = w.precision.step(w.state.optimizer)
     w.comm.end_step()
-    return total / plan.real
+    return total / plan.real, taken
 
 
 def save(w: Worker, ckpt: CheckpointManager, progress: Progress, a: Assignment) -> None:

@@ -54,9 +54,11 @@ def describe(ev: dict[str, Any]) -> str | None:
         return f"{ev['node']}: worker {ev['local_rank']} frozen ({ev['reason']})"
     if kind == "lr_changed":
         return (
-            f"LR {ev['old_lr']:.5f} -> {ev['lr']:.5f} for world size "
-            f"{ev['old_world_size']} -> {ev['world_size']}"
+            f"{ev['optimizer']} LR {ev['old_lr']:.5f} -> {ev['lr']:.5f} for world size "
+            f"{ev['old_world_size']} -> {ev['world_size']} ({ev['policy']})"
         )
+    if kind == "evaluated":
+        return f"validation after epoch {ev['epoch']:g} (step {ev['step']}): " + accuracy(ev)
     if kind == "checkpoint_saved":
         return f"checkpoint of step {ev['step']} saved in {ev['seconds']:.2f} s"
     if kind == "checkpoint_failed":
@@ -107,6 +109,14 @@ def describe(ev: dict[str, Any]) -> str | None:
     if kind == "training_done":
         return f"training done: step {ev['step']}, {ev['samples_seen']} samples"
     return None
+
+
+def accuracy(ev: dict[str, Any]) -> str:
+    """An ``evaluated`` event's figures, as the progress line and the summary print them."""
+    return (
+        f"top-1 {100 * ev['top1']:.2f} %, top-5 {100 * ev['top5']:.2f} %, loss {ev['loss']:.4f} "
+        f"({ev['count']} images, {ev['seconds']:.1f} s)"
+    )
 
 
 class ProgressDisplay:
@@ -188,6 +198,10 @@ def summary(run_dir: Path, checkpoint_url: str, job_id: str, since: float = 0.0)
         lines.append(
             f"last step {steps[-1]['step']}: loss {steps[-1]['loss']:.4f}, lr {steps[-1]['lr']:.5f}"
         )
+    evaluated = [e for e in events if e["event"] == "evaluated"]
+    if evaluated:
+        last = evaluated[-1]
+        lines.append(f"validation at step {last['step']}: " + accuracy(last))
     failed_saves = sum(e["event"] == "checkpoint_failed" for e in events)
     lines.append(
         f"rounds formed: {len(rounds)}, worker failures seen: {len(crashed)}, "

@@ -45,6 +45,31 @@ def test_imagenet_presets_compose() -> None:
     assert cfg.cluster.mode == "bare_metal"
 
 
+@pytest.mark.parametrize(
+    ("recipe", "optimizer", "bn_stats", "grad_dtype"),
+    [
+        ("resnet50_8k_goyal", "sgd", "running", "fp32"),
+        ("resnet50_32k_akiba", "akiba", "last_batch", "fp16"),
+        ("resnet50_32k_lars", "lars", "running", "bf16"),
+    ],
+)
+def test_recipes_compose_over_the_defaults(
+    tmp_path: Path, recipe: str, optimizer: str, bn_stats: str, grad_dtype: str
+) -> None:
+    """A recipe overrides the groups and the keys of config.yaml itself (trainer.epochs), and
+    passes validation once the data set is there."""
+    (tmp_path / "train").mkdir()
+    (tmp_path / "val").mkdir()
+    cfg = composed(f"recipe={recipe}", f"data.root={tmp_path}")
+    validate(cfg)
+    assert (cfg.model.name, cfg.data.crop_size, cfg.trainer.epochs) == ("resnet50", 224, 90)
+    assert (cfg.optim.name, cfg.model.bn_stats, cfg.comm.grad_dtype) == (
+        optimizer,
+        bn_stats,
+        grad_dtype,
+    )
+
+
 def test_health_presets_compose() -> None:
     assert composed().health.min_open_files == 4096
     strict = composed("health=strict").health
@@ -70,6 +95,7 @@ def test_health_presets_compose() -> None:
         (["cluster=bare_metal", "job_id=x"], "cluster.etcd_endpoints"),
         (["cluster.etcd_endpoints=[nohostport]"], "cluster.etcd_endpoints"),
         (["data=imagenet", "data.root=/nonexistent/imagenet"], "data.root"),
+        (["data=imagenet", "data.root=/nonexistent/imagenet"], "data.val_dir"),
         (["health.min_open_files=-1"], "health.min_open_files"),
         (["health.gpu_memory_fraction=1.5"], "health.gpu_memory_fraction"),
         (["health.quarantine_s=1"], "health.quarantine_s"),
@@ -78,6 +104,8 @@ def test_health_presets_compose() -> None:
         (["rendezvous.watchdog_s=0"], "rendezvous.watchdog_s"),
         (["rendezvous.settle_s=-1"], "rendezvous.settle_s"),
         (["data.generate.classes=1"], "data.generate.classes"),
+        (["optim=lars", "trainer.epochs=90", "optim.nesterov=true"], "optim.nesterov"),
+        (["optim=lars"], "optim.warmup_epochs"),  # its 25 warm-up epochs exceed the default 3
         (["optim.gamma=0"], "optim.gamma"),
         (["trainer.epochs=0"], "trainer.epochs"),
         (["cluster.max_nodes=-1"], "cluster.max_nodes"),
@@ -151,6 +179,7 @@ def test_a_value_on_the_bound_passes(override: str) -> None:
 
 def test_generate_bounds_are_checked_only_with_synthetic_data(tmp_path: Path) -> None:
     (tmp_path / "train").mkdir()
+    (tmp_path / "val").mkdir()
     validate(composed("data=imagenet", f"data.root={tmp_path}", "data.generate.classes=1"))
     with pytest.raises(ConfigError, match="data.generate.classes=1"):
         validate(composed("data.generate.classes=1"))
