@@ -71,6 +71,11 @@ def save_failure_fix(errors: list[BaseException]) -> str:
     return "check that checkpoint.url is reachable and writable from every node"
 
 
+# Training state a checkpoint may lack and a resumed job starts fresh: the loss scaler exists
+# only under trainer.precision=fp16.
+OPTIONAL_STATE = ("scaler.",)
+
+
 @dataclass(frozen=True)
 class CheckpointInfo:
     url: str
@@ -132,6 +137,7 @@ class CheckpointManager:
                     "saved_at": time.time(),
                     "files": files,
                     "world_size": dist.get_world_size(),
+                    "tensors": sorted(tensors),
                     **meta,
                 }
                 self._write_json(f"{path}/{MANIFEST}", manifest)
@@ -188,8 +194,24 @@ class CheckpointManager:
         return None
 
     def load(self, info: CheckpointInfo, tensors: dict[str, torch.Tensor]) -> None:
-        """Load ``info`` into ``tensors`` in place; a collective, at any world size."""
-        dcp.load(tensors, checkpoint_id=info.url)
+        """Load ``info`` into ``tensors`` in place; a collective, at any world size.
+
+        State that a setting switched on since the save (the fp16 loss scaler of a job resumed
+        with ``trainer.precision=fp16``) starts fresh; anything else the checkpoint lacks means
+        it is another model or optimizer, and loading it would silently mix two runs.
+        """
+        missing = tensors.keys() - set(info.manifest.get("tensors", tensors))
+        unknown = sorted(k for k in missing if not k.startswith(OPTIONAL_STATE))
+        if unknown:
+            raise ValueError(
+                f"the checkpoint {info.url} has no {', '.join(unknown[:3])}"
+                f"{f' (and {len(unknown) - 3} more)' if len(unknown) > 3 else ''}: it was saved "
+                "by another model or optimizer. Fix: resume with the model and optim settings it "
+                "was saved with, or start a new job (another job_id or checkpoint.url)"
+            )
+        if missing:
+            log.info("%s: starting %s fresh", info.url, ", ".join(sorted(missing)))
+        dcp.load({k: v for k, v in tensors.items() if k not in missing}, checkpoint_id=info.url)
 
     def restore(self, tensors: dict[str, torch.Tensor]) -> CheckpointInfo | None:
         """Rank 0 picks the newest valid checkpoint, every rank loads it. A collective."""

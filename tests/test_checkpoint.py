@@ -46,6 +46,15 @@ def _rank_main(
             manager.save(step, tensors, {"progress": {"step": step}})
         except SaveFailed as exc:  # every rank learns of it; the test reads what each one saw
             Path(out, f"failed{rank}.json").write_text(json.dumps([exc.reason, exc.fix]))
+    elif action in ("load_with_scaler", "load_another_optimizer"):
+        extra = "scaler.scale" if action == "load_with_scaler" else "optim.0.weight.square_avg"
+        tensors[extra] = torch.full((1,), 65536.0)
+        try:
+            manager.restore(tensors)
+            result = {"extra": tensors[extra].tolist(), "tensors": _plain(tensors, extra)}
+        except ValueError as exc:
+            result = {"error": str(exc)}
+        Path(out, f"loaded{rank}.json").write_text(json.dumps(result))
     else:
         info = manager.restore(tensors)
         found = {
@@ -54,6 +63,10 @@ def _rank_main(
         }
         Path(out, f"loaded{rank}.json").write_text(json.dumps(found))
     dist.destroy_process_group()
+
+
+def _plain(tensors: dict[str, torch.Tensor], leave_out: str) -> dict[str, list]:
+    return {k: v.tolist() for k, v in tensors.items() if k != leave_out}
 
 
 def run_ranks(world: int, action: str, url: str, out: Path, step: int = 0, seed: int = 0) -> None:
@@ -158,3 +171,18 @@ def test_the_fix_for_a_failed_save_follows_the_errno() -> None:
     assert "writable" in save_failure_fix([denied])
     assert "free space" in save_failure_fix([denied, full])  # space first: it is the usual cause
     assert "reachable" in save_failure_fix([ConnectionError("store down")])
+
+
+def test_state_a_setting_added_since_the_save_starts_fresh_and_anything_else_is_refused(
+    tmp_path: Path,
+) -> None:
+    """A job resumed with trainer.precision=fp16 from an fp32 checkpoint gets a fresh loss
+    scaler and the saved weights; a checkpoint of another optimizer is refused by name."""
+    url = f"file://{tmp_path}/ckpt"
+    run_ranks(1, "save", url, tmp_path, step=3, seed=1)
+    run_ranks(1, "load_with_scaler", url, tmp_path, seed=99)
+    got = loaded(tmp_path, 0)
+    assert got["extra"] == [65536.0] and got["tensors"] == expected(1)
+    run_ranks(1, "load_another_optimizer", url, tmp_path, seed=99)
+    error = loaded(tmp_path, 0)["error"]
+    assert "has no optim.0.weight.square_avg" in error and "Fix: resume with" in error
