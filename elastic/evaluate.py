@@ -34,6 +34,8 @@ import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import DataLoader, Dataset, Subset
 
+from elastic.communicator import RoundAborted
+
 if TYPE_CHECKING:  # an annotation only: importing DCP costs a second in every spawned process
     from elastic.checkpoint import Collective
 
@@ -117,13 +119,16 @@ def evaluate(
     autocast: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
     channels_last: bool = False,
     loader_workers: int = 0,
+    stop: Callable[[], bool] = lambda: False,
 ) -> EvalResult:
     """Evaluate ``model`` (the module itself, not its DDP wrapper) on ``dataset``; a collective.
 
     This rank runs its :func:`shard` in eval mode without gradients and sums the cross-entropy
     (no label smoothing: the number is comparable across recipes) and the top-1 and top-5 hits;
     one all-reduce adds up ``[loss, top-1, top-5, count]`` in float64 (exact counts far beyond
-    ImageNet's size). Call :func:`average_bn_stats` first. The model is back in training mode
+    ImageNet's size). Call :func:`average_bn_stats` first. ``stop`` is asked before every batch:
+    when the agent has moved this rank to another round, the evaluation ends at once with
+    :class:`~elastic.communicator.RoundAborted` (the next round redoes it). The model is back in training mode
     afterwards, whatever happened.
     """
     num_samples = len(dataset)  # type: ignore[arg-type]
@@ -141,6 +146,8 @@ def evaluate(
     try:
         with torch.no_grad():
             for images, targets in loader:
+                if stop():  # the agent moved this rank to another round: its peers are gone
+                    raise RoundAborted("the evaluation's round was left")
                 images = images.to(device, non_blocking=True)
                 targets = targets.to(device, non_blocking=True)
                 if channels_last:

@@ -419,6 +419,8 @@ def maybe_evaluate(w: Worker, a: Assignment, progress: Progress) -> Progress:
     if w.val is None or due is None:
         return progress
     w.link.status["phase"] = "evaluate"
+    if a.rank == 0:
+        w.events.emit("evaluation_started", evaluation=due, step=progress.step)
     t0 = time.perf_counter()
     average_bn_stats(w.state.model, a.world_size, collective=w.comm.collective)
     result = evaluate(
@@ -432,6 +434,7 @@ def maybe_evaluate(w: Worker, a: Assignment, progress: Progress) -> Progress:
         autocast=w.precision.autocast,
         channels_last=w.channels_last,
         loader_workers=w.loader_workers,
+        stop=lambda: w.comm.aborted,
     )
     if a.rank == 0:
         w.events.emit(

@@ -107,6 +107,38 @@ def other_node(run_dir: Path, nodes: int) -> str:
     return next(f"node{i}" for i in range(nodes) if f"node{i}" != rank0)
 
 
+def test_a_node_killed_during_validation_costs_a_redone_evaluation_counted_once(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL of a node while the round evaluates: the survivor's next round evaluates again,
+    over the whole held-out split, and each evaluation is reported once."""
+    run_dir = tmp_path / "run"
+    val_images = 10 * 150  # long enough that the kill lands inside the first evaluation
+    proc = launch(
+        run_dir,
+        "trainer.epochs=2",
+        "trainer.eval_every_epochs=1",
+        "data.generate.val_images_per_class=150",
+    )
+    started = wait_event(
+        run_dir, proc, lambda e: e["event"] == "evaluation_started" and e["evaluation"] == 1
+    )
+    assert proc.poll() is None, output(run_dir)
+    fault = kill_node(run_dir, other_node(run_dir, 2))
+    assert wait_exit(proc, run_dir) == 0, output(run_dir)[-3000:]
+
+    events = read_events(run_dir)
+    evaluated = [e for e in events if e["event"] == "evaluated"]
+    assert [e["evaluation"] for e in evaluated] == [1, 2], evaluated
+    assert all(e["count"] == val_images for e in evaluated)
+    first = evaluated[0]
+    assert first["ts"] > fault and first["step"] == started["step"]  # redone after the kill
+    redone = [e for e in events if e["event"] == "evaluation_started" and e["evaluation"] == 1]
+    assert len(redone) == 2  # begun in the broken round, done again in the next
+    done = next(e for e in events if e["event"] == "training_done")
+    assert done["world_size"] == 1 and done["samples_seen"] == 2 * SAMPLES_PER_EPOCH
+
+
 @pytest.mark.parametrize("victim", ["not_rank0", "rank0_and_store"])
 def test_killed_node_survivors_recover_in_place(tmp_path: Path, victim: str) -> None:
     """SIGKILL of a node; with rank0_and_store, the node holding rank 0 and the round's store."""
