@@ -128,8 +128,8 @@ def evaluate(
     one all-reduce adds up ``[loss, top-1, top-5, count]`` in float64 (exact counts far beyond
     ImageNet's size). Call :func:`average_bn_stats` first. ``stop`` is asked before every batch:
     when the agent has moved this rank to another round, the evaluation ends at once with
-    :class:`~elastic.communicator.RoundAborted` (the next round redoes it). The model is back in training mode
-    afterwards, whatever happened.
+    :class:`~elastic.communicator.RoundAborted` (the next round redoes it). The model is back in
+    training mode afterwards, whatever happened.
     """
     num_samples = len(dataset)  # type: ignore[arg-type]
     if num_samples == 0:
