@@ -477,9 +477,14 @@ def main() -> int:
                 line += f", plain DDP beside an idle etcd {beside[-1].samples_per_s:.1f}"
             print(line, flush=True)
 
-    ours_rate = statistics.median(w.samples_per_s for w in ours)
-    plain_rate = statistics.median(w.samples_per_s for w in plain)
-    overhead = (plain_rate - ours_rate) / plain_rate * 100
+    def rate(runs: list[Window]) -> float:
+        return statistics.median(w.samples_per_s for w in runs)
+
+    def overhead(label: str, peer: list[Window]) -> str:
+        pct = (rate(peer) - rate(ours)) / rate(peer) * 100
+        verdict = "met" if pct <= GOAL_PCT else "NOT met"
+        return f"overhead of ours{label}: {pct:+.1f} % (goal <= {GOAL_PCT:g} %: {verdict})"
+
     print(
         f"\nsteady state: steps {setup.warmup + 1}-{setup.total_steps} (the first {setup.warmup} "
         f"skipped), {setup.procs} processes x {cfg.data.batch_size} images, {cfg.model.name}, "
@@ -493,20 +498,13 @@ def main() -> int:
     if beside:
         rows.append(("plain DDP beside an idle etcd", beside))
     for label, runs in rows:
-        rate = statistics.median(w.samples_per_s for w in runs)
         step_ms = statistics.median(w.step_s for w in runs) * 1000
         each = " ".join(f"{w.samples_per_s:.1f}" for w in runs)
-        print(f"{label:32}{rate:>11.1f}{step_ms:>10.1f}   {each}")
-    verdict = "met" if overhead <= GOAL_PCT else "NOT met"
-    print(f"overhead of ours: {overhead:+.1f} % (goal <= {GOAL_PCT:g} %: {verdict})")
+        print(f"{label:32}{rate(runs):>11.1f}{step_ms:>10.1f}   {each}")
+    print(overhead("", plain))
     if beside:
-        beside_rate = statistics.median(w.samples_per_s for w in beside)
-        trainer = (beside_rate - ours_rate) / beside_rate * 100
-        print(
-            f"overhead of ours against the plain loop beside an idle etcd (the trainer's own "
-            f"share): {trainer:+.1f} % (goal <= {GOAL_PCT:g} %: "
-            f"{'met' if trainer <= GOAL_PCT else 'NOT met'})"
-        )
+        label = " against the plain loop beside an idle etcd (the trainer's own share)"
+        print(overhead(label, beside))
     print(f"reproduce (from the repository root): {reproduce(args, setup)}")
     return 0
 

@@ -35,6 +35,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from elastic.communicator import RoundAborted
+from elastic.pipeline import Prefetcher
 
 if TYPE_CHECKING:  # an annotation only: importing DCP costs a second in every spawned process
     from elastic.checkpoint import Collective
@@ -145,13 +146,9 @@ def evaluate(
     model.eval()
     try:
         with torch.no_grad():
-            for images, targets in loader:
+            for images, targets in Prefetcher(loader, device, channels_last):
                 if stop():  # the agent moved this rank to another round: its peers are gone
                     raise RoundAborted("the evaluation's round was left")
-                images = images.to(device, non_blocking=True)
-                targets = targets.to(device, non_blocking=True)
-                if channels_last:
-                    images = images.contiguous(memory_format=torch.channels_last)
                 with autocast():
                     logits = model(images)
                 logits = logits.float()

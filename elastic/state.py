@@ -91,13 +91,9 @@ class TrainState:
                         out[f"optim.{self._names[p]}.{key}"] = value
         return out
 
-    def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-
     def apply(self, settings: dict[str, float]) -> None:
-        """Set every key of ``settings`` in every param group (the per-step settings besides
-        the LR, :func:`elastic.optim.step_settings`)."""
+        """Set every key of ``settings`` in every param group: the LR and the other per-step
+        settings (:func:`elastic.optim.step_settings`)."""
         for group in self.optimizer.param_groups:
             group.update(settings)
 

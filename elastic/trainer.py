@@ -271,8 +271,7 @@ def train_round(w: Worker, a: Assignment) -> None:
                 indices=list(plan.indices[: plan.real]),
             )
         lr = w.policy.lr(progress.samples_seen, global_batch, progress.ramp)
-        w.state.set_lr(lr)
-        w.state.apply(step_settings(cfg.optim, progress.samples_seen, len(w.dataset)))
+        w.state.apply({"lr": lr, **step_settings(cfg.optim, progress.samples_seen, len(w.dataset))})
         w.link.status.update(phase="step", step=progress.step + 1)
         loss, taken = train_step(w, ddp, images, targets, plan, world)
         progress = progress.after(plan, w.sampler.advance(progress.sampler, plan), world, lr)
