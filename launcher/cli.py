@@ -2,6 +2,7 @@
 
 It composes the configuration from ``conf/`` and the command-line overrides, fills in the
 defaults that depend on the moment (job id, run directory, checkpoint URL), checks every value
+and the places the job needs (:mod:`launcher.preflight`: etcd, the checkpoint URL, the data)
 before anything starts, prepares the data, writes the resolved ``config.yaml`` that all agents and
 workers of the job read, and then either simulates ``cluster.nodes`` nodes on this machine
 (``cluster=local``) or runs this node's agent (``cluster=bare_metal``).
@@ -26,6 +27,7 @@ from elastic.events import EventFollower, read_events
 from launcher.agent import Agent
 from launcher.compose import finalize
 from launcher.local_cluster import run_local
+from launcher.preflight import preflight
 from launcher.progress import ProgressDisplay, summary
 
 log = logging.getLogger("launcher")
@@ -36,6 +38,10 @@ def launch(cfg: Config) -> int:
         config.validate(cfg)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    problems = preflight(cfg)
+    if problems:
+        print("error: the job cannot start:\n  " + "\n  ".join(problems), file=sys.stderr)
         return 2
     run_dir = Path(cfg.run_dir)
     started = time.time()

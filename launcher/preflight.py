@@ -1,0 +1,88 @@
+"""What the launcher checks before any agent starts: the places the job will need.
+
+:func:`elastic.config.validate` checks the values; this checks the world they point at: the
+etcd endpoints answer, the checkpoint URL can be written, the data root can be read. A launch
+that fails here has started nothing and created nothing, and each problem names the key, the
+value and the fix, like a config error. The agents still check their own node before they join
+(:mod:`launcher.health`); this only spares every node of a job from finding the same shared
+fault one by one, and the operator from waiting for it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from urllib.parse import urlparse
+
+from elastic.config import Config, problem
+from launcher.etcd import EtcdUnavailable, connect
+
+
+def preflight(cfg: Config) -> list[str]:
+    """Every problem found, each as ``key=value: why. Fix: ...``; empty when the launch may go."""
+    return [p for p in (_etcd(cfg), _checkpoint_url(cfg), _data_root(cfg)) if p]
+
+
+def _etcd(cfg: Config) -> str:
+    endpoints = list(cfg.cluster.etcd_endpoints)
+    if not endpoints:
+        return ""  # the launcher starts an embedded etcd
+    try:
+        client = connect(endpoints, timeout_s=cfg.health.etcd_timeout_s)
+    except EtcdUnavailable as exc:
+        return problem(
+            "cluster.etcd_endpoints",
+            endpoints,
+            f"no endpoint answered within health.etcd_timeout_s={cfg.health.etcd_timeout_s:g} "
+            f"({exc})",
+            "start etcd, or point cluster.etcd_endpoints at the running cluster's members",
+        )
+    client.close()
+    return ""
+
+
+def writable_dir_problem(path: Path) -> str:
+    """Why checkpoints cannot be written under ``path`` (created if missing), or ""; nothing is
+    created. The nearest existing ancestor must be a directory this process may write in, on a
+    file system mounted read-write."""
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a regular file, not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable by this user (or its file system is read-only)"
+    if os.statvfs(existing).f_flag & os.ST_RDONLY:
+        return f"{existing} is on a read-only file system"
+    return ""
+
+
+def _checkpoint_url(cfg: Config) -> str:
+    url = cfg.checkpoint.url
+    parsed = urlparse(url)
+    if parsed.scheme not in ("", "file"):
+        return ""  # a remote store: its own credentials and semantics, checked by the first save
+    why = writable_dir_problem(Path(parsed.path if parsed.scheme else url))
+    if not why:
+        return ""
+    return problem(
+        "checkpoint.url",
+        url,
+        why,
+        "point checkpoint.url at a writable directory (file:///shared/ckpt or an fsspec URL such "
+        "as s3://bucket/job)",
+    )
+
+
+def _data_root(cfg: Config) -> str:
+    if cfg.data.synthetic:
+        return ""
+    root = Path(cfg.data.root) / cfg.data.train_dir
+    if root.is_dir() and not os.access(root, os.R_OK | os.X_OK):
+        return problem(
+            "data.root",
+            cfg.data.root,
+            f"{root} cannot be read by this user",
+            "grant read access to the data set, or point data.root at a readable copy",
+        )
+    return ""

@@ -1,0 +1,73 @@
+"""The launcher's checks of the places a job needs, before any agent starts: real files, a real
+read-only mount, real etcd servers (one up, one port with none)."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from elastic.config import Config
+from launcher.embedded_etcd import free_port
+from launcher.preflight import preflight, writable_dir_problem
+
+from .test_config import composed
+
+
+def with_(cfg: Config, group: str, **values: object) -> Config:
+    return dataclasses.replace(cfg, **{group: dataclasses.replace(getattr(cfg, group), **values)})
+
+
+def test_a_fresh_directory_under_a_writable_one_passes_and_nothing_is_created(
+    tmp_path: Path,
+) -> None:
+    target = tmp_path / "a" / "b" / "checkpoints"
+    assert writable_dir_problem(target) == ""
+    assert not (tmp_path / "a").exists()
+
+
+def test_a_checkpoint_url_under_a_regular_file_is_refused_by_name(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    cfg = with_(composed(), "checkpoint", url=f"file://{tmp_path}/file/ckpt")
+    [found] = preflight(cfg)
+    assert found.startswith(f"checkpoint.url='file://{tmp_path}/file/ckpt'")
+    assert "is a regular file" in found and "Fix: point checkpoint.url" in found
+
+
+@pytest.fixture
+def read_only_mount(tmp_path: Path) -> Iterator[Path]:
+    path = tmp_path / "ro"
+    path.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_a_checkpoint_url_on_a_read_only_file_system_is_refused(read_only_mount: Path) -> None:
+    cfg = with_(composed(), "checkpoint", url=str(read_only_mount / "ckpt"))
+    [found] = preflight(cfg)
+    assert "checkpoint.url=" in found and "read-only" in found
+
+
+def test_a_remote_checkpoint_store_is_left_to_its_first_save() -> None:
+    assert preflight(with_(composed(), "checkpoint", url="s3://bucket/job")) == []
+
+
+def test_etcd_endpoints_that_do_not_answer_are_refused_quickly(etcd_endpoint: str) -> None:
+    assert preflight(with_(composed(), "cluster", etcd_endpoints=[etcd_endpoint])) == []
+    nobody = f"127.0.0.1:{free_port()}"
+    cfg = with_(composed(), "cluster", etcd_endpoints=[nobody])
+    [found] = preflight(with_(cfg, "health", etcd_timeout_s=1.0))
+    assert found.startswith(f"cluster.etcd_endpoints=['{nobody}']")
+    assert "Fix: start etcd" in found
