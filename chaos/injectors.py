@@ -1,5 +1,9 @@
 """Fault injectors: real signals to real processes, found through the run's event log.
 
+Nodes and workers are found through the events; etcd members through the
+:class:`~launcher.embedded_etcd.EmbeddedEtcd` that owns them, or, for the one ``python -m
+launcher`` starts, by their data directory under the run's.
+
 Each injection is itself written to the event log (``events/chaos.jsonl``) with the moment the
 signal was sent, so recovery can be measured from the log alone: fault to first step after.
 """
@@ -15,6 +19,7 @@ from typing import Any
 import psutil
 
 from elastic.events import EventLog, read_events
+from launcher.embedded_etcd import EmbeddedEtcd
 
 CHAOS_NODE = "chaos"
 
@@ -81,6 +86,43 @@ def kill_worker(
     except psutil.NoSuchProcess as exc:
         raise TargetNotFound(f"worker {local_rank} of {node_id} is not running") from exc
     return _signal(run_dir, [proc], sig, kind="worker", target=f"{node_id}/worker{local_rank}")
+
+
+def stop_etcd(run_dir: str | os.PathLike[str], etcd: EmbeddedEtcd, member: int = 0) -> float:
+    """SIGKILL one member of an etcd this process started (an outage of a 1-member etcd, a lost
+    member of three); :func:`start_etcd` brings it back on the same port and data."""
+    pid = etcd.pid(member)
+    if pid is None:
+        raise TargetNotFound(f"etcd member {member} is not running")
+    record = _log(run_dir, "fault_injected", kind="etcd", target=f"member{member}", pids=[pid])
+    etcd.stop_member(member, kill=True)
+    return record
+
+
+def start_etcd(run_dir: str | os.PathLike[str], etcd: EmbeddedEtcd, member: int = 0) -> float:
+    """Start a member stopped by :func:`stop_etcd` again, as an operator restarts etcd; returns
+    once it is healthy (logged as ``fault_cleared`` at that moment)."""
+    etcd.start_member(member)
+    return _log(run_dir, "fault_cleared", kind="etcd", target=f"member{member}")
+
+
+def kill_embedded_etcd_member(run_dir: str | os.PathLike[str], member: int) -> float:
+    """SIGKILL one member of the embedded etcd that ``python -m launcher`` started for the run
+    (``cluster.embedded_etcd_members=3``), found by its data directory under the run's."""
+    data_dir = str(Path(run_dir) / "etcd" / f"member{member}")
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "--data-dir" in cmd and cmd[cmd.index("--data-dir") + 1] == data_dir:
+            return _signal(run_dir, [p], signal.SIGKILL, kind="etcd", target=f"member{member}")
+    raise TargetNotFound(f"no etcd process with --data-dir {data_dir}")
+
+
+def _log(run_dir: str | os.PathLike[str], event: str, **fields: Any) -> float:
+    log = EventLog(run_dir, CHAOS_NODE, role="chaos")
+    try:
+        return float(log.emit(event, **fields)["ts"])
+    finally:
+        log.close()
 
 
 def _signal(

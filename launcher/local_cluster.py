@@ -2,7 +2,8 @@
 
 Each simulated node is an agent in its own session and process group, so a fault injector can kill
 a whole node (the agent and every worker under it) with one signal, as a machine failure would.
-Unless ``cluster.etcd_endpoints`` names a running etcd, an embedded one is started for the job.
+Unless ``cluster.etcd_endpoints`` names a running etcd, an embedded one is started for the job,
+of ``cluster.embedded_etcd_members`` members (1, or 3 to survive the loss of one).
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ def run_local(cfg: Config, config_path: Path) -> int:
     etcd = None
     endpoints = list(cfg.cluster.etcd_endpoints)
     if not endpoints:
-        etcd = EmbeddedEtcd(run_dir / "etcd", logs / "etcd.log").start()
-        endpoints = [etcd.endpoint]
-        log.info("embedded etcd at %s", etcd.endpoint)
+        members = cfg.cluster.embedded_etcd_members
+        etcd = EmbeddedEtcd(run_dir / "etcd", logs / "etcd.log", members).start()
+        endpoints = etcd.endpoints
+        log.info("embedded etcd (%d member(s)) at %s", members, ", ".join(endpoints))
 
     stop: list[int] = []
 

@@ -105,7 +105,17 @@ def describe(ev: dict[str, Any]) -> str | None:
     if kind == "quarantine_wait":
         return f"{ev['node']}: quarantined, waiting {ev['left_s']:.0f} s before checking again"
     if kind == "node_left":
-        return f"{ev['node']}: left the job (exit code {ev['code']})"
+        why = f": {ev['reason']}" if ev.get("reason") else ""
+        return f"{ev['node']}: left the job (exit code {ev['code']}){why}"
+    if kind == "etcd_unreachable":
+        return (
+            f"{ev['node']}: etcd does not answer ({ev['error']}); training goes on, retrying for "
+            f"up to {ev['grace_s']:g} s"
+        )
+    if kind == "etcd_reachable":
+        return f"{ev['node']}: etcd answers again after {ev['down_s']:.1f} s"
+    if kind == "etcd_lost":
+        return f"{ev['node']}: {ev['reason']}. Fix: {ev['fix']}"
     if kind == "training_done":
         return f"training done: step {ev['step']}, {ev['samples_seen']} samples"
     return None

@@ -26,12 +26,25 @@ least ``min_nodes`` are ready and either ``max_nodes`` are or membership has bee
 with :meth:`Rendezvous.evict` instead of waiting for the lease; an evicted node that was in fact
 alive sees its own key vanish and fences itself.
 
+An unreachable etcd (restarted, electing a leader, cut off by the network) is not a lost lease:
+the lease lives on the server, which restores it with a fresh TTL when it comes back, and no
+other node can form a round without etcd. So the node keeps training, retries with backoff, and
+only the server's word fences it: a lease the server says expired, or this node's key deleted
+(evicted). A node cut off from etcd alone cannot train on without the others either: once they
+form a round without it, its collectives in the old one fail. Past ``rendezvous.etcd_grace_s``
+without etcd the node gives up (:attr:`Rendezvous.etcd_lost`), and the agent stops the node
+cleanly. :func:`lease_verdict` is that decision, on plain data. Writes of this node's own record
+(ready, a failure) that find etcd away are kept and retried by the sync thread; each write is
+conditioned on this node's registration, so a node evicted meanwhile never re-creates its key.
+
 Whoever follows the job (the agent) passes ``on_change``, called whenever the view changes or the
-node fences itself; it then reads :attr:`Rendezvous.view` and :attr:`Rendezvous.fenced`.
+node fences itself; it then reads :attr:`Rendezvous.view`, :attr:`Rendezvous.fenced` and
+:attr:`Rendezvous.etcd_lost`.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import threading
@@ -42,6 +55,7 @@ from typing import Any
 
 from elastic.config import RendezvousConfig
 from elastic.events import EventLog
+from launcher.etcd import etcd_errors
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +69,50 @@ def job_prefix(prefix: str, job_id: str) -> str:
 
 
 class NodeIdInUse(RuntimeError):
-    """Another live node registered the same node id."""
+    """The node id is registered already: by another live node, or by an earlier incarnation of
+    this one whose lease still runs (a crash, then a restart at once)."""
+
+    def __init__(self, message: str, holder: NodeRecord) -> None:
+        super().__init__(message)
+        self.holder = holder  # the registration that holds the id (joined_rev: its revision)
+
+
+class EtcdLost(ConnectionError):
+    """etcd did not answer for longer than ``rendezvous.etcd_grace_s``."""
+
+
+ETCD_LOST_FIX = (
+    "bring etcd back (or check cluster.etcd_endpoints and the network to it), then launch the "
+    "job again to resume from the newest checkpoint"
+)
+RETRY_MIN_S, RETRY_MAX_S = 0.25, 4.0  # backoff of the calls retried while etcd is away
+
+
+class Lease(enum.Enum):
+    """What a keep-alive round trip says about this node's place in the job."""
+
+    ALIVE = "alive"  # refreshed
+    EXPIRED = "expired"  # the server says the lease is gone: the node is out (fenced)
+    OUTAGE = "outage"  # no answer: keep training, keep trying
+    ETCD_LOST = "etcd_lost"  # no answer for longer than rendezvous.etcd_grace_s: stop
+
+
+def lease_verdict(ttl: int | None, unreachable_s: float, grace_s: float) -> Lease:
+    """The verdict on a keep-alive: ``ttl`` is the TTL the server answered (None: no answer),
+    ``unreachable_s`` how long etcd has not answered (monotonic), ``grace_s`` the grace period.
+
+    Only the server can say a lease is gone: a node that cannot reach etcd does not know that
+    the others can, and it need not: they can only replace it in a round that etcd forms, and
+    then its old round's collectives fail.
+    """
+    if ttl is not None:
+        return Lease.ALIVE if ttl > 0 else Lease.EXPIRED
+    return Lease.ETCD_LOST if unreachable_s > grace_s else Lease.OUTAGE
+
+
+def backoff(attempt: int) -> float:
+    """Seconds before retry number ``attempt`` (0-based) of a call that found etcd away."""
+    return min(RETRY_MAX_S, RETRY_MIN_S * 2**attempt)
 
 
 @dataclass(frozen=True)
@@ -233,34 +290,42 @@ class Rendezvous:
         self._membership: tuple[tuple[str, int, int, bool], ...] = ()
         self._last_change = time.monotonic()
         self._lease: Any = None
+        self._registration = 0  # create revision of this node's key
+        self._record_dirty = False  # self.node has changes etcd has not taken yet
+        self._record_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._watch_id: int | None = None
+        self._down_since: float | None = None  # monotonic; None while etcd answers
         self.fenced = threading.Event()
+        self.etcd_lost = threading.Event()
 
     # --- membership --------------------------------------------------------------------------
 
     def join(self) -> None:
-        """Register this node under a fresh lease and start following the job."""
+        """Register this node under a fresh lease and start following the job.
+
+        While etcd does not answer this retries with backoff, up to ``rendezvous.etcd_grace_s``;
+        then it raises :class:`EtcdLost`.
+        """
         self._stop.clear()
         self.fenced.clear()
         self.node = replace(self.node, incarnation=0, ready=False)
+        self._record_dirty = False
         with self._cond:  # forget what an earlier registration saw; a fresh snapshot follows
             self._view = JobView()
             self._membership = ()
-        lease = self._client.lease(self._cfg.lease_ttl_s)
-        ok, _ = self._client.transaction(
-            compare=[self._client.transactions.version(self._node_key) == 0],
-            success=[self._client.transactions.put(self._node_key, self.node.to_json(), lease)],
-            failure=[],
-        )
+        lease, ok, responses = self._retry("register", self._register)
         if not ok:
             self._client.revoke_lease(lease.id)
+            [(value, meta)] = responses[0]
             raise NodeIdInUse(
                 f"node id {self.node.node_id!r} is already live in this job: give each node its "
-                "own cluster.node_id, or wait for the old node's lease to expire"
+                "own cluster.node_id, or wait for the old node's lease to expire",
+                NodeRecord.from_json(value, meta.create_revision),
             )
+        self._registration = responses[0].response_put.header.revision
         self._lease = lease
         self._last_refresh = time.monotonic()
         self._threads = [
@@ -270,6 +335,35 @@ class Rendezvous:
         for t in self._threads:
             t.start()
         self._emit("node_registered", lease=lease.id, ttl_s=self._cfg.lease_ttl_s)
+
+    def _register(self) -> tuple[Any, bool, list[Any]]:
+        lease = self._client.lease(self._cfg.lease_ttl_s)
+        t = self._client.transactions
+        ok, responses = self._client.transaction(
+            compare=[t.version(self._node_key) == 0],
+            success=[t.put(self._node_key, self.node.to_json(), lease)],
+            failure=[t.get(self._node_key)],
+        )
+        return lease, ok, responses
+
+    def _retry(self, what: str, call: Callable[[], Any]) -> Any:
+        """``call()``, retried with backoff while etcd does not answer, for at most
+        ``rendezvous.etcd_grace_s``; then :class:`EtcdLost`."""
+        started = time.monotonic()
+        for attempt in range(1_000_000):
+            try:
+                return call()
+            except etcd_errors() as exc:
+                waited = time.monotonic() - started
+                if waited > self._cfg.etcd_grace_s:
+                    raise EtcdLost(
+                        f"etcd did not answer for {waited:.0f} s "
+                        f"(rendezvous.etcd_grace_s={self._cfg.etcd_grace_s:g}) while trying to "
+                        f"{what}: {exc.__class__.__name__}"
+                    ) from exc
+                log.info("etcd unavailable (%s); retrying to %s", exc.__class__.__name__, what)
+                time.sleep(backoff(attempt))
+        raise AssertionError("unreachable")
 
     def leave(self) -> None:
         """Stop following the job and revoke the lease, which deletes this node's keys at once."""
@@ -289,30 +383,72 @@ class Rendezvous:
 
     def report_failure(self, reason: str) -> None:
         """Leave the current round at once: this node's workers failed. The node is placed in a
-        later round when it reports itself ready again."""
+        later round when it reports itself ready again. If etcd is away, the sync thread writes
+        the record once it answers."""
         self.node = replace(self.node, incarnation=self.node.incarnation + 1, ready=False)
-        self._client.put(self._node_key, self.node.to_json(), lease=self._lease)
+        self._write_record()
         self._emit("failure_reported", incarnation=self.node.incarnation, reason=reason)
 
     def set_ready(self) -> None:
-        """This node's workers wait for a round: it may be placed in the next one."""
+        """This node's workers wait for a round: it may be placed in the next one (written now,
+        or by the sync thread once etcd answers)."""
         self.node = replace(self.node, ready=True)
-        self._client.put(self._node_key, self.node.to_json(), lease=self._lease)
+        self._write_record()
         self._emit("node_ready", incarnation=self.node.incarnation)
 
-    def evict(self, member: Member, reason: str) -> bool:
-        """Delete a dead peer's key, if it is still the registration ``member`` names."""
+    def _write_record(self) -> None:
+        """Write :attr:`node` now, or, if etcd is away, leave it to the sync thread."""
+        self._record_dirty = True
+        try:
+            self._put_record()
+        except etcd_errors() as exc:
+            log.info("etcd unavailable (%s); this node's record is written later", exc)
+            self._wake.set()
+
+    def _put_record(self) -> None:
+        """Put :attr:`node` under the lease, if the key is still this registration's; raises what
+        etcd raises. A key that is gone means the node was evicted or its lease expired: it is
+        fenced (the watch may not have said so yet). One write at a time, so an older record
+        never lands after a newer one."""
+        t = self._client.transactions
+        with self._record_lock:
+            record = self.node
+            ok, _ = self._client.transaction(
+                compare=[t.create(self._node_key) == self._registration],
+                success=[t.put(self._node_key, record.to_json(), self._lease)],
+                failure=[],
+            )
+            if self.node is record:  # else a newer record is on its way
+                self._record_dirty = False
+        if not ok:
+            with self._cond:
+                fenced = self._fence("this node's key is gone (evicted, or its lease expired)")
+            if fenced:
+                self._changed()
+
+    def evict(self, member: Member | NodeRecord, reason: str) -> bool:
+        """Delete a dead peer's key, if it is still the registration ``member`` names. False if
+        it is not (gone already, or registered again), or etcd did not answer: the caller may
+        try again."""
         t = self._client.transactions
         key = self._nodes_prefix + member.node_id
-        ok, _ = self._client.transaction(
-            compare=[t.create(key) == member.joined_rev], success=[t.delete(key)], failure=[]
-        )
+        try:
+            ok, _ = self._client.transaction(
+                compare=[t.create(key) == member.joined_rev], success=[t.delete(key)], failure=[]
+            )
+        except etcd_errors() as exc:
+            log.info("etcd unavailable (%s); evicting %s later", exc, member.node_id)
+            return False
         if ok:
             self._emit("peer_evicted", peer=member.node_id, reason=reason)
         return bool(ok)
 
     def mark_done(self) -> None:
-        self._client.put(self._done_key, json.dumps({"node": self.node.node_id}), lease=self._lease)
+        """Tell the others the job is trained (retried while etcd is away, see :meth:`join`)."""
+        record = json.dumps({"node": self.node.node_id})
+        self._retry(
+            "mark the job done", lambda: self._client.put(self._done_key, record, self._lease)
+        )
 
     # --- the view ----------------------------------------------------------------------------
 
@@ -380,7 +516,7 @@ class Rendezvous:
     def _on_watch(self, response: Any) -> None:
         """Runs on the etcd client's watch thread: apply each event to the view."""
         if isinstance(response, Exception):
-            log.warning("etcd watch broke (%s); re-reading the job", response)
+            log.info("etcd watch broke (%s); re-reading the job", type(response).__name__)
             self._watch_id = None
             self._wake.set()
             return
@@ -419,30 +555,82 @@ class Rendezvous:
     # --- background threads ------------------------------------------------------------------
 
     def _keepalive_loop(self) -> None:
-        """Refresh the lease; fence this node once the lease is lost or may have expired.
-
-        A node cut off from etcd stops counting as a member on the server when its lease expires,
-        so it must consider itself out before that moment: after 2/3 of the TTL without a
-        successful refresh it is fenced, and the agent stops its workers.
-        """
-        ttl = self._cfg.lease_ttl_s
+        """Refresh the lease every quarter TTL and act on :func:`lease_verdict`: fence this node
+        when the server says the lease expired, ride out an etcd outage, give up past the grace
+        period. Durations are on the monotonic clock, so a stepped wall clock changes nothing."""
         lease = self._lease
-        while not self._stop.wait(ttl / 4):
+        while not self._stop.wait(self._cfg.lease_ttl_s / 4):
+            ttl: int | None = None
+            error = ""
             try:
                 responses = lease.refresh()
-                if responses and responses[0].TTL > 0:
-                    self._last_refresh = time.monotonic()
-                    continue
-                reason = "lease expired"
-            except Exception as exc:
-                if time.monotonic() - self._last_refresh < ttl * 2 / 3:
-                    continue
-                reason = f"lease not renewed for {ttl * 2 / 3:.1f} s ({exc.__class__.__name__})"
+                ttl = responses[0].TTL if responses else 0
+            except etcd_errors() as exc:
+                error = exc.__class__.__name__
+            now = time.monotonic()
+            verdict = lease_verdict(ttl, now - self._last_refresh, self._cfg.etcd_grace_s)
+            if verdict is Lease.ALIVE:
+                self._last_refresh = now
+                self._etcd_back(now)
+                continue
+            if verdict is Lease.OUTAGE:
+                self._etcd_away(now, error)
+                continue
             with self._cond:
-                fenced = self._fence(reason)
-            if fenced:
+                if verdict is Lease.EXPIRED:
+                    self._etcd_back(now)
+                    changed = self._fence("the lease expired (etcd says so)")
+                else:
+                    changed = self._give_up(now - self._last_refresh, error)
+            if changed:
                 self._changed()
             return
+
+    def _etcd_away(self, now: float, error: str) -> None:
+        """A keep-alive found no etcd: say so once per outage."""
+        if self._down_since is not None:
+            return
+        self._down_since = now
+        self._emit(
+            "etcd_unreachable",
+            f"{self.node.node_id}: etcd does not answer ({error}); training goes on, retrying "
+            f"for up to rendezvous.etcd_grace_s={self._cfg.etcd_grace_s:g} s",
+            level=logging.WARNING,
+            error=error,
+            grace_s=self._cfg.etcd_grace_s,
+        )
+
+    def _etcd_back(self, now: float) -> None:
+        if self._down_since is None:
+            return
+        down, self._down_since = now - self._down_since, None
+        self._emit(
+            "etcd_reachable",
+            f"{self.node.node_id}: etcd answers again after {down:.1f} s",
+            down_s=round(down, 3),
+        )
+        self._wake.set()  # the sync thread re-reads the job and re-opens the watch now
+
+    def _give_up(self, waited: float, error: str) -> bool:
+        """etcd stayed away beyond the grace period; called with ``self._cond`` held."""
+        if self.etcd_lost.is_set():
+            return False
+        reason = (
+            f"etcd did not answer for {waited:.0f} s (rendezvous.etcd_grace_s="
+            f"{self._cfg.etcd_grace_s:g}; last error {error}): the node stops, and the newest "
+            "checkpoint is kept"
+        )
+        self._emit(
+            "etcd_lost",
+            f"{self.node.node_id}: {reason}. Fix: {ETCD_LOST_FIX}",
+            level=logging.ERROR,
+            reason=reason,
+            fix=ETCD_LOST_FIX,
+            waited_s=round(waited, 3),
+        )
+        self.etcd_lost.set()
+        self._cond.notify_all()
+        return True
 
     def _fence(self, reason: str) -> bool:
         """Consider this node out of the job; called with ``self._cond`` held, and then
@@ -462,6 +650,7 @@ class Rendezvous:
     def _sync_loop(self) -> None:
         """Keep the watch alive, re-read the job now and then, and propose rounds as leader."""
         next_resync = 0.0
+        failures = 0
         while not self._stop.is_set():
             deadline: float | None = None
             try:
@@ -473,11 +662,15 @@ class Rendezvous:
                     self._watch_id = self._client.add_watch_prefix_callback(
                         self._prefix, self._on_watch, start_revision=self.view.revision + 1
                     )
+                if self._record_dirty:
+                    self._put_record()
                 deadline = self._maybe_propose()
-            except Exception as exc:
-                log.warning("rendezvous sync failed (%s); retrying", exc)
+                failures = 0
+            except etcd_errors() as exc:  # the keep-alive says when etcd is away; no log spam
+                log.debug("rendezvous sync failed (%s); retrying", exc)
                 self._watch_id = None
-                deadline = time.monotonic() + 0.5
+                deadline = time.monotonic() + backoff(failures)
+                failures += 1
             wait = min(deadline or next_resync, next_resync) - time.monotonic()
             self._wake.wait(timeout=max(0.01, wait))
             self._wake.clear()

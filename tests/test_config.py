@@ -110,6 +110,12 @@ def test_health_presets_compose() -> None:
         (["trainer.epochs=0"], "trainer.epochs"),
         (["cluster.max_nodes=-1"], "cluster.max_nodes"),
         (["health.etcd_timeout_s=0"], "health.etcd_timeout_s"),
+        (["job_id=../escape"], "job_id"),
+        (["job_id=a/nodes"], "job_id"),
+        (["job_id='two words'"], "job_id"),
+        (["job_id=x.health"], "job_id"),
+        (["cluster.embedded_etcd_members=2"], "cluster.embedded_etcd_members"),
+        (["rendezvous.etcd_grace_s=0"], "rendezvous.etcd_grace_s"),
     ],
 )
 def test_bad_values_name_the_key_and_the_fix(overrides: list[str], key: str) -> None:
@@ -284,6 +290,7 @@ def run_cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]
         ("cluster.nodez=3", "nodez"),  # an unknown key
         ("model=resnet9000", "model"),  # an unknown preset
         ("cluster.device=gpu", "expected one of [auto, cpu, cuda]"),  # outside an enum
+        ("checkpoint.url=file:///etc/hostname/ckpt", "checkpoint.url="),  # a file as parent
     ],
 )
 def test_launcher_refuses_bad_config_before_anything_starts(

@@ -13,15 +13,20 @@ from launcher.decisions import (
     Assign,
     Finish,
     GiveUp,
+    IdTaken,
     Probe,
     Rejoin,
     Restart,
     Standby,
+    StopNode,
+    TakeOver,
+    WaitForId,
     assignments,
     excluded_ranks,
     follow_round,
     join_timed_out,
     on_membership,
+    on_node_id_in_use,
     on_peer_lost,
     on_worker_exits,
     peers_to_evict,
@@ -88,13 +93,32 @@ def test_crashes_beyond_max_restarts_give_up() -> None:
 
 
 def test_fencing_rejoins_with_a_strike_and_quarantine_without() -> None:
-    assert on_membership(fenced=False, quarantined=False) is None
-    assert on_membership(fenced=True, quarantined=False) == Rejoin(
+    assert on_membership(fenced=False, quarantined=False, etcd_lost=False) is None
+    assert on_membership(fenced=True, quarantined=False, etcd_lost=False) == Rejoin(
         "lost its place in the job (fenced)", strike=True
     )
-    assert on_membership(fenced=False, quarantined=True) == Rejoin("was quarantined", strike=False)
-    fenced_and_quarantined = on_membership(fenced=True, quarantined=True)
-    assert fenced_and_quarantined is not None and fenced_and_quarantined.strike
+    assert on_membership(fenced=False, quarantined=True, etcd_lost=False) == Rejoin(
+        "was quarantined", strike=False
+    )
+    fenced_and_quarantined = on_membership(fenced=True, quarantined=True, etcd_lost=False)
+    assert isinstance(fenced_and_quarantined, Rejoin) and fenced_and_quarantined.strike
+
+
+def test_etcd_lost_beyond_the_grace_period_stops_the_node_whatever_else_holds() -> None:
+    for fenced in (False, True):
+        for quarantined in (False, True):
+            assert on_membership(fenced, quarantined, etcd_lost=True) == StopNode()
+
+
+def test_an_id_held_by_this_nodes_own_dead_incarnation_is_taken_over_at_once() -> None:
+    assert on_node_id_in_use("10.0.0.5", "10.0.0.5", holder_alive=False, waited_too_long=False) == (
+        TakeOver()
+    )
+    # Alive, or another host's: its lease decides, up to a bound.
+    assert on_node_id_in_use("10.0.0.5", "10.0.0.5", True, False) == WaitForId()
+    assert on_node_id_in_use("10.0.0.9", "10.0.0.5", False, False) == WaitForId()
+    assert on_node_id_in_use("10.0.0.9", "10.0.0.5", True, True) == IdTaken()
+    assert on_node_id_in_use("10.0.0.5", "10.0.0.5", False, True) == TakeOver()
 
 
 # --- peer lost ----------------------------------------------------------------------------------

@@ -77,10 +77,16 @@ def test_node_key_lives_under_a_lease_and_leave_removes_it(make, etcd_client, jo
     assert etcd_client.get(key)[0] is None
 
 
-def test_duplicate_node_id_is_refused(make) -> None:
-    make("a")
-    with pytest.raises(NodeIdInUse, match="cluster.node_id"):
+def test_duplicate_node_id_is_refused_naming_the_holder_which_can_be_taken_over(make) -> None:
+    first = make("a")
+    with pytest.raises(NodeIdInUse, match="cluster.node_id") as err:
         make("a")
+    holder = err.value.holder
+    assert (holder.node_id, holder.store_port) == ("a", first.node.store_port)
+    assert holder.joined_rev == first.view.nodes["a"].joined_rev
+    # What an agent does when the holder is its own dead incarnation: delete that registration.
+    assert first.evict(holder, "an earlier incarnation of this node, now gone")
+    assert first.fenced.wait(5)  # the old registration finds itself gone
 
 
 def test_first_round_waits_for_max_nodes_then_forms_at_once(make) -> None:

@@ -1,0 +1,127 @@
+"""End to end: a real job while its etcd is restarted, loses one of 3 members, or is lost for good.
+
+The job trains on while etcd is away; nobody is fenced and no round is formed. Past
+``rendezvous.etcd_grace_s`` the job stops cleanly with the newest checkpoint kept, and a relaunch
+resumes from it. The invariants of ``chaos/invariants.py`` hold over every run's whole log.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import psutil
+
+from chaos.injectors import kill_embedded_etcd_member, start_etcd, stop_etcd
+from elastic.events import read_events
+from launcher.agent import EXIT_ETCD_LOST
+from launcher.embedded_etcd import EmbeddedEtcd
+
+from .conftest import launch, output
+from .test_e2e import RECORD, SAMPLES_PER_EPOCH, assert_invariants, wait_event, wait_exit
+
+
+def steps_after(run_dir: Path, since: float) -> list[int]:
+    return [e["step"] for e in read_events(run_dir) if e["event"] == "step" and e["ts"] > since]
+
+
+def wait_every_node(run_dir: Path, proc, kind: str, since: float) -> None:  # type: ignore[no-untyped-def]
+    """Until both nodes wrote ``kind`` after ``since``, or the job finished."""
+    seen: set[str] = set()
+
+    def both(e: dict) -> bool:
+        if e["event"] == kind:
+            seen.add(e["node"])
+        return seen >= {"node0", "node1"} or e["event"] == "training_done"
+
+    wait_event(run_dir, proc, both, since=since)
+
+
+def test_etcd_restarted_for_3_s_and_for_20_s_mid_run_costs_nothing(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    with EmbeddedEtcd(tmp_path / "etcd", tmp_path / "etcd.log") as etcd:
+        proc = launch(
+            run_dir,
+            "cluster.nodes=2",
+            "trainer.epochs=3",
+            f"cluster.etcd_endpoints=[{etcd.endpoint}]",
+            RECORD,
+        )
+        wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["step"] >= 3)
+        for seconds in (3, 20):
+            down = stop_etcd(run_dir, etcd)
+            # Training goes on while etcd is away: two steps, awaited from the event log.
+            first = wait_event(run_dir, proc, lambda e: e["event"] == "step", since=down)
+            if proc.poll() is None and first["event"] == "step":
+                wait_event(
+                    run_dir, proc, lambda e, s=first["step"]: e.get("step", 0) >= s + 1, since=down
+                )
+            time.sleep(max(0.0, down + seconds - time.time()))  # the outage's length
+            start_etcd(run_dir, etcd)
+            wait_every_node(run_dir, proc, "etcd_reachable", since=down)
+            assert steps_after(run_dir, down), f"no step while etcd was down for {seconds} s"
+        assert wait_exit(proc, run_dir) == 0, output(run_dir)[-3000:]
+
+    events = assert_invariants(run_dir, epochs=3)
+    kinds = {e["event"] for e in events}
+    assert "etcd_unreachable" in kinds
+    assert not [e for e in events if e["event"] in ("fenced", "peer_evicted", "etcd_lost")]
+    # One round while training; a node that leaves at the end takes the ``done`` key (under its
+    # lease) with it, so the other may form a last round of its own once training is over.
+    done = min(e["ts"] for e in events if e["event"] == "training_done")
+    assert [e["round"] for e in events if e["event"] == "round_formed" and e["ts"] < done] == [1]
+    assert not [e for e in events if e["event"] == "worker_exited" and e["code"] not in (0, None)]
+
+
+def test_a_local_job_on_3_etcd_members_loses_one_without_a_stall_then_all_and_resumes(
+    tmp_path: Path,
+) -> None:
+    """The local cluster's own 3-member etcd: one member killed costs nothing (the client fails
+    over at once); all of them killed, the job stops cleanly past the grace period with the
+    newest checkpoint kept, and a relaunch (a fresh embedded etcd) resumes from it."""
+    run_dir = tmp_path / "run"
+    overrides = ["cluster.nodes=2", "trainer.epochs=2", "cluster.embedded_etcd_members=3", RECORD]
+    proc = launch(run_dir, *overrides, "rendezvous.etcd_grace_s=3")
+    wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["step"] >= 3)
+    killed = kill_embedded_etcd_member(run_dir, 0)  # the member every client talks to first
+    wait_event(run_dir, proc, lambda e: e["event"] == "checkpoint_saved", since=killed)
+    events = read_events(run_dir)
+    assert not [
+        e
+        for e in events
+        if e["event"] in ("fenced", "etcd_unreachable", "round_formed") and e["ts"] >= killed
+    ]
+    # No stall: no gap between steps from the kill on much beyond the slowest one before it (a
+    # checkpoint's), a generous bound next to a lease TTL plus a new round.
+    ts = [e["ts"] for e in events if e["event"] == "step"]
+    before = [b - a for a, b in zip(ts, ts[1:], strict=False) if b < killed]
+    after = [b - a for a, b in zip(ts, ts[1:], strict=False) if b >= killed]
+    assert after and max(after) < max(before) + 1.0, (max(before), max(after))
+
+    for member in (1, 2):
+        kill_embedded_etcd_member(run_dir, member)
+    code = wait_exit(proc, run_dir)
+    out = output(run_dir)
+    assert code != 0, out[-3000:]
+    events = read_events(run_dir)
+    left = {e["node"]: e["code"] for e in events if e["event"] == "node_left"}
+    assert left == {"node0": EXIT_ETCD_LOST, "node1": EXIT_ETCD_LOST}
+    assert "rendezvous.etcd_grace_s=3" in out and "bring etcd back" in out
+    assert "Traceback" not in out
+    for log in (run_dir / "logs").glob("node*.log"):
+        assert "Traceback" not in log.read_text(), log
+    pids = [e["worker_pid"] for e in events if e["event"] == "worker_started"]
+    assert not any(psutil.pid_exists(p) for p in pids)
+    newest = max(e["step"] for e in events if e["event"] == "checkpoint_saved")
+    manifest = run_dir / "checkpoints" / f"step_{newest:09d}" / "manifest.json"
+    assert json.loads(manifest.read_text())["progress"]["step"] == newest
+
+    relaunched = time.time()
+    again = launch(run_dir, *overrides)
+    started = wait_event(run_dir, again, lambda e: e["event"] == "training_started", relaunched)
+    assert started.get("resumed_from") == newest
+    assert wait_exit(again, run_dir) == 0, output(run_dir)[-3000:]
+    events = assert_invariants(run_dir, epochs=2)
+    done = [e for e in events if e["event"] == "training_done"]
+    assert done[-1]["samples_seen"] == 2 * SAMPLES_PER_EPOCH
