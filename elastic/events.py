@@ -87,12 +87,18 @@ def _parse(lines: list[str]) -> Iterator[dict[str, Any]]:
 
 
 class EventFollower:
-    """Reads the events appended since the last call, across all node files of a run."""
+    """Reads the events appended since the last call, across all node files of a run.
 
-    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+    With ``only_new``, what the files hold already is skipped: a launcher started again on the
+    same run directory shows this run's events, not the earlier runs' replayed as new.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike[str], only_new: bool = False) -> None:
         self._dir = events_dir(run_dir)
         self._offsets: dict[Path, int] = {}
         self._partial: dict[Path, str] = {}
+        if only_new:
+            self._offsets = {p: p.stat().st_size for p in self._dir.glob("*.jsonl")}
 
     def poll(self) -> list[dict[str, Any]]:
         new: list[dict[str, Any]] = []

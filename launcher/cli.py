@@ -74,7 +74,8 @@ def _run_bare_metal(cfg: Config, config_path: Path) -> int:
     node_id = cfg.cluster.node_id or socket.gethostname()
     host = cfg.cluster.host or socket.getfqdn()
     agent = Agent(cfg, str(config_path), node_id, host, list(cfg.cluster.etcd_endpoints))
-    display, follower, done = ProgressDisplay(), EventFollower(cfg.run_dir), threading.Event()
+    display, done = ProgressDisplay(), threading.Event()
+    follower = EventFollower(cfg.run_dir, only_new=True)
 
     def follow() -> None:
         while not done.wait(0.5):

@@ -54,6 +54,7 @@ def run_local(cfg: Config, config_path: Path) -> int:
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     agents: dict[str, subprocess.Popen[bytes]] = {}
     display = ProgressDisplay()
+    follower = EventFollower(run_dir, only_new=True)  # before any agent writes
     try:
         for node in node_ids(cfg.cluster.nodes):
             with open(logs / f"{node}.log", "ab") as out:
@@ -82,7 +83,6 @@ def run_local(cfg: Config, config_path: Path) -> int:
                     env={**os.environ, "PYTHONUNBUFFERED": "1"},
                 )
         log.info("started %d nodes: %s (logs in %s)", len(agents), ", ".join(agents), logs)
-        follower = EventFollower(run_dir)
         while not stop and any(p.poll() is None for p in agents.values()):
             display.handle(follower.poll())
             time.sleep(DISPLAY_INTERVAL_S)

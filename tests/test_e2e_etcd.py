@@ -122,6 +122,8 @@ def test_a_local_job_on_3_etcd_members_loses_one_without_a_stall_then_all_and_re
     started = wait_event(run_dir, again, lambda e: e["event"] == "training_started", relaunched)
     assert started.get("resumed_from") == newest
     assert wait_exit(again, run_dir) == 0, output(run_dir)[-3000:]
+    # The relaunch shows its own events, not the first run's replayed as new.
+    assert "exit code 4" not in output(run_dir)
     events = assert_invariants(run_dir, epochs=2)
     done = [e for e in events if e["event"] == "training_done"]
     assert done[-1]["samples_seen"] == 2 * SAMPLES_PER_EPOCH
