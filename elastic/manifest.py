@@ -11,6 +11,7 @@ start-up.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import fsspec
@@ -35,11 +36,11 @@ def candidates(fs: AbstractFileSystem, root: str) -> list[str]:
     return [f"{root}/{n}" for n in steps]
 
 
-def newest_manifest(url: str) -> dict[str, Any] | None:
-    """The manifest of the newest committed checkpoint at ``url``, or None when there is none.
+def committed(url: str) -> Iterator[dict[str, Any]]:
+    """The manifests of the committed checkpoints at ``url``, newest first.
 
-    The files are not verified against it (hashing a checkpoint takes as long as reading it):
-    this is for knowing what a checkpoint is like, not for loading one. Folders without a
+    The files are not verified against them (hashing a checkpoint takes as long as reading it):
+    this is for knowing what the checkpoints are like, not for loading one. Folders without a
     readable manifest with a ``files`` table (interrupted saves) are passed over.
     """
     fs, root = fsspec.core.url_to_fs(url.rstrip("/"))
@@ -52,8 +53,12 @@ def newest_manifest(url: str) -> dict[str, Any] | None:
         if isinstance(files, dict) and all(
             isinstance(f, dict) and isinstance(f.get("size"), int) for f in files.values()
         ):
-            return manifest
-    return None
+            yield manifest
+
+
+def newest_manifest(url: str) -> dict[str, Any] | None:
+    """The manifest of the newest committed checkpoint at ``url``, or None when there is none."""
+    return next(committed(url), None)
 
 
 def manifest_bytes(manifest: dict[str, Any]) -> int:

@@ -160,7 +160,7 @@ class Agent:
         )
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
-        code = self._admit()
+        code = self._admit(in_running_job=False)
         if code:
             self.events.emit("node_left", code=code, signal=self.stop_signal)
             client.close()
@@ -360,7 +360,7 @@ class Agent:
         if plan.strike is not None:
             if self._strike(plan.strike):
                 return self._rejoin(decide.Rejoin("quarantined", strike=False))
-            code = self._check()
+            code = self._check(in_running_job=True)
             if code:
                 return code
         for s in failed:
@@ -376,7 +376,7 @@ class Agent:
         self.workers.stop(STOP_GRACE_S)
         self.current = None
         self.rdzv.leave()
-        code = self._admit()
+        code = self._admit(in_running_job=True)
         if code:
             return code
         code = self._register()
@@ -433,7 +433,7 @@ class Agent:
 
     # --- health and quarantine -----------------------------------------------------------------
 
-    def _admit(self) -> int:
+    def _admit(self, in_running_job: bool) -> int:
         """Wait while this node is quarantined, then run the health checks: 0 when it may join,
         else the exit code."""
         found = self.guard.get(self.node_id)
@@ -454,28 +454,39 @@ class Agent:
                 if self.stop_signal is not None:
                     return 128 + self.stop_signal
             self.events.emit("quarantine_over")
-        return self._check()
+        return self._check(in_running_job)
 
-    def _check(self) -> int:
-        """Run the health checks and publish the report; 0 if the node passed, else strike it
-        and return :data:`EXIT_UNHEALTHY`."""
+    def _check(self, in_running_job: bool) -> int:
+        """Run the health checks and publish the report; 0 if the node may (re)join, else strike
+        it and return :data:`EXIT_UNHEALTHY`. A node already in a running job is not refused for
+        what every node shares (:func:`launcher.decisions.refusing_checks`): that is a warning."""
         if not self.cfg.health.enabled:
             log.warning("%s: health checks are off (health.enabled=false)", self.node_id)
             return 0
         report = run_checks(self.cfg, self.node_id, self.endpoints, self.slots, self.device)
-        self.guard.publish(report)
+        try:
+            self.guard.publish(report)
+        except etcd_errors() as exc:  # etcd away: the report waits for the next check
+            log.warning("%s: could not publish the health report (%s)", self.node_id, exc)
+        refusing = set(decide.refusing_checks([r.name for r in report.failures], in_running_job))
+        shared = [r for r in report.failures if r.name not in refusing]
+        warnings = [f"{r.name}: {r.message}" for r in report.results if r.status is Status.WARN]
+        warnings += [
+            f"{r.name} (the whole job shares it; not refused): {r.message}" for r in shared
+        ]
         self.events.emit(
             "health_checked",
             report.table(),
-            ok=report.ok,
+            ok=not refusing,
             seconds=round(report.seconds, 3),
             counts=report.counts,
-            warnings=[f"{r.name}: {r.message}" for r in report.results if r.status is Status.WARN],
+            warnings=warnings,
         )
-        if report.ok:
+        if not refusing:
             return 0
-        failures = [f"{r.name}: {r.message}" for r in report.failures]
-        entry = self._strike("failed health checks: " + ", ".join(r.name for r in report.failures))
+        failed = [r for r in report.failures if r.name in refusing]
+        failures = [f"{r.name}: {r.message}" for r in failed]
+        entry = self._strike("failed health checks: " + ", ".join(r.name for r in failed))
         self.events.emit(
             "health_failed",
             f"{self.node_id} failed its health checks and does not join the job:\n  "

@@ -138,6 +138,24 @@ def on_node_id_in_use(
     return IdTaken() if waited_too_long else WaitForId()
 
 
+# --- health checks --------------------------------------------------------------------------------
+
+# Checks of what every node of the job shares: the checkpoint store and etcd.
+SHARED_CHECKS = frozenset({"checkpoint_disk", "etcd"})
+
+
+def refusing_checks(failed: Sequence[str], in_running_job: bool) -> list[str]:
+    """The failed checks (by name) that keep this node out.
+
+    A node that is already in a running job (rejoining, or restarting a crashed worker) is not
+    refused for a check of what every node shares: the others fail it too, so refusing one node,
+    or all of them one by one into quarantine, cannot help. The job goes on (failed saves are
+    ``checkpoint_failed``; an absent etcd has its grace period) and the check is a warning. A node
+    joining for the first time is refused, before it costs the job anything.
+    """
+    return [name for name in failed if not (in_running_job and name in SHARED_CHECKS)]
+
+
 # --- a failed collective --------------------------------------------------------------------------
 
 

@@ -32,7 +32,7 @@ import urllib.request
 from pathlib import Path
 
 from elastic.config import Config, HealthConfig
-from elastic.manifest import manifest_bytes, newest_manifest
+from elastic.manifest import committed, manifest_bytes, newest_manifest
 from launcher.embedded_etcd import etcd_binary
 from launcher.gpu_health import gpu_checks
 from launcher.health_report import CheckResult, HealthReport, Status
@@ -175,12 +175,20 @@ def model_bytes(cfg: Config) -> int:
     return 2 * params + buffers
 
 
+def checkpoints_to_fit(keep: int, on_disk: int) -> int:
+    """How many checkpoints the free space must still hold: a save writes a new one before the
+    oldest beyond ``checkpoint.keep`` goes (keep + 1 at the peak), and the ``on_disk`` ones
+    already have their space. At least one: the next save needs room of its own."""
+    return max(1, keep + 1 - on_disk)
+
+
 def check_checkpoint_disk(cfg: Config, size_model: bool = True) -> CheckResult:
     """Free space and write access where checkpoints go (local paths only).
 
-    Room for ``checkpoint.keep + 1`` checkpoints (a new one is written before the oldest goes),
-    and at least ``health.min_checkpoint_free_gb``. Without ``size_model`` and before the first
-    checkpoint, the size of one is not known and only the latter is checked.
+    Room for the checkpoints still to come (:func:`checkpoints_to_fit`: ``checkpoint.keep + 1``
+    at the peak, less those already on disk), and at least ``health.min_checkpoint_free_gb``.
+    Without ``size_model`` and before the first checkpoint, the size of one is not known and
+    only the latter is checked.
     """
     url = cfg.checkpoint.url
     protocol, _, path = url.partition("://") if "://" in url else ("file", "", url)
@@ -203,16 +211,18 @@ def check_checkpoint_disk(cfg: Config, size_model: bool = True) -> CheckResult:
     one = checkpoint_bytes(cfg, size_model)
     if one is None:
         return _checkpoint_disk_unsized(cfg, existing, free)
-    need = max(cfg.health.min_checkpoint_free_gb * GB, (cfg.checkpoint.keep + 1) * one)
+    on_disk = sum(1 for _ in committed(url))
+    more = checkpoints_to_fit(cfg.checkpoint.keep, on_disk)
+    need = max(cfg.health.min_checkpoint_free_gb * GB, more * one)
     if free < need:
         return CheckResult(
             "checkpoint_disk",
             Status.FAIL,
             f"{existing} has {free / GB:.2f} GB free, below the {need / GB:.2f} GB needed "
-            f"(health.min_checkpoint_free_gb={cfg.health.min_checkpoint_free_gb}, and "
-            f"checkpoint.keep + 1 = {cfg.checkpoint.keep + 1} checkpoints of "
-            f"{one / MB:.0f} MB). Fix: free space, point checkpoint.url "
-            "elsewhere, or lower checkpoint.keep",
+            f"(health.min_checkpoint_free_gb={cfg.health.min_checkpoint_free_gb}, and room for "
+            f"{more} more checkpoint(s) of {one / MB:.0f} MB: checkpoint.keep + 1 = "
+            f"{cfg.checkpoint.keep + 1} at the peak, {on_disk} on disk). Fix: free space, point "
+            "checkpoint.url elsewhere, or lower checkpoint.keep",
         )
     return CheckResult(
         "checkpoint_disk",

@@ -30,6 +30,7 @@ from launcher.decisions import (
     on_peer_lost,
     on_worker_exits,
     peers_to_evict,
+    refusing_checks,
 )
 from launcher.inbox import Inbox, RendezvousChanged, Signal, WorkerExited, WorkerPeerLost
 from launcher.rendezvous import JobView, NodeRecord, Round
@@ -119,6 +120,13 @@ def test_an_id_held_by_this_nodes_own_dead_incarnation_is_taken_over_at_once() -
     assert on_node_id_in_use("10.0.0.9", "10.0.0.5", False, False) == WaitForId()
     assert on_node_id_in_use("10.0.0.9", "10.0.0.5", True, True) == IdTaken()
     assert on_node_id_in_use("10.0.0.5", "10.0.0.5", False, True) == TakeOver()
+
+
+def test_a_node_in_a_running_job_is_not_refused_for_what_every_node_shares() -> None:
+    failed = ["checkpoint_disk", "etcd", "open_files"]
+    assert refusing_checks(failed, in_running_job=False) == failed  # a first join: refused
+    assert refusing_checks(failed, in_running_job=True) == ["open_files"]  # its own fault only
+    assert refusing_checks(["checkpoint_disk"], in_running_job=True) == []
 
 
 # --- peer lost ----------------------------------------------------------------------------------

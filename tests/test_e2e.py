@@ -523,6 +523,22 @@ def test_a_checkpoint_store_that_fills_up_costs_checkpoints_not_the_round(tmp_pa
             assert f"step_{good['step']:09d}" in kept, kept  # the newest good one stays
             assert f"step_{failed['step']:09d}" not in kept  # the failed one was removed
             wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["step"] > failed["step"])
+            # A worker that crashes now is restarted: its node's disk check fails as every
+            # node's would, which is a warning for a node already in the job, not a refusal.
+            crashed = kill_worker(run_dir, "node1")
+            checked = wait_event(
+                run_dir,
+                proc,
+                lambda e: e["event"] == "health_checked" and e["node"] == "node1",
+                crashed,
+            )
+            assert checked["ok"] and any("checkpoint_disk" in w for w in checked["warnings"])
+            wait_event(
+                run_dir,
+                proc,
+                lambda e: e["event"] == "round_joined" and e["node"] == "node1",
+                crashed,
+            )
             freed = time.time()
             filler.unlink()
             again = wait_event(run_dir, proc, lambda e: e["event"] == "checkpoint_saved", freed)
@@ -533,7 +549,9 @@ def test_a_checkpoint_store_that_fills_up_costs_checkpoints_not_the_round(tmp_pa
                 proc.kill()
         events = read_events(run_dir)
         assert "FAILED" in output(run_dir)  # the progress display names it
-        assert [e["event"] for e in events if e["event"] == "round_formed"] == ["round_formed"]
-        assert not any(e["event"] in ("worker_peer_lost", "worker_failed") for e in events)
+        # Failed saves cost no round: one round until the worker was killed on purpose.
+        before = [e for e in events if e["ts"] < crashed]
+        assert [e["round"] for e in before if e["event"] == "round_formed"] == [1]
+        assert not any(e["event"] in ("worker_peer_lost", "worker_failed") for e in before)
         done = next(e for e in events if e["event"] == "training_done")
         assert sorted(p.name for p in store.glob("step_*")) == [f"step_{done['step']:09d}"]

@@ -26,6 +26,7 @@ from launcher.health import (
     check_etcd_and_clock,
     check_shm,
     checkpoint_bytes,
+    checkpoints_to_fit,
 )
 from launcher.health_report import CheckResult, HealthReport, Status
 from launcher.slots import device_without_cuda, gpu_device_nodes
@@ -210,12 +211,21 @@ def test_checkpoint_size_comes_from_the_newest_committed_manifest(
     assert newest_manifest(cfg.checkpoint.url) is not None
     assert checkpoint_bytes(cfg) == checkpoint_bytes(cfg, size_model=False) == 305 * mb
     row = check_checkpoint_disk(cfg, size_model=False)
-    assert row.status is Status.PASS and row.message.endswith("needs 0.60 GB"), row
+    # keep=1: two committed checkpoints are on disk already, so room for one more is enough.
+    assert row.status is Status.PASS and row.message.endswith("needs 0.30 GB"), row
     huge = tmp_path / "huge"
     commit(huge / "step_000000001", {"__0_0.distcp": 1 << 50})
     row = check_checkpoint_disk(with_checkpoint_url(str(huge)))
     assert row.status is Status.FAIL, row
-    assert "checkpoint.keep + 1 = 2 checkpoints of 1073741824 MB" in row.message
+    assert "room for 1 more checkpoint(s) of 1073741824 MB" in row.message
+    assert "checkpoint.keep + 1 = 2 at the peak, 1 on disk" in row.message
+
+
+def test_the_disk_check_counts_the_checkpoints_already_on_disk() -> None:
+    assert checkpoints_to_fit(keep=3, on_disk=0) == 4  # a fresh job: keep + 1 at the peak
+    assert checkpoints_to_fit(keep=3, on_disk=2) == 2
+    assert checkpoints_to_fit(keep=3, on_disk=3) == 1  # the next save, then the oldest goes
+    assert checkpoints_to_fit(keep=1, on_disk=5) == 1  # more than keep (keep lowered): still one
 
 
 def test_before_the_first_checkpoint_the_doctor_checks_the_floor_only(
