@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -94,6 +95,23 @@ def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         del os.environ["ELASTIC_CACHE"]
     else:
         os.environ["ELASTIC_CACHE"] = old
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size_mb: int, read_only: bool = False) -> Iterator[Path]:
+    """A tmpfs of ``size_mb`` at ``path`` (read-only with ``read_only``); the test is skipped
+    where it cannot be mounted."""
+    path.mkdir(parents=True)
+    options = f"{'ro,' if read_only else ''}size={size_mb}m"
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def with_limit(argv: list[str], which: str, soft: int, hard: int) -> list[str]:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -25,7 +23,7 @@ from elastic.events import EventFollower, read_events
 from launcher.agent import EXIT_UNHEALTHY
 from launcher.quarantine import Quarantine
 
-from .conftest import launch, output, with_limit
+from .conftest import launch, output, small_tmpfs, with_limit
 
 SAMPLES_PER_EPOCH = 240  # 10 classes x 24 images (tests/conftest.FAST_JOB)
 START_TIMEOUT_S = 180
@@ -466,23 +464,6 @@ def test_a_worker_whose_data_fails_is_a_local_crash_named_at_once(tmp_path: Path
     events = read_events(run_dir)
     gave_up = [e for e in events if e["event"] == "worker_exited" and e["code"] == EXIT_PEER_LOST]
     assert gave_up == []
-
-
-@contextlib.contextmanager
-def small_tmpfs(path: Path, size_mb: int) -> Iterator[Path]:
-    """A tmpfs of ``size_mb`` at ``path``; the test is skipped where it cannot be mounted."""
-    path.mkdir(parents=True)
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(path)],
-        capture_output=True,
-        text=True,
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def fill(path: Path) -> Path:

@@ -4,16 +4,13 @@ read-only mount, real etcd servers (one up, one port with none)."""
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from elastic.config import Config
 from launcher.embedded_etcd import free_port
 from launcher.preflight import preflight, writable_dir_problem
 
+from .conftest import small_tmpfs
 from .test_config import composed
 
 
@@ -37,26 +34,9 @@ def test_a_checkpoint_url_under_a_regular_file_is_refused_by_name(tmp_path: Path
     assert "is a regular file" in found and "Fix: point checkpoint.url" in found
 
 
-@pytest.fixture
-def read_only_mount(tmp_path: Path) -> Iterator[Path]:
-    path = tmp_path / "ro"
-    path.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)],
-        capture_output=True,
-        text=True,
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
-
-
-def test_a_checkpoint_url_on_a_read_only_file_system_is_refused(read_only_mount: Path) -> None:
-    cfg = with_(composed(), "checkpoint", url=str(read_only_mount / "ckpt"))
-    [found] = preflight(cfg)
+def test_a_checkpoint_url_on_a_read_only_file_system_is_refused(tmp_path: Path) -> None:
+    with small_tmpfs(tmp_path / "ro", 1, read_only=True) as read_only:
+        [found] = preflight(with_(composed(), "checkpoint", url=str(read_only / "ckpt")))
     assert "checkpoint.url=" in found and "read-only" in found
 
 
