@@ -349,8 +349,8 @@ class Rendezvous:
     def _retry(self, what: str, call: Callable[[], Any]) -> Any:
         """``call()``, retried with backoff while etcd does not answer, for at most
         ``rendezvous.etcd_grace_s``; then :class:`EtcdLost`."""
-        started = time.monotonic()
-        for attempt in range(1_000_000):
+        started, attempt = time.monotonic(), 0
+        while True:
             try:
                 return call()
             except etcd_errors() as exc:
@@ -363,7 +363,7 @@ class Rendezvous:
                     ) from exc
                 log.info("etcd unavailable (%s); retrying to %s", exc.__class__.__name__, what)
                 time.sleep(backoff(attempt))
-        raise AssertionError("unreachable")
+                attempt += 1
 
     def leave(self) -> None:
         """Stop following the job and revoke the lease, which deletes this node's keys at once."""
