@@ -118,6 +118,7 @@ def kill_embedded_etcd_member(run_dir: str | os.PathLike[str], member: int) -> f
 
 
 def _log(run_dir: str | os.PathLike[str], event: str, **fields: Any) -> float:
+    """Write one chaos event to the run's log; returns its timestamp."""
     log = EventLog(run_dir, CHAOS_NODE, role="chaos")
     try:
         return float(log.emit(event, **fields)["ts"])
@@ -132,12 +133,8 @@ def _signal(
     event: str = "fault_injected",
     **fields: Any,
 ) -> float:
-    log = EventLog(run_dir, CHAOS_NODE, role="chaos")
-    try:
-        record = log.emit(event, signal=sig.name, pids=[p.pid for p in procs], **fields)
-        for p in procs:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.send_signal(sig)
-    finally:
-        log.close()
-    return float(record["ts"])
+    sent = _log(run_dir, event, signal=sig.name, pids=[p.pid for p in procs], **fields)
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(sig)
+    return sent

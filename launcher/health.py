@@ -182,6 +182,32 @@ def checkpoints_to_fit(keep: int, on_disk: int) -> int:
     return max(1, keep + 1 - on_disk)
 
 
+def local_path(url: str) -> Path | None:
+    """The local directory a checkpoint URL names (``file://`` or a plain path), or None for a
+    remote store."""
+    protocol, _, path = url.partition("://") if "://" in url else ("file", "", url)
+    return Path(path) if protocol in ("file", "local") else None
+
+
+def nearest_existing(path: Path) -> Path:
+    """``path``, or the nearest of its ancestors that exists (where a new folder would go)."""
+    return next(p for p in (path, *path.parents) if p.exists())
+
+
+def writable_dir_problem(path: Path) -> str:
+    """Why checkpoints cannot be written under ``path`` (created if missing), or ""; nothing is
+    created. The nearest existing ancestor must be a directory this process may write in, on a
+    file system mounted read-write."""
+    existing = nearest_existing(path)
+    if not existing.is_dir():
+        return f"{existing} is a regular file, not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable by this user (or its file system is read-only)"
+    if os.statvfs(existing).f_flag & os.ST_RDONLY:
+        return f"{existing} is on a read-only file system"
+    return ""
+
+
 def check_checkpoint_disk(cfg: Config, size_model: bool = True) -> CheckResult:
     """Free space and write access where checkpoints go (local paths only).
 
@@ -191,22 +217,23 @@ def check_checkpoint_disk(cfg: Config, size_model: bool = True) -> CheckResult:
     only the latter is checked.
     """
     url = cfg.checkpoint.url
-    protocol, _, path = url.partition("://") if "://" in url else ("file", "", url)
-    if protocol not in ("file", "local"):
+    target = local_path(url)
+    if target is None:
         return CheckResult(
             "checkpoint_disk",
             Status.SKIP,
-            f"checkpoint.url={url} is not a local path ({protocol}); free space not checked",
+            f"checkpoint.url={url} is not a local path ({url.partition('://')[0]}); free space "
+            "not checked",
         )
-    target = Path(path)
-    existing = next(p for p in (target, *target.parents) if p.exists())
-    if not os.access(existing, os.W_OK):
+    why = writable_dir_problem(target)
+    if why:
         return CheckResult(
             "checkpoint_disk",
             Status.FAIL,
-            f"{existing} (for checkpoint.url={url}) is not writable by this user. Fix: make it "
-            "writable or point checkpoint.url at a writable shared directory",
+            f"{why} (for checkpoint.url={url}). Fix: make it writable or point checkpoint.url at "
+            "a writable shared directory",
         )
+    existing = nearest_existing(target)
     free = shutil.disk_usage(existing).free
     one = checkpoint_bytes(cfg, size_model)
     if one is None:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from urllib.parse import urlparse
 
 from elastic.config import Config, problem
 from launcher.etcd import EtcdUnavailable, connect
+from launcher.health import local_path, writable_dir_problem
 
 
 def preflight(cfg: Config) -> list[str]:
@@ -41,28 +41,14 @@ def _etcd(cfg: Config) -> str:
     return ""
 
 
-def writable_dir_problem(path: Path) -> str:
-    """Why checkpoints cannot be written under ``path`` (created if missing), or ""; nothing is
-    created. The nearest existing ancestor must be a directory this process may write in, on a
-    file system mounted read-write."""
-    existing = path
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        return f"{existing} is a regular file, not a directory"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"{existing} is not writable by this user (or its file system is read-only)"
-    if os.statvfs(existing).f_flag & os.ST_RDONLY:
-        return f"{existing} is on a read-only file system"
-    return ""
-
-
 def _checkpoint_url(cfg: Config) -> str:
+    """The same rule as the nodes' disk check (:func:`launcher.health.writable_dir_problem`),
+    once, before any node starts."""
     url = cfg.checkpoint.url
-    parsed = urlparse(url)
-    if parsed.scheme not in ("", "file"):
+    target = local_path(url)
+    if target is None:
         return ""  # a remote store: its own credentials and semantics, checked by the first save
-    why = writable_dir_problem(Path(parsed.path if parsed.scheme else url))
+    why = writable_dir_problem(target)
     if not why:
         return ""
     return problem(

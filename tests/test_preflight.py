@@ -8,7 +8,8 @@ from pathlib import Path
 
 from elastic.config import Config
 from launcher.embedded_etcd import free_port
-from launcher.preflight import preflight, writable_dir_problem
+from launcher.health import writable_dir_problem
+from launcher.preflight import preflight
 
 from .conftest import small_tmpfs
 from .test_config import composed
