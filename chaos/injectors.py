@@ -73,6 +73,16 @@ def thaw_node(run_dir: str | os.PathLike[str], node_id: str) -> float:
     )
 
 
+def kill_agent(
+    run_dir: str | os.PathLike[str], node_id: str, sig: signal.Signals = signal.SIGKILL
+) -> float:
+    """Signal a node's agent alone, its workers left running: ``SIGSTOP`` is an agent that
+    stops answering (its lease runs out) while its workers still train; :func:`thaw_node`
+    resumes it."""
+    agent = node_processes(run_dir, node_id)[0]
+    return _signal(run_dir, [agent], sig, kind="agent", target=node_id)
+
+
 def kill_worker(
     run_dir: str | os.PathLike[str],
     node_id: str,

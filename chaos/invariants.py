@@ -116,3 +116,40 @@ def replica_violations(events: list[dict[str, Any]]) -> list[str]:
         if len(digests) > 1:
             bad.append(f"step {step}: replicas finished with different parameters")
     return bad
+
+
+def history_violations(events: list[dict[str, Any]]) -> list[str]:
+    """Steps trained from two different states: two worlds training two histories at once.
+
+    Every rank logs the fingerprint of its parameters before each step (the ``samples`` event's
+    ``before``; needs ``trainer.record_samples=true``). The ranks of one round must agree on it,
+    and a step attempted again by a later round (the first attempt dropped in flight) must start
+    from the same state, unless a checkpoint was loaded in between (a whole restart rolls back,
+    and the steps after the checkpoint are trained again, possibly at another world size).
+    """
+    loads = sorted(e["ts"] for e in events if e["event"] == "checkpoint_loaded")
+    attempts: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for e in events:
+        if e["event"] == "samples":
+            attempts[e["step"]].append(e)
+    bad = []
+    for step, records in sorted(attempts.items()):
+        by_round: dict[int, set[str]] = defaultdict(set)
+        first_ts: dict[int, float] = {}
+        for r in records:
+            by_round[r["round"]].add(r["before"])
+            first_ts.setdefault(r["round"], r["ts"])
+        for rnd, states in sorted(by_round.items()):
+            if len(states) > 1:
+                bad.append(
+                    f"step {step}: the ranks of round {rnd} trained it from {len(states)} states"
+                )
+        rounds = sorted(by_round)
+        for earlier, later in zip(rounds, rounds[1:], strict=False):
+            rolled_back = any(first_ts[earlier] < ts < first_ts[later] for ts in loads)
+            if by_round[earlier] != by_round[later] and not rolled_back:
+                bad.append(
+                    f"step {step}: rounds {earlier} and {later} trained it from different states "
+                    "with no checkpoint loaded between them (two histories)"
+                )
+    return bad

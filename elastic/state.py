@@ -109,6 +109,14 @@ class TrainState:
                 h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()[:16]
 
+    def fingerprint(self) -> str:
+        """The float64 sum of every parameter, exactly (hex): cheap enough to log before every
+        step (``trainer.record_samples``), and equal on every replica of one history, so two
+        worlds that train the same step from different states show up in the event log."""
+        with torch.no_grad():
+            total = sum(p.detach().double().sum() for p in self.model.parameters())
+        return float(total).hex()
+
     @property
     def _param_names(self) -> set[str]:
         return set(self._names.values())

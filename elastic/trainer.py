@@ -269,6 +269,7 @@ def train_round(w: Worker, a: Assignment) -> None:
                 epoch=plan.epoch,
                 world_size=world,
                 indices=list(plan.indices[: plan.real]),
+                before=w.state.fingerprint(),
             )
         lr = w.policy.lr(progress.samples_seen, global_batch, progress.ramp)
         w.state.apply({"lr": lr, **step_settings(cfg.optim, progress.samples_seen, len(w.dataset))})

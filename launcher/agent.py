@@ -224,6 +224,24 @@ class Agent:
         for msg in self.inbox.take(timeout):
             self._take(msg)
 
+    def _wait(self, timeout: float) -> None:
+        """:meth:`_receive`, from the loop: a wait that overran means the agent itself did not
+        run (stopped or starved); its workers' watchdogs then restart from now."""
+        began = time.monotonic()
+        self._receive(timeout)
+        now = time.monotonic()
+        away = decide.away_for(timeout, now - began)
+        if away:
+            self.events.emit(
+                "agent_resumed",
+                f"{self.node_id}: the agent did not run for {away:.1f} s (stopped or starved "
+                "of CPU); its workers' silence in that time is not held against them",
+                level=logging.WARNING,
+                away_s=round(away, 3),
+            )
+            for slot in self.workers.slots:
+                slot.excuse(now)
+
     def _take(self, msg: Message) -> None:
         if isinstance(msg, Signal):
             self.stop_signal = msg.signum
@@ -293,7 +311,7 @@ class Agent:
                     waited_s=now - waiting_since,
                 )
                 return 1
-            self._receive(timeout=PROBE_AGAIN_S if probing else IDLE_WAKE_S)
+            self._wait(timeout=PROBE_AGAIN_S if probing else IDLE_WAKE_S)
 
     # --- acting on decisions -------------------------------------------------------------------
 

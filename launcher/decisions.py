@@ -278,6 +278,21 @@ def assignments(previous: Round | None, new: Round, me: Member) -> list[Assignme
     ]
 
 
+# --- the agent's own time -------------------------------------------------------------------------
+
+AWAY_S = 2.0  # a wait that overran its timeout by this much: the agent was stopped or starved
+
+
+def away_for(asked_s: float, waited_s: float) -> float:
+    """How long the agent did not run, from one wait of its loop that was asked to last at most
+    ``asked_s`` and took ``waited_s`` (monotonic): 0 unless it overran by more than
+    :data:`AWAY_S`. An agent that was stopped (SIGSTOP, a hung machine) wakes up with its
+    workers' heartbeats unread; their silence is its own, and blaming them would kill healthy
+    workers and count a strike for a fault the lease already deals with."""
+    overran = waited_s - asked_s
+    return overran if overran > AWAY_S else 0.0
+
+
 # --- waiting for a round --------------------------------------------------------------------------
 
 

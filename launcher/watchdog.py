@@ -33,6 +33,13 @@ class Watchdog:
         if position != self._position:
             self._position, self._position_since = position, now
 
+    def excuse(self, now: float) -> None:
+        """The agent itself did not run until ``now`` (stopped, or starved of CPU): the
+        heartbeats of that time wait unread in the channel, so the silence proves nothing about
+        the worker. Judge it from ``now`` on, as if it had just sent its last heartbeat."""
+        self.last_heartbeat = max(self.last_heartbeat, now)
+        self._position_since = max(self._position_since, now)
+
     def verdict(self, now: float) -> str | None:
         """Why the worker counts as frozen, or None."""
         silent = now - self.last_heartbeat

@@ -122,6 +122,11 @@ class WorkerSlot:
                 return None
             return self.watchdog.verdict(time.monotonic())
 
+    def excuse(self, now: float) -> None:
+        """The agent was not running until ``now``: see :meth:`Watchdog.excuse`."""
+        with self._lock:
+            self.watchdog.excuse(now)
+
     def send(self, kind: str, **fields: Any) -> None:
         if self.channel is not None:
             self.channel.send(kind, **fields)

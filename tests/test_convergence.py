@@ -14,7 +14,12 @@ from pathlib import Path
 import pytest
 
 from chaos.injectors import kill_node, node_with_rank
-from chaos.invariants import lr_violations, replica_violations, sample_violations
+from chaos.invariants import (
+    history_violations,
+    lr_violations,
+    replica_violations,
+    sample_violations,
+)
 from elastic import config
 from elastic.events import read_events
 
@@ -75,6 +80,7 @@ def test_a_large_batch_recipe_learns_through_a_node_kill(tmp_path: Path, recipe:
     assert lr_violations(events, cfg, SAMPLES_PER_EPOCH) == []
     assert sample_violations(events, SAMPLES_PER_EPOCH, EPOCHS * SAMPLES_PER_EPOCH) == []
     assert replica_violations(events) == []
+    assert history_violations(events) == []
     done = next(e for e in events if e["event"] == "training_done")
     assert done["world_size"] == 1 and done["ts"] > fault
     evaluated = [e for e in events if e["event"] == "evaluated"]

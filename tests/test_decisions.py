@@ -22,6 +22,7 @@ from launcher.decisions import (
     TakeOver,
     WaitForId,
     assignments,
+    away_for,
     excluded_ranks,
     follow_round,
     join_timed_out,
@@ -319,3 +320,9 @@ def test_a_signal_handler_wakes_an_agent_blocked_on_its_inbox() -> None:
         assert time.monotonic() - t0 < 5.0
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+def test_a_wait_that_overran_by_more_than_two_seconds_means_the_agent_was_away() -> None:
+    assert away_for(asked_s=1.0, waited_s=1.0) == 0.0
+    assert away_for(asked_s=1.0, waited_s=2.9) == 0.0  # scheduling noise, a busy machine
+    assert away_for(asked_s=0.2, waited_s=15.2) == 15.0  # SIGSTOP for 15 s

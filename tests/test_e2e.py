@@ -13,8 +13,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from chaos.injectors import kill_node, kill_worker, node_with_rank, thaw_node
-from chaos.invariants import lr_violations, replica_violations, sample_violations
+from chaos.injectors import kill_agent, kill_node, kill_worker, node_with_rank, thaw_node
+from chaos.invariants import (
+    history_violations,
+    lr_violations,
+    replica_violations,
+    sample_violations,
+)
 from chaos.report import recovery
 from elastic import config
 from elastic.control import EXIT_FAILED, EXIT_PEER_LOST
@@ -75,6 +80,7 @@ def assert_invariants(run_dir: Path, epochs: int) -> list[dict]:
     assert lr_violations(events, cfg, SAMPLES_PER_EPOCH) == []
     assert sample_violations(events, SAMPLES_PER_EPOCH, epochs * SAMPLES_PER_EPOCH) == []
     assert replica_violations(events) == []
+    assert history_violations(events) == []
     return events
 
 
@@ -170,12 +176,16 @@ def test_killed_node_survivors_recover_in_place(tmp_path: Path, victim: str) -> 
     assert "finished" in output(run_dir)
 
 
-def test_frozen_node_is_evicted_and_rejoins_when_thawed(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    proc = launch(run_dir, "cluster.nodes=3", "trainer.epochs=8", RECORD)
-    wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["step"] >= 8)
-    target = other_node(run_dir, 3)
-    fault = kill_node(run_dir, target, signal.SIGSTOP)
+def freeze_until_dropped(
+    run_dir: Path, proc: subprocess.Popen[str], target: str, agent_only: bool, at_least_s: float
+) -> tuple[float, float, dict]:  # type: ignore[type-arg]
+    """SIGSTOP ``target`` (the whole node, or its agent alone) until the others trained a step
+    in a round without it, and for at least ``at_least_s``, then SIGCONT; (fault, thawed, that
+    step's event)."""
+    if agent_only:
+        fault = kill_agent(run_dir, target, signal.SIGSTOP)
+    else:
+        fault = kill_node(run_dir, target, signal.SIGSTOP)
     try:
         dropped = wait_event(
             run_dir, proc, lambda e: e["event"] == "round_formed" and target in e["removed"], fault
@@ -183,29 +193,65 @@ def test_frozen_node_is_evicted_and_rejoins_when_thawed(tmp_path: Path) -> None:
         progressed = wait_event(
             run_dir, proc, lambda e: e["event"] == "step" and e["ts"] > dropped["ts"], fault
         )
+        time.sleep(max(0.0, fault + at_least_s - time.time()))  # the fault's length
     finally:
         thawed = thaw_node(run_dir, target)
-    # Evicted by its lease (TTL 2 s here), well within the watchdog bound of 10 s + TTL.
-    assert progressed["ts"] - fault < 15, output(run_dir)[-3000:]
-    fenced = wait_event(run_dir, proc, lambda e: e["event"] == "fenced", thawed)
-    assert fenced["node"] == target
-    back = wait_event(
+    return fault, thawed, progressed
+
+
+def test_a_frozen_node_and_a_frozen_agent_are_evicted_and_rejoin_when_thawed(
+    tmp_path: Path,
+) -> None:
+    """A node frozen whole, then another whose agent alone freezes while its workers train on:
+    each is dropped once its lease runs out, trains no step in a round the others have left
+    (one history), and when thawed fences itself and joins again, with one strike and no
+    worker blamed for the agent's own silence."""
+    run_dir = tmp_path / "run"
+    watchdog_s = 5.0
+    proc = launch(
         run_dir,
-        proc,
-        lambda e: e["event"] == "round_joined" and e["node"] == target,
-        thawed,
+        "cluster.nodes=3",
+        "trainer.epochs=12",
+        f"rendezvous.watchdog_s={watchdog_s}",
+        RECORD,
     )
-    assert back["world_size"] == 3
+    wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["step"] >= 8)
+    rejoined = []
+    for agent_only in (False, True):
+        target = other_node(run_dir, 3)
+        # The agent stays frozen beyond its workers' watchdog limit: their heartbeats wait unread.
+        at_least_s = watchdog_s + 2 if agent_only else 0.0
+        fault, thawed, progressed = freeze_until_dropped(
+            run_dir, proc, target, agent_only, at_least_s
+        )
+        # Evicted by its lease (TTL 2 s here), well within the watchdog bound of 10 s + TTL.
+        assert progressed["ts"] - fault < 15, output(run_dir)[-3000:]
+        fenced = wait_event(run_dir, proc, lambda e: e["event"] == "fenced", thawed)
+        assert fenced["node"] == target
+        back = wait_event(
+            run_dir,
+            proc,
+            lambda e, t=target: e["event"] == "round_joined" and e["node"] == t,
+            thawed,
+        )
+        assert back["world_size"] == 3
+        rejoined.append((target, fault, back))
 
     assert wait_exit(proc, run_dir) == 0, output(run_dir)[-3000:]
-    events = assert_invariants(run_dir, epochs=8)
-    synced = [
-        e
-        for e in events
-        if e["event"] == "state_synced" and e["node"] == target and e["round"] == back["round"]
-    ]
-    assert synced and synced[0]["step"] > 0  # its state came from the survivors' memory
-    assert not any(e["event"] == "checkpoint_loaded" for e in events if e["ts"] > fault)
+    events = assert_invariants(run_dir, epochs=12)
+    for target, fault, back in rejoined:
+        synced = [
+            e
+            for e in events
+            if e["event"] == "state_synced" and e["node"] == target and e["round"] == back["round"]
+        ]
+        assert synced and synced[0]["step"] > 0  # its state came from the survivors' memory
+        strikes = [e for e in events if e["event"] == "strike" and fault < e["ts"] < back["ts"]]
+        assert [e["node"] for e in strikes] == [target], strikes  # the fencing, once
+    assert not any(e["event"] == "checkpoint_loaded" for e in events if e["ts"] > rejoined[0][1])
+    assert not any(e["event"] == "worker_frozen" for e in events)
+    resumed = [e for e in events if e["event"] == "agent_resumed"]
+    assert [e["node"] for e in resumed] == [rejoined[1][0]]
 
 
 def test_killed_worker_is_restarted_and_rejoins_in_place(tmp_path: Path) -> None:

@@ -58,3 +58,16 @@ def test_a_changing_step_resets_the_clock() -> None:
     assert w.verdict(18.0) is None  # exactly 10 s on step 6
     w.heartbeat({"round": 1, "step": 6, "phase": "step", "waiting": False}, 18.5)
     assert w.verdict(18.5) == "step 6 computing for 10.5 s"
+
+
+def test_an_agent_that_was_stopped_judges_its_workers_from_when_it_woke() -> None:
+    w = Watchdog(LIMIT)
+    w.start(0.0)
+    beat(w, 1.0, 5.0, round=1, step=5, phase="step", waiting=False)
+    w.excuse(20.0)  # the agent was stopped from 5 s to 20 s; the heartbeats wait unread
+    assert w.verdict(20.5) is None
+    assert w.verdict(30.5) == "no heartbeat for 10.5 s"  # silent since it woke: frozen
+    w.heartbeat({"round": 1, "step": 5, "phase": "step", "waiting": False}, 30.6)
+    assert w.verdict(30.6) == "step 5 computing for 10.6 s"  # counted from the wake-up only
+    w.excuse(3.0)  # an excuse never moves the clock back
+    assert w.verdict(30.6) == "step 5 computing for 10.6 s"
