@@ -1,22 +1,27 @@
 """Recovery from node faults: this project next to the torchrun peer, in one run, same machine.
 
-Three fault kinds, each injected ``--repeats`` times into a fresh 3-node job of each runtime:
+Four fault kinds, each injected ``--repeats`` times into a fresh 3-node job of each runtime:
 
 - ``kill``: SIGKILL of a node that does not hold rank 0 (its agent and every process under it);
 - ``kill_rank0``: SIGKILL of the node with rank 0, which for both runtimes also hosts the
   rendezvous store (ours: the round's TCPStore; torchrun: the c10d rendezvous store);
 - ``freeze``: SIGSTOP of a node that does not hold rank 0 (a hung machine). Ours is thawed once
   the job made progress again (it finds itself fenced out and rejoins); the peer's stays frozen
-  for ``--freeze-wait-s`` and then counts as "no progress".
+  for ``--freeze-wait-s`` and then counts as "no progress";
+- ``leave``: SIGTERM of a node that does not hold rank 0 (a preemption, a maintenance drain).
+  Ours leaves as planned: it finishes the step in flight and one more, and the others switch
+  rounds in between. The peer's torchrun agent stops its worker and the others restart.
 
 Stall and redone steps are defined the same way for both (chaos/report.py and the peer's
 README): from the fault until a survivor completes a step beyond the one in flight; steps trained
 again because the job rolled back. Both checkpoint every ``--ckpt-every`` steps and see the fault
 at step ``--kill-at``. Step time: the peer's step is padded with ``STEP_SLEEP`` to our measured
 step time (the peer trains a small MLP on random data; ours the default ResNet-18 on JPEGs, whose
-state is larger, so a state transfer costs us more than it would cost the peer).
+state is larger, so a state transfer costs us more than it would cost the peer). The stall
+counts the step in flight as lost, which a planned leave does not lose; ours is also given as
+the time lost against the pace before the fault (chaos/report.py), which the peer does not report.
 
-    ./dev.sh bench                                  # everything: 3 kinds x 5 faults x 2 runtimes
+    ./dev.sh bench                                  # everything: 4 kinds x 5 faults x 2 runtimes
     ./dev.sh bench --faults kill --repeats 2 --skip-peer
 
 The peer is ``shared/bench/peer_torchrun/run.sh`` beside this checkout; it needs torchrun on PATH
@@ -50,6 +55,7 @@ FAULTS = {
     "kill": "SIGKILL a node",
     "kill_rank0": "SIGKILL the rank-0 + store node",
     "freeze": "SIGSTOP a node",
+    "leave": "SIGTERM a node (planned leave)",
 }
 BREAKDOWN = ("detected", "round_formed", "rebuild", "sync", "first_step")
 
@@ -61,8 +67,8 @@ class Outcome:
     detail: str
 
 
-def run_ours(work: Path, fault: str, args: argparse.Namespace) -> tuple[Recovery, float]:
-    """One job with one fault; returns its recovery and its median step time before the fault."""
+def run_ours(work: Path, fault: str, args: argparse.Namespace) -> Recovery:
+    """One job with one fault; its recovery (with its median step time before the fault)."""
     run_dir = work / f"ours-{fault}-{time.monotonic_ns()}"
     proc = subprocess.Popen(
         [
@@ -94,16 +100,15 @@ def run_ours(work: Path, fault: str, args: argparse.Namespace) -> tuple[Recovery
                 pass  # counted as no progress by recovery()
             finally:
                 thaw_node(run_dir, other)
+        elif fault == "leave":
+            fault_ts = kill_node(run_dir, other, signal.SIGTERM)
         else:
             fault_ts = kill_node(run_dir, rank0 if fault == "kill_rank0" else other)
         if proc.wait(timeout=900) != 0:
             print(f"  (our job exited with {proc.returncode}; run dir {run_dir})", flush=True)
     finally:
         proc.kill()
-    events = read_events(run_dir)
-    times = [e["ts"] for e in events if e["event"] == "step" and e["ts"] < fault_ts]
-    step_s = statistics.median(b - a for a, b in zip(times[1:], times[2:], strict=False))
-    return recovery(events, fault_ts), step_s
+    return recovery(read_events(run_dir), fault_ts)
 
 
 RESULT = re.compile(r"stall_s=(?P<stall>[\d.]+).*redone_steps=(?P<redone>-?\d+)")
@@ -118,8 +123,8 @@ def run_peer(fault: str, args: argparse.Namespace, step_sleep: float) -> Outcome
         "STEP_SLEEP": f"{step_sleep:.3f}",
         "WAIT_DS": str(round((args.freeze_wait_s if fault == "freeze" else args.peer_wait_s) * 10)),
     }
-    if fault == "freeze":
-        env["SIG"] = "STOP"
+    if fault in ("freeze", "leave"):
+        env["SIG"] = "STOP" if fault == "freeze" else "TERM"
     victim = "host" if fault == "kill_rank0" else "other"
     out = subprocess.run(
         ["bash", str(args.peer), victim], env=env, capture_output=True, text=True, timeout=1200
@@ -129,6 +134,10 @@ def run_peer(fault: str, args: argparse.Namespace, step_sleep: float) -> Outcome
     if match is None:
         return Outcome(None, None, line)
     return Outcome(float(match["stall"]), int(match["redone"]), line)
+
+
+def fmt(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.2f} s"
 
 
 def pct(values: list[float], q: float) -> float:
@@ -184,13 +193,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-recovery-") as tmp:
         for fault in faults:
             for i in range(args.repeats):
-                rec, step_s = run_ours(Path(tmp), fault, args)
+                rec = run_ours(Path(tmp), fault, args)
                 ours[fault].append(rec)
-                step_times.append(step_s)
+                step_times.append(rec.step_s)
                 stall = "no progress" if rec.stall_s is None else f"stall {rec.stall_s:.2f} s"
                 print(
-                    f"{fault:10} ours #{i + 1}: {stall}, redone {rec.redone_steps}, "
-                    f"step {step_s:.3f} s; "
+                    f"{fault:10} ours #{i + 1}: {stall}, lost {fmt(rec.lost_s)}, "
+                    f"redone {rec.redone_steps}, step {rec.step_s:.3f} s; "
                     + ", ".join(f"{k} {v:.2f} s" for k, v in rec.breakdown.items()),
                     flush=True,
                 )
@@ -223,13 +232,18 @@ def main() -> None:
             else:
                 ratio = f"{peer_p50 / our_p50:.1f}x"
             print(f"{'':34}{'torchrun':10}{line}{ratio:>11}")
-    print("\nour recovery breakdown, p50 seconds (detected/round_formed: from the fault):")
-    print(f"{'fault':34}" + "".join(f"{k:>13}" for k in BREAKDOWN))
+    print(
+        "\nour recovery breakdown, p50 seconds (detected/round_formed: from the fault; lost: the"
+        " delay against the pace before the fault)"
+    )
+    print(f"{'fault':34}" + "".join(f"{k:>13}" for k in (*BREAKDOWN, "lost")))
     for fault in faults:
+        lost = [r.lost_s for r in ours[fault] if r.lost_s is not None]
         cells = []
         for key in BREAKDOWN:
             values = [r.breakdown[key] for r in ours[fault] if key in r.breakdown]
             cells.append(f"{pct(values, 0.5):>13.2f}" if values else f"{'-':>13}")
+        cells.append(f"{pct(lost, 0.5):>13.2f}" if lost else f"{'-':>13}")
         print(f"{FAULTS[fault]:34}" + "".join(cells))
 
 

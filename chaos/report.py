@@ -4,10 +4,16 @@ The definitions are the ones shared with the torchrun peer baseline
 (``shared/bench/peer_torchrun``): the stall runs from the fault until a survivor completes a step
 beyond the one that was in flight; redone steps are the steps trained twice because the job rolled
 back, to a checkpoint or (in place) to the newest state a survivor held.
+
+The stall counts the step in flight as lost even when it is not (a planned leave finishes it and
+one more before the others switch rounds), so this project also reports the time lost: how much
+later the first step after the recovery completed than the pace before the fault would have had
+it, wherever in its step the fault landed.
 """
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +38,8 @@ class Recovery:
     stall_s: float | None  # None: no progress after the fault
     redone_steps: int
     breakdown: dict[str, float]  # seconds from the fault to each milestone of the recovery
+    step_s: float  # the median step time before the fault
+    lost_s: float | None  # the delay against that pace (see the module docstring)
 
 
 def recovery(events: list[dict[str, Any]], fault_ts: float) -> Recovery:
@@ -51,6 +59,13 @@ def recovery(events: list[dict[str, Any]], fault_ts: float) -> Recovery:
         None,
     )
     resumed_from = restarted["step"] if restarted else None
+    times = sorted({e["step"]: e["ts"] for e in steps if e["ts"] < fault_ts}.values())
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    step_s = statistics.median(gaps) if gaps else 0.0
+    lost_s = None
+    if progress is not None and before:
+        last_ts = max(e["ts"] for e in steps if e["step"] == last_before and e["ts"] < fault_ts)
+        lost_s = progress["ts"] - last_ts - (progress["step"] - last_before) * step_s
     milestones = {
         "detected": DETECTION_EVENTS,
         "round_formed": ("round_formed",),
@@ -73,4 +88,6 @@ def recovery(events: list[dict[str, Any]], fault_ts: float) -> Recovery:
         stall_s=progress["ts"] - fault_ts if progress else None,
         redone_steps=max(0, last_before - resumed_from) if resumed_from is not None else 0,
         breakdown=breakdown,
+        step_s=step_s,
+        lost_s=lost_s,
     )

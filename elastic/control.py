@@ -12,8 +12,10 @@ One socket pair per worker, created by the agent and inherited by the worker (it
 ``ELASTIC_CONTROL_FD``); when either side dies the other reads end-of-file at once.
 
 Messages, agent to worker: ``assign`` (round, rank, world size, store address) and ``standby``
-(leave the current round and wait). Worker to agent: ``ready``, ``status`` (step, phase, round),
-and ``peer_lost`` (round, error).
+(leave the current round and wait), each at once or, with ``after_step``, once that step is
+trained (a planned leave switches rounds between two steps); ``leave`` (this node is about to
+leave: say after which step). Worker to agent: ``ready``, ``status`` (step, phase, round),
+``peer_lost`` (round, error) and ``leaving`` (after_step: the step the node can stop after).
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ class Assignment:
     # When this round is the previous one minus some nodes: that round, and its ranks now gone.
     shrinks_round: int = 0
     excluded_ranks: tuple[int, ...] = ()
+    after_step: int = 0  # leave the current round once this step is trained; 0: at once
 
     def shrink_of(self, previous: Assignment) -> list[int] | None:
         """The ranks of ``previous`` to exclude, if this round only removed ranks from it."""

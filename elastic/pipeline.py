@@ -18,6 +18,7 @@ the exactly-once invariant rests on that.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -86,7 +87,14 @@ def make_loader(
         pin_memory=device.type == "cuda",
         persistent_workers=workers > 0,
         prefetch_factor=PREFETCH_FACTOR if workers > 0 else None,
+        worker_init_fn=ignore_sigterm if workers > 0 else None,
     )
+
+
+def ignore_sigterm(_worker_id: int) -> None:
+    """Loader processes outlive a SIGTERM sent to the whole node, like the training worker that
+    owns them (it finishes its steps in a planned leave); they end with it."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 class Prefetcher:

@@ -22,7 +22,12 @@ One agent runs on every node (``cluster=bare_metal``), or one per simulated node
    The health checks run again before every rejoin and every worker restart.
 5. When the workers finish the job, mark it done; when another node did, leave too.
 
-SIGTERM or SIGINT stops a node cleanly: workers stopped, lease revoked (its keys vanish at once).
+SIGTERM or SIGINT stops a node cleanly. A node in a round that goes on without it leaves as
+planned: it asks its workers after which step they can stop (the step in flight and the next),
+publishes that step, and the others form the next round without it and switch to it between two
+steps, so no step is dropped and no failure has to be detected. Then its workers are stopped and
+its lease revoked (its keys vanish at once). Workers ignore SIGTERM: a signal sent to the whole
+node reaches them too, and the agent decides when they stop.
 
 Everything the agent reacts to arrives in its inbox (:mod:`launcher.inbox`): worker messages and
 exits, signals, and changes of the rendezvous's view. Its loop is "gather the facts, decide, act":
@@ -53,7 +58,14 @@ from launcher import decisions as decide
 from launcher.etcd import EtcdUnavailable, connect, etcd_errors
 from launcher.health import run_checks
 from launcher.health_report import Status
-from launcher.inbox import Inbox, Message, RendezvousChanged, Signal, WorkerPeerLost
+from launcher.inbox import (
+    Inbox,
+    Message,
+    RendezvousChanged,
+    Signal,
+    WorkerLeaving,
+    WorkerPeerLost,
+)
 from launcher.quarantine import Entry, Quarantine, clear_command
 from launcher.rendezvous import (
     ETCD_LOST_FIX,
@@ -121,6 +133,8 @@ class Agent:
         self.crashes = 0
         self.lost_round = 0  # the newest round in which a local worker saw a collective fail
         self.leave_reason = ""  # why the node leaves the job, when it leaves on its own
+        self.draining_since: float | None = None  # a planned leave: when the workers were asked
+        self.leave_answers: dict[int, int] = {}  # local rank: the step it can stop after
 
     # --- life cycle ----------------------------------------------------------------------------
 
@@ -247,15 +261,19 @@ class Agent:
             self.stop_signal = msg.signum
         elif isinstance(msg, WorkerPeerLost):
             self.lost_round = max(self.lost_round, msg.round)
+        elif isinstance(msg, WorkerLeaving):
+            self.leave_answers[msg.local_rank] = msg.after_step
+            if len(self.leave_answers) == len(self.workers.slots):
+                self.rdzv.leave_after(max(self.leave_answers.values()))
 
     def _loop(self) -> int:
         """Until the node is done or must go: gather the facts, decide (:mod:`launcher.decisions`),
         act, and wait for the inbox (at most :data:`IDLE_WAKE_S`: watchdogs, the join timeout)."""
         waiting_since = time.monotonic()
         while True:
-            if self.stop_signal is not None:
-                return 128 + self.stop_signal
             view = self.rdzv.view
+            if self.stop_signal is not None and self._drained(view):
+                return 128 + self.stop_signal
             rejoin = decide.on_membership(
                 self.rdzv.fenced.is_set(),
                 self.node_id in view.quarantined,
@@ -264,7 +282,8 @@ class Agent:
             if isinstance(rejoin, decide.StopNode):  # run() stops the workers
                 self.leave_reason = f"etcd away beyond rendezvous.etcd_grace_s; {ETCD_LOST_FIX}"
                 return EXIT_ETCD_LOST
-            if rejoin is not None:
+            # Quarantined by an operator while training: a drain, like a stop signal.
+            if rejoin is not None and (rejoin.strike or self._drained(view)):
                 code = self._rejoin(rejoin)
                 if code:
                     return code
@@ -311,9 +330,33 @@ class Agent:
                     waited_s=now - waiting_since,
                 )
                 return 1
-            self._wait(timeout=PROBE_AGAIN_S if probing else IDLE_WAKE_S)
+            soon = probing or self.draining_since is not None
+            self._wait(timeout=PROBE_AGAIN_S if soon else IDLE_WAKE_S)
 
     # --- acting on decisions -------------------------------------------------------------------
+
+    def _drained(self, view: JobView) -> bool:
+        """A stop signal came, or a quarantine: whether the node may leave now, or drains first
+        (:func:`decisions.on_stop`); a drain is started here."""
+        now = time.monotonic()
+        since = self.draining_since
+        answered = len(self.leave_answers) == len(self.workers.slots)
+        step = decide.on_stop(
+            in_round=self.current is not None,
+            others_go_on=decide.others_go_on(view, self.node_id, self.cfg.cluster.min_nodes),
+            asked=since is not None,
+            out=(self.current is None and self.workers.out_of_round)
+            or (answered and max(self.leave_answers.values()) == 0)
+            or self.rdzv.fenced.is_set()
+            or any(code is not None for code in self.workers.exit_codes()),
+            overdue=since is not None and now - since > 2 * self.cfg.rendezvous.watchdog_s,
+        )
+        if isinstance(step, decide.Drain):
+            self.draining_since = now
+            why = signal.Signals(self.stop_signal).name if self.stop_signal else "quarantined"
+            self.events.emit("node_draining", reason=why)
+            self.workers.leave()
+        return isinstance(step, decide.Leave)
 
     def _kill_frozen(self) -> None:
         """Kill the workers the watchdog takes for frozen; they are restarted as crashed."""
@@ -333,8 +376,8 @@ class Agent:
         """Send the workers into a new round that lists this node, or to standby if it does not."""
         step = decide.follow_round(view, self.rdzv.node, self.current, self.workers.ready)
         if isinstance(step, decide.Standby):
-            self.workers.standby()
-            self.events.emit("standby", round=step.round)
+            self.workers.standby(step.after_step)
+            self.events.emit("standby", round=step.round, after_step=step.after_step)
             self.current = None
         elif isinstance(step, decide.Assign):
             rnd, me = step.round, step.member
@@ -393,6 +436,7 @@ class Agent:
         log.warning("%s %s; leaving, to join again as a new member", self.node_id, rejoin.reason)
         self.workers.stop(STOP_GRACE_S)
         self.current = None
+        self.draining_since, self.leave_answers = None, {}
         self.rdzv.leave()
         code = self._admit(in_running_job=True)
         if code:

@@ -207,9 +207,11 @@ class Assign:
 
 @dataclass(frozen=True)
 class Standby:
-    """The new round does not list this node: its workers leave theirs and wait."""
+    """The new round does not list this node: its workers leave theirs and wait (after step
+    ``after_step`` of theirs when the node leaves as planned; 0: at once)."""
 
     round: int
+    after_step: int = 0
 
 
 def follow_round(
@@ -230,7 +232,7 @@ def follow_round(
     mine = view.nodes.get(me.node_id)
     member = view.is_member(mine) if mine and mine.incarnation == me.incarnation else None
     if member is None:
-        return Standby(rnd.number) if current is not None else None
+        return Standby(rnd.number, rnd.after_step) if current is not None else None
     if not view.round_intact() or not workers_ready:
         return None
     return Assign(rnd, member, tuple(assignments(current, rnd, member)))
@@ -273,6 +275,7 @@ def assignments(previous: Round | None, new: Round, me: Member) -> list[Assignme
             formed_at=new.formed_at,
             shrinks_round=previous.number if excluded and previous else 0,
             excluded_ranks=excluded,
+            after_step=new.after_step if previous is not None else 0,
         )
         for i in range(me.slots)
     ]
@@ -291,6 +294,48 @@ def away_for(asked_s: float, waited_s: float) -> float:
     workers and count a strike for a fault the lease already deals with."""
     overran = waited_s - asked_s
     return overran if overran > AWAY_S else 0.0
+
+
+# --- a planned leave ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Drain:
+    """Ask the workers after which step they can stop (``leave``), and publish it: the others
+    form the next round without this node and switch to it between two steps."""
+
+
+@dataclass(frozen=True)
+class Leave:
+    """Stop the workers, revoke the lease and exit."""
+
+
+def others_go_on(view: JobView, me: str, min_nodes: int) -> bool:
+    """Whether the job can form a round without node ``me``: at least ``min_nodes`` other nodes
+    are ready, not leaving and not quarantined (what :func:`plan_round` would place)."""
+    if view.done:
+        return False
+    others = [
+        n
+        for n in view.nodes.values()
+        if n.node_id != me and n.ready and not n.leaving_after and n.node_id not in view.quarantined
+    ]
+    return len(others) >= min_nodes
+
+
+def on_stop(
+    in_round: bool, others_go_on: bool, asked: bool, out: bool, overdue: bool
+) -> Drain | Leave | None:
+    """A stop signal (SIGTERM, SIGINT) came: what the node does now. A node in a round whose
+    job goes on without it (``others_go_on``: enough nodes stay that are not leaving) leaves as
+    planned: it drains (its workers finish the step in flight and the one after, the others
+    switch rounds in between, and nothing is dropped), then leaves once its workers are ``out``
+    of the round, or when the drain is ``overdue``, or when the others stop going on (they
+    leave too: the whole job was stopped). Anything else leaves at once: there is no round to
+    hand over. None: the drain is under way."""
+    if not asked:
+        return Drain() if in_round and others_go_on else Leave()
+    return Leave() if out or overdue or not others_go_on else None
 
 
 # --- waiting for a round --------------------------------------------------------------------------

@@ -8,7 +8,8 @@ the inbox alone, with a timeout for what only time reveals (a frozen worker, the
 Most messages are wake-ups: what they are about stays the truth of its owner (a slot's exit code,
 the rendezvous's view and fencing), which the agent reads when it wakes, so a message about a
 worker process that was replaced meanwhile does no harm. What exists only as a message is carried
-in it: a signal, and the round in which a worker saw a collective fail.
+in it: a signal, the round in which a worker saw a collective fail, and the step after which
+a leaving worker can stop.
 
 The queue is a :class:`queue.SimpleQueue`, whose ``put`` is reentrant: a signal handler, which
 runs on the main thread between any two bytecodes, may post even while that thread is inside
@@ -37,6 +38,15 @@ class WorkerPeerLost:
 
 
 @dataclass(frozen=True)
+class WorkerLeaving:
+    """The worker of ``local_rank`` can leave its round after ``after_step`` (0: it is in none);
+    its answer to the agent's ``leave``."""
+
+    local_rank: int
+    after_step: int
+
+
+@dataclass(frozen=True)
 class WorkerExited:
     """The worker process of ``local_rank`` exited."""
 
@@ -56,7 +66,7 @@ class RendezvousChanged:
     """The rendezvous's view of the job changed, or it fenced this node."""
 
 
-Message = WorkerReady | WorkerPeerLost | WorkerExited | Signal | RendezvousChanged
+Message = WorkerReady | WorkerPeerLost | WorkerLeaving | WorkerExited | Signal | RendezvousChanged
 
 
 class Inbox:

@@ -49,7 +49,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Set
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -125,6 +125,9 @@ class NodeRecord:
     slots: int  # workers this node runs
     incarnation: int = 0
     ready: bool = False  # its workers are up and waiting for a round
+    # A planned leave (SIGTERM, a drain): the node trains up to this step, then leaves its round
+    # for the next one, which the others form without it; 0: not leaving.
+    leaving_after: int = 0
     joined_rev: int = 0  # etcd create_revision of the node key: the join order
 
     def to_json(self) -> str:
@@ -156,6 +159,9 @@ class Round:
     store_host: str
     store_port: int
     formed_at: float = 0.0
+    # The members of the previous round switch to this one after training this step (a planned
+    # leave: nothing in flight is dropped); 0: at once.
+    after_step: int = 0
 
     @property
     def world_size(self) -> int:
@@ -174,12 +180,14 @@ class Round:
         return cls(**data)
 
     @classmethod
-    def build(cls, number: int, nodes: list[NodeRecord]) -> Round:
+    def build(cls, number: int, nodes: list[NodeRecord], after_step: int = 0) -> Round:
         members, rank = [], 0
         for n in nodes:
             members.append(Member(n.node_id, n.joined_rev, n.incarnation, n.host, n.slots, rank))
             rank += n.slots
-        return cls(number, tuple(members), nodes[0].host, nodes[0].store_port, time.time())
+        return cls(
+            number, tuple(members), nodes[0].host, nodes[0].store_port, time.time(), after_step
+        )
 
 
 @dataclass(frozen=True)
@@ -195,7 +203,7 @@ class JobView:
 
     def round_intact(self) -> bool:
         """Every member of the current round is still live, as the registration and incarnation
-        it joined with, and not quarantined."""
+        it joined with, not quarantined and not leaving."""
         if self.round is None:
             return False
         return all(
@@ -204,6 +212,7 @@ class JobView:
             and (self.nodes[m.node_id].joined_rev, self.nodes[m.node_id].incarnation)
             == (m.joined_rev, m.incarnation)
             and self.nodes[m.node_id].ready
+            and not self.nodes[m.node_id].leaving_after
             for m in self.round.members
         )
 
@@ -218,13 +227,15 @@ class JobView:
 def plan_round(view: JobView, min_nodes: int, max_nodes: int) -> list[NodeRecord] | None:
     """The members the next round should have, in rank order, or None if none is needed now.
 
-    A new round is needed when there is none, when a member is gone, reported a failure or was
-    quarantined, or when nodes are waiting and the round has room for them. Quarantined nodes
-    are never placed. Survivors keep their relative order, so
+    A new round is needed when there is none, when a member is gone, reported a failure, was
+    quarantined or is leaving, or when nodes are waiting and the round has room for them.
+    Quarantined and leaving nodes are never placed. Survivors keep their relative order, so
     rank 0 stays where it was unless its node left; newcomers follow in join order.
     """
     ready = {
-        n.node_id: n for n in view.nodes.values() if n.ready and n.node_id not in view.quarantined
+        n.node_id: n
+        for n in view.nodes.values()
+        if n.ready and not n.leaving_after and n.node_id not in view.quarantined
     }
     if view.done or len(ready) < min_nodes:
         return None
@@ -253,6 +264,51 @@ def shrink_only(current: Round | None, members: list[NodeRecord]) -> bool:
     )
 
 
+def draining(view: JobView) -> frozenset[str]:
+    """The members of the current round that an operator quarantined (``quarantine add``: a
+    drain) and that are still there, training, as they joined: the leader waits a little for
+    them to leave as planned (:meth:`Rendezvous.leave_after`) before it drops them."""
+    if view.round is None:
+        return frozenset()
+    return frozenset(
+        m.node_id
+        for m in view.round.members
+        if m.node_id in view.quarantined
+        and (n := view.nodes.get(m.node_id)) is not None
+        and (n.joined_rev, n.incarnation) == (m.joined_rev, m.incarnation)
+        and n.ready
+        and not n.leaving_after
+    )
+
+
+def only_drops(current: Round | None, members: list[NodeRecord], nodes: Set[str]) -> bool:
+    """Whether a round of ``members`` differs from ``current`` only by leaving out ``nodes``."""
+    if current is None or not shrink_only(current, members):
+        return False
+    return {m.node_id for m in current.members} - {n.node_id for n in members} <= nodes
+
+
+def switch_step(view: JobView, members: list[NodeRecord]) -> int:
+    """When the members of the current round should move to a new round of ``members``: after
+    the step the leaving nodes asked for, if the new round only lets planned leavers go (every
+    other member stays as it was); else 0, at once (a failure, a join: the step in flight is
+    dropped)."""
+    current = view.round
+    if current is None or not shrink_only(current, members):
+        return 0
+    kept = {n.node_id for n in members}
+    gone = [m for m in current.members if m.node_id not in kept]
+    leaving = [view.nodes.get(m.node_id) for m in gone]
+    if not gone or any(
+        n is None
+        or not n.leaving_after
+        or (n.joined_rev, n.incarnation) != (m.joined_rev, m.incarnation)
+        for n, m in zip(leaving, gone, strict=True)
+    ):
+        return 0
+    return max(n.leaving_after for n in leaving if n is not None)
+
+
 class Rendezvous:
     """One node's membership in a job: registration, the watched view, and round proposals."""
 
@@ -274,6 +330,7 @@ class Rendezvous:
         self._cfg = cfg
         self._min, self._max = min_nodes, max_nodes
         self._initial_settle = max(cfg.first_round_wait_s, cfg.settle_s)
+        self._drain_seen: dict[str, float] = {}  # drained members: when the leader first saw them
         self._events = events
         self._on_change = on_change or (lambda: None)
         self.node = node
@@ -311,7 +368,7 @@ class Rendezvous:
         """
         self._stop.clear()
         self.fenced.clear()
-        self.node = replace(self.node, incarnation=0, ready=False)
+        self.node = replace(self.node, incarnation=0, ready=False, leaving_after=0)
         self._record_dirty = False
         with self._cond:  # forget what an earlier registration saw; a fresh snapshot follows
             self._view = JobView()
@@ -388,6 +445,13 @@ class Rendezvous:
         self.node = replace(self.node, incarnation=self.node.incarnation + 1, ready=False)
         self._write_record()
         self._emit("failure_reported", incarnation=self.node.incarnation, reason=reason)
+
+    def leave_after(self, step: int) -> None:
+        """A planned leave: this node's workers train up to ``step``, and the others form the
+        next round without it, switching to it after that step (:func:`switch_step`)."""
+        self.node = replace(self.node, leaving_after=step)
+        self._write_record()
+        self._emit("node_leaving", after_step=step)
 
     def set_ready(self) -> None:
         """This node's workers wait for a round: it may be placed in the next one (written now,
@@ -696,6 +760,15 @@ class Rendezvous:
         members = plan_round(view, self._min, self._max)
         if members is None:
             return None
+        # A drained member gets a lease TTL to say after which step it leaves (it answers in
+        # milliseconds; one that cannot is dropped as a failed one would be). Only a round that
+        # would just drop drained members waits; any other change is made at once.
+        now = time.monotonic()
+        self._drain_seen = {n: self._drain_seen.get(n, now) for n in draining(view)}
+        waiting = {n: t + self._cfg.lease_ttl_s for n, t in self._drain_seen.items()}
+        waiting = {n: t for n, t in waiting.items() if t > now}
+        if waiting and only_drops(view.round, members, waiting.keys()):
+            return min(waiting.values())
         if not shrink_only(view.round, members):
             settle = self._initial_settle if view.round is None else self._cfg.settle_s
             settles_at = self._last_change + settle
@@ -712,7 +785,7 @@ class Rendezvous:
         view loses.
         """
         number = view.round.number + 1 if view.round else 1
-        new = Round.build(number, members)
+        new = Round.build(number, members, switch_step(view, members))
         t = self._client.transactions
         fence = (
             (t.mod(self._round_key) == view.round_rev)
@@ -733,6 +806,7 @@ class Rendezvous:
                 removed=sorted(before - after),
                 added=sorted(after - before),
                 store=f"{new.store_host}:{new.store_port}",
+                after_step=new.after_step,
             )
         return bool(ok)
 

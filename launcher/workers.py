@@ -26,7 +26,7 @@ import psutil
 from elastic.control import CONTROL_FD_ENV, Assignment, Channel, WorkerEnv
 from elastic.events import EventLog
 from elastic.lifeline import tied
-from launcher.inbox import Message, WorkerExited, WorkerPeerLost, WorkerReady
+from launcher.inbox import Message, WorkerExited, WorkerLeaving, WorkerPeerLost, WorkerReady
 from launcher.watchdog import Watchdog
 
 
@@ -98,6 +98,8 @@ class WorkerSlot:
                 self.watchdog.heartbeat(msg, now)  # the agent asks the watchdog on its own time
         elif kind == "peer_lost":
             self._post(WorkerPeerLost(rank, int(msg["round"])))
+        elif kind == "leaving":
+            self._post(WorkerLeaving(rank, int(msg["after_step"])))
         # "eof": the process exit follows, posted by _wait
 
     def _wait(self, proc: subprocess.Popen[bytes]) -> None:
@@ -122,6 +124,12 @@ class WorkerSlot:
                 return None
             return self.watchdog.verdict(time.monotonic())
 
+    @property
+    def stood_by(self) -> int:
+        """The number of the last ``standby`` this worker carried out (it left its round)."""
+        with self._lock:
+            return int(self.watchdog.status.get("stood_by", 0))
+
     def excuse(self, now: float) -> None:
         """The agent was not running until ``now``: see :meth:`Watchdog.excuse`."""
         with self._lock:
@@ -132,10 +140,14 @@ class WorkerSlot:
             self.channel.send(kind, **fields)
 
     def stop(self, grace_s: float) -> None:
-        """SIGTERM the worker and its children, SIGKILL what is left after ``grace_s``."""
+        """Close the worker's control channel (it exits at once: it ignores SIGTERM, which a
+        planned leave may have sent the whole node), SIGTERM its children, and SIGKILL what is
+        left after ``grace_s``."""
         self.stopping = True
         if self.proc is None:
             return
+        if self.channel is not None:
+            self.channel.close()
         victims: list[psutil.Process] = []
         if self.proc.poll() is None:
             try:
@@ -153,8 +165,6 @@ class WorkerSlot:
                 v.kill()
         psutil.wait_procs(alive, timeout=5)
         self.proc.wait(timeout=5)
-        if self.channel is not None:
-            self.channel.close()
 
     def kill(self) -> None:
         """SIGKILL now (a frozen worker cannot be asked to stop)."""
@@ -166,6 +176,7 @@ class WorkerGroup:
 
     def __init__(self, slots: list[WorkerSlot]) -> None:
         self.slots = slots
+        self.standby_seq = 0  # the number of the last standby sent
 
     @classmethod
     def start(
@@ -193,9 +204,22 @@ class WorkerGroup:
         for slot, a in zip(self.slots, assignments, strict=True):
             slot.send("assign", **asdict(a))
 
-    def standby(self) -> None:
+    def standby(self, after_step: int = 0) -> None:
+        """Take the workers out of their round, at once or after ``after_step``; numbered, so
+        that :attr:`out_of_round` knows when they did."""
+        self.standby_seq += 1
         for slot in self.slots:
-            slot.send("standby")
+            slot.send("standby", after_step=after_step, seq=self.standby_seq)
+
+    def leave(self) -> None:
+        """Ask every worker after which step it can leave its round (answered by ``leaving``)."""
+        for slot in self.slots:
+            slot.send("leave")
+
+    @property
+    def out_of_round(self) -> bool:
+        """Whether every worker carried out the last ``standby`` (it says so at once) or exited."""
+        return all(s.exit_code is not None or s.stood_by == self.standby_seq for s in self.slots)
 
     def stop(self, grace_s: float) -> None:
         threads = [threading.Thread(target=s.stop, args=(grace_s,)) for s in self.slots]

@@ -11,9 +11,11 @@ import time
 from elastic.control import EXIT_PEER_LOST, Assignment
 from launcher.decisions import (
     Assign,
+    Drain,
     Finish,
     GiveUp,
     IdTaken,
+    Leave,
     Probe,
     Rejoin,
     Restart,
@@ -29,14 +31,16 @@ from launcher.decisions import (
     on_membership,
     on_node_id_in_use,
     on_peer_lost,
+    on_stop,
     on_worker_exits,
+    others_go_on,
     peers_to_evict,
     refusing_checks,
 )
 from launcher.inbox import Inbox, RendezvousChanged, Signal, WorkerExited, WorkerPeerLost
 from launcher.rendezvous import JobView, NodeRecord, Round
 
-from .test_rendezvous import node
+from .test_rendezvous import leaving, node
 
 
 def job(
@@ -215,6 +219,49 @@ def test_a_round_that_is_not_intact_or_workers_not_ready_waits() -> None:
     quarantined = job(rnd, node("a", 1), node("b", 2), quarantined=frozenset({"b"}))
     assert follow_round(quarantined, me("a"), None, True) is None
     assert follow_round(job(rnd, node("a", 1), node("b", 2)), me("a"), None, False) is None
+
+
+def test_a_planned_leave_hands_its_step_to_the_workers_of_both_sides() -> None:
+    a, b = node("a", 1), node("b", 2)
+    old = Round.build(3, [a, b])
+    new = Round.build(4, [a], after_step=16)
+    view = job(new, a, leaving(b, 16))
+    assert follow_round(view, me("b"), current=old, workers_ready=True) == Standby(4, 16)
+    step = follow_round(view, me("a"), current=old, workers_ready=True)
+    assert isinstance(step, Assign) and [x.after_step for x in step.assignments] == [16]
+    # A node that was in no round has no step to finish: it starts at once.
+    step = follow_round(view, me("a"), current=None, workers_ready=True)
+    assert isinstance(step, Assign) and [x.after_step for x in step.assignments] == [0]
+
+
+# --- a planned leave ------------------------------------------------------------------------------
+
+
+def test_others_go_on_counts_the_nodes_a_round_could_still_place() -> None:
+    rnd = Round.build(1, [node("a", 1), node("b", 2), node("c", 3)])
+    view = job(rnd, node("a", 1), node("b", 2), node("c", 3))
+    assert others_go_on(view, "a", min_nodes=2)
+    assert not others_go_on(view, "a", min_nodes=3)  # too few would stay
+    assert not others_go_on(job(rnd, node("a", 1), leaving(node("b", 2), 9)), "a", 1)
+    kept_out = job(rnd, node("a", 1), node("b", 2), quarantined=frozenset("b"))
+    assert not others_go_on(kept_out, "a", 1)
+    not_ready = NodeRecord("b", "127.0.0.1", 1000, 1, 0, ready=False, joined_rev=2)
+    assert not others_go_on(job(rnd, node("a", 1), not_ready), "a", 1)
+    done = JobView({"a": node("a", 1), "b": node("b", 2)}, rnd, done=True)
+    assert not others_go_on(done, "a", 1)
+
+
+def test_a_stop_signal_drains_a_member_whose_job_goes_on_and_leaves_otherwise() -> None:
+    drain = on_stop(in_round=True, others_go_on=True, asked=False, out=False, overdue=False)
+    assert drain == Drain()
+    assert on_stop(True, False, False, False, False) == Leave()  # the job ends with this node
+    assert on_stop(False, True, False, False, False) == Leave()  # nothing to hand over
+    # Draining: wait until the workers are out of their round, the drain is overdue, or the
+    # others leave too (the whole job was stopped).
+    assert on_stop(True, True, asked=True, out=False, overdue=False) is None
+    assert on_stop(True, True, True, out=True, overdue=False) == Leave()
+    assert on_stop(True, True, True, out=False, overdue=True) == Leave()
+    assert on_stop(True, others_go_on=False, asked=True, out=False, overdue=False) == Leave()
 
 
 # --- assignments and the NCCL shrink ------------------------------------------------------------

@@ -254,6 +254,54 @@ def test_a_frozen_node_and_a_frozen_agent_are_evicted_and_rejoin_when_thawed(
     assert [e["node"] for e in resumed] == [rejoined[1][0]]
 
 
+def test_a_planned_leave_and_a_drain_hand_over_between_two_steps(
+    tmp_path: Path, etcd_endpoint: str, etcd_client, job_id: str
+) -> None:
+    """SIGTERM to one node (a preemption), then ``quarantine add`` of another (a maintenance
+    drain): each finishes the step in flight and the next, and the others switch to a round
+    without it in between. Nothing is dropped or redone, and no failure has to be detected."""
+    run_dir = tmp_path / "run"
+    endpoints = f"cluster.etcd_endpoints=[{etcd_endpoint}]"
+    proc = launch(run_dir, "cluster.nodes=3", "trainer.epochs=6", RECORD, endpoints, job_id=job_id)
+    wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["step"] >= 8)
+    preempted = other_node(run_dir, 3)
+    fault = kill_node(run_dir, preempted, signal.SIGTERM)
+    left = wait_event(
+        run_dir, proc, lambda e: e["event"] == "node_left" and e["node"] == preempted, fault
+    )
+    assert left["code"] == 128 + signal.SIGTERM
+    rank0 = node_with_rank(run_dir, 0)
+    drained = next(f"node{i}" for i in range(3) if f"node{i}" not in (preempted, rank0))
+    asked = time.time()
+    guard = Quarantine(etcd_client, "/elastic", job_id, config.HealthConfig())
+    guard.add(drained, 600, ("maintenance",), by="test")
+    wait_event(run_dir, proc, lambda e: e["event"] == "quarantine_wait", asked)
+    kill_node(run_dir, drained, signal.SIGTERM)  # it would wait out its quarantine
+    assert wait_exit(proc, run_dir) == 0, output(run_dir)[-3000:]
+
+    events = assert_invariants(run_dir, epochs=6)
+    after = [e for e in events if e["ts"] > fault]
+    draining = [(e["node"], e["reason"]) for e in after if e["event"] == "node_draining"]
+    assert draining == [(preempted, "SIGTERM"), (drained, "quarantined")]
+    for target in (preempted, drained):
+        leaving = next(e for e in after if e["event"] == "node_leaving" and e["node"] == target)
+        formed = next(e for e in after if e["event"] == "round_formed" and target in e["removed"])
+        assert formed["removed"] == [target] and formed["after_step"] == leaving["after_step"] > 0
+        # The old round trained up to that step, the new one went on from the next.
+        steps = [e for e in events if e["event"] == "step"]
+        old = [e["step"] for e in steps if e["round"] == formed["round"] - 1]
+        new = [e["step"] for e in steps if e["round"] == formed["round"]]
+        assert max(old) == formed["after_step"] and min(new) == formed["after_step"] + 1
+    # Only the leavers' workers stopped, by their agents; no failure was seen anywhere.
+    stopped = [(e["node"], e["stopped_by_agent"]) for e in restarts(after) if e.get("code") != 0]
+    assert stopped == [(preempted, True), (drained, True)], restarts(after)
+    assert not any(e["event"] == "strike" for e in after)
+    assert not any(e["event"] == "checkpoint_loaded" for e in after)
+    assert recovery(events, fault).redone_steps == 0
+    done = next(e for e in after if e["event"] == "training_done")
+    assert done["world_size"] == 1 and done["samples_seen"] == 6 * SAMPLES_PER_EPOCH
+
+
 def test_killed_worker_is_restarted_and_rejoins_in_place(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = launch(run_dir, "cluster.nodes=2", "trainer.epochs=5", RECORD)

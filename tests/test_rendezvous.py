@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -20,6 +21,7 @@ from launcher.rendezvous import (
     Round,
     plan_round,
     shrink_only,
+    switch_step,
 )
 
 from .conftest import FAST
@@ -56,6 +58,35 @@ def test_plan_round_replaces_a_round_whose_member_reported_a_failure() -> None:
     assert not view.round_intact()
     planned = plan_round(view, 1, 2) or []
     assert [(n.node_id, n.incarnation) for n in planned] == [("a", 0), ("b", 1)]
+
+
+def leaving(n: NodeRecord, after_step: int) -> NodeRecord:
+    return replace(n, leaving_after=after_step)
+
+
+def test_a_leaving_member_breaks_the_round_and_is_not_placed_again() -> None:
+    current = Round.build(1, [node("a", 1), node("b", 2), node("c", 3)])
+    view = JobView({"a": node("a", 1), "b": leaving(node("b", 2), 16), "c": node("c", 3)}, current)
+    assert not view.round_intact()
+    planned = plan_round(view, 1, 3) or []
+    assert [n.node_id for n in planned] == ["a", "c"]
+
+
+def test_a_round_that_only_lets_planned_leavers_go_switches_after_their_step() -> None:
+    a, b, c = node("a", 1), node("b", 2), node("c", 3)
+    current = Round.build(1, [a, b, c])
+    view = JobView({"a": a, "b": leaving(b, 16), "c": leaving(c, 17)}, current)
+    assert switch_step(view, [a]) == 17  # the later of the two: nobody has trained past it
+    # Anything else switches at once: a failure (the step in flight cannot finish) or a join.
+    assert switch_step(JobView({"a": a, "c": c}, current), [a, c]) == 0  # b died
+    b_leaves = {"a": a, "b": leaving(b, 16), "c": c}
+    assert switch_step(JobView(b_leaves, current), [a]) == 0  # c goes too, unplanned
+    assert switch_step(JobView(b_leaves | {"d": node("d", 4)}, current), [a, c, node("d", 4)]) == 0
+    # A leaver that came back as a new incarnation (it failed meanwhile) is a failure too.
+    failed = b_leaves | {"b": leaving(node("b", 2, 1), 16)}
+    assert switch_step(JobView(failed, current), [a, c]) == 0
+    assert switch_step(JobView(b_leaves), [a, c]) == 0  # no round yet
+    assert Round.from_json(Round.build(2, [a, c], after_step=16).to_json()).after_step == 16
 
 
 def test_round_ranks_follow_member_slots() -> None:
