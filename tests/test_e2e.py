@@ -326,6 +326,47 @@ def test_killed_worker_is_restarted_and_rejoins_in_place(tmp_path: Path) -> None
     assert not any(e["event"] == "checkpoint_loaded" for e in after)
 
 
+def test_a_worker_in_a_crash_loop_quarantines_its_node_and_the_job_goes_on(
+    tmp_path: Path,
+) -> None:
+    """Every worker node1 starts is SIGKILLed as soon as it runs (a crash loop): each crash is a
+    strike and a restart, the third quarantines the node, and it starts no more workers. The
+    job never spins and nobody waits for a timeout: node0 trains on in place, and its first
+    step without node1 comes within a second of the first crash."""
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "cluster.nodes=2", "trainer.epochs=4", RECORD)
+    wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["step"] >= 5)
+    follower = EventFollower(run_dir, only_new=True)
+    first = killed = kill_worker(run_dir, "node1")
+    for _ in range(2):  # each restarted worker too: three crashes in all
+        started = follower.wait_for(
+            lambda e, t=killed: (
+                e["event"] in ("worker_started", "quarantined")
+                and e["node"] == "node1"
+                and e["ts"] > t
+            ),
+            timeout_s=60,
+        )
+        assert started["event"] == "worker_started", started
+        killed = kill_worker(run_dir, "node1")
+    quarantined = wait_event(run_dir, proc, lambda e: e["event"] == "quarantine_wait", first)
+    assert quarantined["node"] == "node1" and quarantined["ts"] - first < 30
+    kill_node(run_dir, "node1", signal.SIGTERM)  # it would wait out its quarantine
+    assert wait_exit(proc, run_dir) == 0, output(run_dir)[-3000:]
+
+    events = assert_invariants(run_dir, epochs=4)
+    after = [e for e in events if e["ts"] > first]
+    strikes = [e["strikes"] for e in after if e["event"] == "strike"]
+    assert [e["node"] for e in after if e["event"] == "strike"] == ["node1"] * 3
+    assert strikes == [1, 2, 3]
+    started = [e for e in after if e["event"] == "worker_started" and e["node"] == "node1"]
+    assert len(started) == 2 and all(e["ts"] < quarantined["ts"] for e in started)
+    assert not any(e["event"] in ("join_timeout", "restart_limit") for e in events)
+    solo = next(e for e in after if e["event"] == "step" and e["world_size"] == 1)
+    assert solo["ts"] - first < 5  # a generous bound; about 0.3 s measured
+    assert worker_pids(events, only="node0") == worker_pids(events, only="node0")[:1]
+
+
 def test_node_added_mid_run_enters_at_next_round_with_lr_ramped(
     tmp_path: Path, etcd_endpoint: str, job_id: str
 ) -> None:
