@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from launcher.quarantine import Quarantine
 
 from .conftest import launch, output, small_tmpfs, with_limit
 
+CLOCK_SKEW_HOOK = Path(__file__).parent / "clock_skew"
 SAMPLES_PER_EPOCH = 240  # 10 classes x 24 images (tests/conftest.FAST_JOB)
 START_TIMEOUT_S = 180
 FINISH_TIMEOUT_S = 300
@@ -85,10 +87,14 @@ def assert_invariants(run_dir: Path, epochs: int) -> list[dict]:
 
 
 def start_agent(
-    run_dir: Path, node_id: str, etcd_endpoint: str, max_files: int = 0
+    run_dir: Path,
+    node_id: str,
+    etcd_endpoint: str,
+    max_files: int = 0,
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
     """One more node for a running job, as an operator would start it on another machine;
-    with ``max_files``, under that RLIMIT_NOFILE (soft and hard)."""
+    with ``max_files``, under that RLIMIT_NOFILE (soft and hard); ``env`` added to ours."""
     argv = [
         sys.executable,
         "-m",
@@ -103,7 +109,9 @@ def start_agent(
     if max_files:
         argv = with_limit(argv, "RLIMIT_NOFILE", max_files, max_files)
     with open(run_dir / "logs" / f"{node_id}.log", "a") as log:
-        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
 
 
 def other_node(run_dir: Path, nodes: int) -> str:
@@ -367,10 +375,16 @@ def test_a_worker_in_a_crash_loop_quarantines_its_node_and_the_job_goes_on(
     assert worker_pids(events, only="node0") == worker_pids(events, only="node0")[:1]
 
 
-def test_node_added_mid_run_enters_at_next_round_with_lr_ramped(
+def test_node_added_mid_run_enters_at_next_round_with_lr_ramped_and_its_clock_may_step(
     tmp_path: Path, etcd_endpoint: str, job_id: str
 ) -> None:
+    """A node started beside a running job enters at the next round, receives the state from
+    memory and the LR ramps up. Then its wall clock is stepped an hour forward and two back
+    (tests/clock_skew): nothing changes, since every duration is measured on the monotonic
+    clock: no fencing, no eviction, no frozen worker, no strike, and it trains to the end."""
     run_dir = tmp_path / "run"
+    skew = tmp_path / "clock_skew_s"
+    skew.write_text("0")
     proc = launch(
         run_dir,
         "cluster.nodes=2",
@@ -388,12 +402,21 @@ def test_node_added_mid_run_enters_at_next_round_with_lr_ramped(
         lambda e: e["event"] == "step" and e["step"] >= 6 and e["world_size"] == 2,
     )
     added = time.time()
-    agent = start_agent(run_dir, "node2", etcd_endpoint)
+    hook = {"PYTHONPATH": str(CLOCK_SKEW_HOOK), "ELASTIC_TEST_CLOCK_SKEW_FILE": str(skew)}
+    agent = start_agent(run_dir, "node2", etcd_endpoint, env=hook)
     try:
         joined = wait_event(
             run_dir, proc, lambda e: e["event"] == "round_joined" and e["node"] == "node2", added
         )
         assert joined["world_size"] == 3
+        for offset in (3600, -3600):  # node0 holds rank 0: its step events keep the real time
+            stepped = wait_event(run_dir, proc, lambda e: e["event"] == "step", time.time())
+            skew.write_text(str(offset))
+            wait_event(
+                run_dir,
+                proc,
+                lambda e, s=stepped: e["event"] == "step" and e["step"] > s["step"] + 5,
+            )
         assert wait_exit(proc, run_dir) == 0, output(run_dir)[-3000:]
         assert agent.wait(timeout=60) == 0
     finally:
@@ -406,6 +429,11 @@ def test_node_added_mid_run_enters_at_next_round_with_lr_ramped(
     grown = next(e for e in after if e["event"] == "lr_changed")
     assert (grown["old_world_size"], grown["world_size"]) == (2, 3)
     assert grown["ramp_samples"] > 0 and grown["lr"] < grown["old_lr"] * 3 / 2  # ramped, not jumped
+    faults = {"fenced", "peer_evicted", "worker_frozen", "strike", "agent_resumed", "worker_exited"}
+    assert [e for e in events if e["event"] in faults and e.get("code") != 0] == []
+    assert max(e["ts"] for e in events if e["node"] == "node2") > time.time() + 1800  # it stepped
+    done = next(e for e in events if e["event"] == "training_done")
+    assert done["world_size"] == 3
 
 
 def test_keep_global_batch_keeps_the_lr_when_a_node_dies(tmp_path: Path) -> None:
