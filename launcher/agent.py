@@ -498,7 +498,11 @@ class Agent:
     def _admit(self, in_running_job: bool) -> int:
         """Wait while this node is quarantined, then run the health checks: 0 when it may join,
         else the exit code."""
-        found = self.guard.get(self.node_id)
+        try:
+            found = self.rdzv.retry("read the quarantine", lambda: self.guard.get(self.node_id))
+        except EtcdLost as exc:
+            self.leave_reason = f"{exc}; {ETCD_LOST_FIX}"
+            return EXIT_ETCD_LOST
         if found is not None:
             entry, left = found
             self.events.emit(
@@ -511,10 +515,17 @@ class Agent:
                 reasons=list(entry.reasons),
                 by=entry.by,
             )
-            while not self.guard.wait_cleared(self.node_id, QUARANTINE_POLL_S):
-                self._receive(timeout=0)
-                if self.stop_signal is not None:
-                    return 128 + self.stop_signal
+            try:
+                while not self.rdzv.retry(
+                    "wait for the quarantine to end",
+                    lambda: self.guard.wait_cleared(self.node_id, QUARANTINE_POLL_S),
+                ):
+                    self._receive(timeout=0)
+                    if self.stop_signal is not None:
+                        return 128 + self.stop_signal
+            except EtcdLost as exc:
+                self.leave_reason = f"{exc}; {ETCD_LOST_FIX}"
+                return EXIT_ETCD_LOST
             self.events.emit("quarantine_over")
         return self._check(in_running_job)
 

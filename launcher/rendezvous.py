@@ -373,7 +373,7 @@ class Rendezvous:
         with self._cond:  # forget what an earlier registration saw; a fresh snapshot follows
             self._view = JobView()
             self._membership = ()
-        lease, ok, responses = self._retry("register", self._register)
+        lease, ok, responses = self.retry("register", self._register)
         if not ok:
             self._client.revoke_lease(lease.id)
             [(value, meta)] = responses[0]
@@ -403,7 +403,7 @@ class Rendezvous:
         )
         return lease, ok, responses
 
-    def _retry(self, what: str, call: Callable[[], Any]) -> Any:
+    def retry(self, what: str, call: Callable[[], Any]) -> Any:
         """``call()``, retried with backoff while etcd does not answer, for at most
         ``rendezvous.etcd_grace_s``; then :class:`EtcdLost`."""
         started, attempt = time.monotonic(), 0
@@ -510,7 +510,7 @@ class Rendezvous:
     def mark_done(self) -> None:
         """Tell the others the job is trained (retried while etcd is away, see :meth:`join`)."""
         record = json.dumps({"node": self.node.node_id})
-        self._retry(
+        self.retry(
             "mark the job done", lambda: self._client.put(self._done_key, record, self._lease)
         )
 
