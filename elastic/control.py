@@ -12,9 +12,10 @@ One socket pair per worker, created by the agent and inherited by the worker (it
 ``ELASTIC_CONTROL_FD``); when either side dies the other reads end-of-file at once.
 
 Messages, agent to worker: ``assign`` (round, rank, world size, store address) and ``standby``
-(leave the current round and wait), each at once or, with ``after_step``, once that step is
-trained (a planned leave switches rounds between two steps); ``leave`` (this node is about to
-leave: say after which step). Worker to agent: ``ready``, ``status`` (step, phase, round),
+(leave the current round and wait; numbered by ``seq``), each at once or, with ``after_step``,
+once that step is trained (a planned leave switches rounds between two steps); ``leave`` (this
+node is about to leave: say after which step). Worker to agent: ``ready``, ``status`` (step,
+phase, round, and ``stood_by``: the ``seq`` of the last standby carried out, sent at once),
 ``peer_lost`` (round, error) and ``leaving`` (after_step: the step the node can stop after).
 """
 
