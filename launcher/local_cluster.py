@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
 
@@ -26,6 +27,7 @@ from launcher.progress import ProgressDisplay
 log = logging.getLogger("launcher.local")
 
 SHUTDOWN_GRACE_S = 20.0
+FINISHED_GRACE_S = 15.0  # once a node finished the job, how long the others may take to end
 DISPLAY_INTERVAL_S = 0.25
 
 
@@ -83,8 +85,20 @@ def run_local(cfg: Config, config_path: Path) -> int:
                     env={**os.environ, "PYTHONUNBUFFERED": "1"},
                 )
         log.info("started %d nodes: %s (logs in %s)", len(agents), ", ".join(agents), logs)
+        finished_at: float | None = None
         while not stop and any(p.poll() is None for p in agents.values()):
             display.handle(follower.poll())
+            codes = {node: p.poll() for node, p in agents.items()}
+            if finished_at is None and 0 in codes.values():
+                finished_at = time.monotonic()
+            waiting = still_waiting(codes, finished_at, time.monotonic())
+            if waiting:
+                log.warning(
+                    "the job is trained; stopping %s, still waiting for what will not come "
+                    "(the end of a quarantine, a round)",
+                    ", ".join(waiting),
+                )
+                _shutdown(agents)
             time.sleep(DISPLAY_INTERVAL_S)
         if stop:
             log.warning("stopping: asking every node to leave the job")
@@ -100,6 +114,18 @@ def run_local(cfg: Config, config_path: Path) -> int:
     if stop:
         return 128 + stop[0]
     return 0
+
+
+def still_waiting(
+    codes: Mapping[str, int | None], finished_at: float | None, now: float
+) -> list[str]:
+    """The nodes (exit code None: running) to stop because the job is trained: one node exited
+    0 (it finished) more than :data:`FINISHED_GRACE_S` ago. The others finish the same last step
+    within moments; one still running waits for what will not come (a quarantined node for its
+    cooldown, a node that was out of the last round for a round)."""
+    if finished_at is None or now - finished_at < FINISHED_GRACE_S:
+        return []
+    return [node for node, code in codes.items() if code is None]
 
 
 def _shutdown(agents: dict[str, subprocess.Popen[bytes]]) -> None:

@@ -17,6 +17,7 @@ from launcher.decisions import (
     IdTaken,
     Leave,
     Probe,
+    Reach,
     Rejoin,
     Restart,
     Standby,
@@ -35,9 +36,11 @@ from launcher.decisions import (
     on_worker_exits,
     others_go_on,
     peers_to_evict,
+    reaches_the_round,
     refusing_checks,
 )
 from launcher.inbox import Inbox, RendezvousChanged, Signal, WorkerExited, WorkerPeerLost
+from launcher.local_cluster import FINISHED_GRACE_S, still_waiting
 from launcher.rendezvous import JobView, NodeRecord, Round
 
 from .test_rendezvous import leaving, node
@@ -152,14 +155,49 @@ def test_no_report_or_a_stale_one_probes_nothing() -> None:
     assert on_peer_lost(None, lost_round=5, view=view, me="a") is None  # on standby
 
 
-def test_only_peers_that_refuse_connections_are_evicted() -> None:
+ALIVE, DEAD, CUT = Reach.ALIVE, Reach.DEAD, Reach.UNREACHABLE
+
+
+def test_peers_whose_agent_is_gone_are_evicted_by_anyone() -> None:
     rnd = Round.build(5, [node("a", 1), node("b", 2), node("c", 3), node("d", 4)])
     view = job(rnd, node("a", 1), node("b", 2), node("c", 3), node("d", 4))
     found = on_peer_lost(rnd, 5, view, "a")
     assert found is not None and [p.node_id for p in found.peers] == ["b", "c", "d"]
-    evicted = peers_to_evict(found, {"b": True, "c": False})  # d not probed: alive
+    evicted = peers_to_evict(found, {"b": ALIVE, "c": DEAD}, "a")  # d not probed: alive
     assert [(m.node_id, m.joined_rev) for m in evicted] == [("c", 3)]
-    assert peers_to_evict(found, {"b": True, "c": True, "d": True}) == []
+    assert peers_to_evict(found, {"b": ALIVE, "c": ALIVE, "d": ALIVE}, "a") == []
+    # Even a node that reaches nobody else evicts the dead.
+    assert [m.node_id for m in peers_to_evict(found, {"b": CUT, "c": CUT, "d": DEAD}, "a")] == ["d"]
+
+
+def test_an_unreachable_peer_is_evicted_by_the_majority_side_only() -> None:
+    """A partition: the side with more live members evicts the other; a tie goes to the side
+    with the round's first member; the other side evicts no one (it is the one cut off)."""
+    rnd = Round.build(5, [node("a", 1), node("b", 2), node("c", 3)])
+    view = job(rnd, node("a", 1), node("b", 2), node("c", 3))
+    majority = on_peer_lost(rnd, 5, view, "a")
+    minority = on_peer_lost(rnd, 5, view, "c")
+    assert majority is not None and minority is not None
+    assert [m.node_id for m in peers_to_evict(majority, {"b": ALIVE, "c": CUT}, "a")] == ["c"]
+    assert peers_to_evict(minority, {"a": CUT, "b": CUT}, "c") == []
+    # a dead member does not count: a and c alone, a holds rank 0 and wins the tie
+    assert [m.node_id for m in peers_to_evict(majority, {"b": DEAD, "c": CUT}, "a")] == [
+        "b",
+        "c",
+    ]
+    assert [m.node_id for m in peers_to_evict(minority, {"a": CUT, "b": DEAD}, "c")] == ["b"]
+    two = Round.build(6, [node("a", 1), node("b", 2)])
+    found = on_peer_lost(two, 6, job(two, node("a", 1), node("b", 2)), "b")
+    assert found is not None and peers_to_evict(found, {"a": CUT}, "b") == []
+
+
+def test_a_node_joins_only_once_it_reaches_every_live_member_of_the_round() -> None:
+    rnd = Round.build(5, [node("a", 1), node("b", 2)])
+    assert reaches_the_round(None, {}, "c")  # no round yet
+    assert reaches_the_round(rnd, {"a": ALIVE, "b": ALIVE}, "c")
+    assert reaches_the_round(rnd, {"a": ALIVE, "b": DEAD}, "c")  # b leaves by itself
+    assert not reaches_the_round(rnd, {"a": ALIVE, "b": CUT}, "c")
+    assert reaches_the_round(rnd, {"b": ALIVE}, "a")  # its own old place does not count
 
 
 def test_eviction_names_the_registration_the_round_lists() -> None:
@@ -168,7 +206,7 @@ def test_eviction_names_the_registration_the_round_lists() -> None:
     rnd = Round.build(5, [node("a", 1), node("b", 2)])
     found = on_peer_lost(rnd, 5, job(rnd, node("a", 1), node("b", 7)), "a")
     assert found is not None
-    [member] = peers_to_evict(found, {"b": False})
+    [member] = peers_to_evict(found, {"b": DEAD}, "a")
     assert (member.node_id, member.joined_rev) == ("b", 2)
 
 
@@ -373,3 +411,10 @@ def test_a_wait_that_overran_by_more_than_two_seconds_means_the_agent_was_away()
     assert away_for(asked_s=1.0, waited_s=1.0) == 0.0
     assert away_for(asked_s=1.0, waited_s=2.9) == 0.0  # scheduling noise, a busy machine
     assert away_for(asked_s=0.2, waited_s=15.2) == 15.0  # SIGSTOP for 15 s
+
+
+def test_the_local_launcher_stops_nodes_still_waiting_once_the_job_is_trained() -> None:
+    codes = {"node0": 0, "node1": None, "node2": None}
+    assert still_waiting(codes, finished_at=None, now=100.0) == []  # nobody finished
+    assert still_waiting(codes, finished_at=100.0, now=100.0 + FINISHED_GRACE_S / 2) == []
+    assert still_waiting(codes, 100.0, 100.0 + FINISHED_GRACE_S + 1) == ["node1", "node2"]

@@ -359,11 +359,13 @@ def test_a_worker_in_a_crash_loop_quarantines_its_node_and_the_job_goes_on(
         killed = kill_worker(run_dir, "node1")
     quarantined = wait_event(run_dir, proc, lambda e: e["event"] == "quarantine_wait", first)
     assert quarantined["node"] == "node1" and quarantined["ts"] - first < 30
-    kill_node(run_dir, "node1", signal.SIGTERM)  # it would wait out its quarantine
+    # node0 finishes the job; the launcher then stops node1, which waits out its quarantine.
     assert wait_exit(proc, run_dir) == 0, output(run_dir)[-3000:]
 
     events = assert_invariants(run_dir, epochs=4)
     after = [e for e in events if e["ts"] > first]
+    left = {e["node"]: e["code"] for e in after if e["event"] == "node_left"}
+    assert left == {"node0": 0, "node1": 128 + signal.SIGTERM}
     strikes = [e["strikes"] for e in after if e["event"] == "strike"]
     assert [e["node"] for e in after if e["event"] == "strike"] == ["node1"] * 3
     assert strikes == [1, 2, 3]
