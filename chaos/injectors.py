@@ -1,4 +1,5 @@
-"""Fault injectors: real signals to real processes, found through the run's event log.
+"""Fault injectors: real signals to real processes, found through the run's event log, and
+network partitions of nodes run in namespaces (:mod:`chaos.netns`).
 
 Nodes and workers are found through the events; etcd members through the
 :class:`~launcher.embedded_etcd.EmbeddedEtcd` that owns them, or, for the one ``python -m
@@ -18,6 +19,7 @@ from typing import Any
 
 import psutil
 
+from chaos.netns import LocalNetwork
 from elastic.events import EventLog, read_events
 from launcher.embedded_etcd import EmbeddedEtcd
 
@@ -125,6 +127,20 @@ def kill_embedded_etcd_member(run_dir: str | os.PathLike[str], member: int) -> f
         if "--data-dir" in cmd and cmd[cmd.index("--data-dir") + 1] == data_dir:
             return _signal(run_dir, [p], signal.SIGKILL, kind="etcd", target=f"member{member}")
     raise TargetNotFound(f"no etcd process with --data-dir {data_dir}")
+
+
+def partition(run_dir: str | os.PathLike[str], net: LocalNetwork, node: int, link: str) -> float:
+    """Cut node ``node`` of ``net`` off its peers (``link="peer"``) or off etcd (``"etcd"``);
+    :func:`heal` joins it again."""
+    sent = _log(run_dir, "fault_injected", kind="partition", target=f"node{node}", link=link)
+    net.set_link(node, link, up=False)
+    return sent
+
+
+def heal(run_dir: str | os.PathLike[str], net: LocalNetwork, node: int, link: str) -> float:
+    """End a :func:`partition`."""
+    net.set_link(node, link, up=True)
+    return _log(run_dir, "fault_cleared", kind="partition", target=f"node{node}", link=link)
 
 
 def _log(run_dir: str | os.PathLike[str], event: str, **fields: Any) -> float:

@@ -503,7 +503,12 @@ def load(path: str | os.PathLike[str]) -> Config:
 
 
 def save(cfg: Config, path: str | os.PathLike[str]) -> None:
-    OmegaConf.save(OmegaConf.structured(cfg), path)
+    """Write ``cfg`` to ``path`` atomically: on bare metal every node's launcher writes the
+    same file in the shared run directory while other nodes' agents may be reading it."""
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    OmegaConf.save(OmegaConf.structured(cfg), partial)
+    os.replace(partial, path)
 
 
 def max_nodes(cfg: Config) -> int:

@@ -44,6 +44,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -90,16 +91,17 @@ IDLE_WAKE_S = 1.0  # the loop looks at the workers' watchdogs and the join timeo
 PROBE_AGAIN_S = 0.2  # after a failed collective, peers are probed this often until a new round
 
 
-def probe(host: str, port: int, timeout_s: float) -> bool:
+def probe(host: str, port: int, timeout_s: float) -> decide.Reach:
     """Whether an agent listens at ``host:port``. A refused connection means its process is
-    gone; a stopped process still accepts (the kernel does), so a frozen node is not "dead"."""
+    gone; a stopped process still accepts (the kernel does), so a frozen node is not "dead";
+    no answer at all within ``timeout_s`` is the network (or a machine that is off)."""
     try:
         with socket.create_connection((host, port), timeout=timeout_s):
-            return True
+            return decide.Reach.ALIVE
     except ConnectionRefusedError:
-        return False
+        return decide.Reach.DEAD
     except OSError:
-        return True  # unreachable or slow is not proof of death; the lease decides
+        return decide.Reach.UNREACHABLE
 
 
 class Agent:
@@ -135,6 +137,7 @@ class Agent:
         self.leave_reason = ""  # why the node leaves the job, when it leaves on its own
         self.draining_since: float | None = None  # a planned leave: when the workers were asked
         self.leave_answers: dict[int, int] = {}  # local rank: the step it can stop after
+        self.cut_off = False  # it could not reach the round's members when it last looked
 
     # --- life cycle ----------------------------------------------------------------------------
 
@@ -313,7 +316,7 @@ class Agent:
                 if code:
                     return code
                 continue
-            if not self.rdzv.node.ready and self.workers.ready:
+            if not self.rdzv.node.ready and self.workers.ready and self._reaches_the_round(view):
                 self.rdzv.set_ready()
             probing = self._probe_peers(view)
             self._follow_round(view)
@@ -399,13 +402,42 @@ class Agent:
         found = decide.on_peer_lost(self.current, self.lost_round, view, self.node_id)
         if found is None:
             return False
-        timeout = self.cfg.rendezvous.probe_timeout_s
-        with ThreadPoolExecutor(max_workers=max(1, min(32, len(found.peers)))) as pool:
-            up = list(pool.map(lambda p: probe(p.host, p.store_port, timeout), found.peers))
-        alive = {p.node_id: ok for p, ok in zip(found.peers, up, strict=True)}
-        for member in decide.peers_to_evict(found, alive):
-            self.rdzv.evict(member, "its agent refuses connections")
+        reach = self._probe(found.peers)
+        for member in decide.peers_to_evict(found, reach, self.node_id):
+            why = {
+                decide.Reach.DEAD: "its agent refuses connections",
+                decide.Reach.UNREACHABLE: "unreachable from the majority of the round",
+            }
+            self.rdzv.evict(member, why[reach[member.node_id]])
         return True
+
+    def _probe(self, peers: Sequence[NodeRecord]) -> dict[str, decide.Reach]:
+        """Each peer's agent port, probed in parallel: by node id."""
+        timeout = self.cfg.rendezvous.probe_timeout_s
+        with ThreadPoolExecutor(max_workers=max(1, min(32, len(peers)))) as pool:
+            found = list(pool.map(lambda p: probe(p.host, p.store_port, timeout), peers))
+        return {p.node_id: r for p, r in zip(peers, found, strict=True)}
+
+    def _reaches_the_round(self, view: JobView) -> bool:
+        """Before saying ready: whether this node reaches every live member of the current
+        round (:func:`decisions.reaches_the_round`); logged once while it does not."""
+        if view.round is None:
+            return True
+        peers = [view.nodes[m.node_id] for m in view.round.members if m.node_id in view.nodes]
+        reach = self._probe([p for p in peers if p.node_id != self.node_id])
+        ok = decide.reaches_the_round(view.round, reach, self.node_id)
+        cut = sorted(n for n, r in reach.items() if r is decide.Reach.UNREACHABLE)
+        if not ok and not self.cut_off:
+            self.events.emit(
+                "peers_unreachable",
+                f"{self.node_id} cannot reach {', '.join(cut)} of round {view.round.number}: "
+                "waiting for the network before it joins (a check of every node's links and "
+                "firewall between the hosts' store ports may help)",
+                level=logging.WARNING,
+                peers=cut,
+            )
+        self.cut_off = not ok
+        return ok
 
     def _restart(self, plan: decide.Restart) -> int:
         """Leave the round and start the failed workers again once the node checks out healthy.
@@ -463,7 +495,8 @@ class Agent:
                 return EXIT_ETCD_LOST
             except NodeIdInUse as exc:
                 holder = exc.holder
-                alive = probe(holder.host, holder.store_port, self.cfg.rendezvous.probe_timeout_s)
+                timeout = self.cfg.rendezvous.probe_timeout_s
+                alive = probe(holder.host, holder.store_port, timeout) is not decide.Reach.DEAD
                 step = decide.on_node_id_in_use(
                     holder.host, self.host, alive, time.monotonic() > deadline
                 )

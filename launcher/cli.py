@@ -60,13 +60,17 @@ def launch(cfg: Config) -> int:
 
     if cfg.cluster.mode is ClusterMode.local:
         code = run_local(cfg, config_path)
+        # The local launcher's code is 0 unless it was stopped; the job's end is in the events.
+        finished = any(
+            e["event"] == "training_done" and e["ts"] >= started for e in read_events(run_dir)
+        )
+        code = code if code else (0 if finished else 1)
     else:
+        # The agent's code says it (0: the job is trained). The rank-0 node writes
+        # training_done, possibly a moment after this node's agent has seen the job done.
         code = _run_bare_metal(cfg, config_path)
     print(summary(run_dir, cfg.checkpoint.url, cfg.job_id, since=started), flush=True)
-    finished = any(
-        e["event"] == "training_done" and e["ts"] >= started for e in read_events(run_dir)
-    )
-    return code if code else (0 if finished else 1)
+    return code
 
 
 def _run_bare_metal(cfg: Config, config_path: Path) -> int:

@@ -8,6 +8,7 @@ here talks to etcd, touches a process or reads a clock, so every branch is teste
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -183,14 +184,53 @@ def on_peer_lost(current: Round | None, lost_round: int, view: JobView, me: str)
     return Probe(current, peers)
 
 
-def peers_to_evict(probe: Probe, alive: Mapping[str, bool]) -> list[Member]:
-    """The members of the probed round whose agent refused the connection (``alive`` by node id;
-    a peer not probed counts as alive). A frozen or unreachable peer is left to its lease."""
+class Reach(enum.Enum):
+    """What a probe of a peer agent's port found."""
+
+    ALIVE = "alive"  # it connected: the agent's process exists (a frozen one too: the kernel
+    # answers for it)
+    DEAD = "dead"  # refused: no process listens, the agent is gone
+    UNREACHABLE = "unreachable"  # no answer within the timeout: the network between us, or a
+    # machine that is off
+
+
+def peers_to_evict(probe: Probe, reach: Mapping[str, Reach], me: str) -> list[Member]:
+    """The members of the probed round to evict (``reach`` by node id; a peer not probed
+    counts as alive): those whose agent is gone, and those this node cannot reach when this
+    node is on the majority side of the round (a network partition).
+
+    Of two sides that cannot reach each other but both reach etcd, only one may evict the
+    other: the side that holds more of the round's live nodes, or on a tie the side with the
+    round's first member (rank 0). The other side evicts no one; it is evicted, and it finds
+    itself fenced. A peer that is merely slow connects within the probe's timeout (the kernel
+    answers for it) and is never evicted here."""
+    state = {p.node_id: reach.get(p.node_id, Reach.ALIVE) for p in probe.peers}
+    live = [m for m in probe.round.members if state.get(m.node_id) is not Reach.DEAD]
+    mine = {me} | {n for n, r in state.items() if r is Reach.ALIVE}
+    majority = 2 * len(mine) > len(live) or (
+        2 * len(mine) == len(live) and probe.round.members[0].node_id in mine
+    )
+    evict = {Reach.DEAD, Reach.UNREACHABLE} if majority else {Reach.DEAD}
     return [
         member
         for peer in probe.peers
-        if not alive.get(peer.node_id, True) and (member := probe.round.member(peer.node_id))
+        if state[peer.node_id] in evict and (member := probe.round.member(peer.node_id))
     ]
+
+
+def reaches_the_round(round: Round | None, reach: Mapping[str, Reach], me: str) -> bool:
+    """Whether this node may say it is ready to join: it reaches every live member of the
+    current round (``reach`` by node id). A node cut off from its peers would be placed in a
+    round whose group it cannot set up, stalling every member for ``pg_timeout_s`` at each
+    try; it waits until the network heals instead. A member that is gone (refused) does not
+    count: it leaves the round by itself."""
+    if round is None:
+        return True
+    return all(
+        reach.get(m.node_id, Reach.ALIVE) is not Reach.UNREACHABLE
+        for m in round.members
+        if m.node_id != me
+    )
 
 
 # --- rounds ---------------------------------------------------------------------------------------

@@ -61,10 +61,15 @@ class Member:
     client_port: int
     peer_port: int
     proc: subprocess.Popen[bytes] | None = None
+    listen_host: str = HOST  # where clients may connect from: loopback, or "0.0.0.0" for all
 
     @property
     def client_url(self) -> str:
         return f"http://{HOST}:{self.client_port}"
+
+    @property
+    def listen_url(self) -> str:
+        return f"http://{self.listen_host}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
@@ -79,7 +84,10 @@ class EmbeddedEtcd:
         data_dir: str | os.PathLike[str],
         log_path: str | os.PathLike[str],
         members: int = 1,
+        listen_host: str = HOST,
     ) -> None:
+        """``listen_host``: the clients' address to listen on; ``0.0.0.0`` serves other hosts
+        (or network namespaces) too, at this machine's addresses."""
         data, log = Path(data_dir), Path(log_path)
         if members == 1:
             names = [("embedded", data, log)]
@@ -91,7 +99,8 @@ class EmbeddedEtcd:
         self._ports_file = data / "ports.json" if members > 1 else None
         ports = self._saved_ports(members) or [(free_port(), free_port()) for _ in names]
         self.members = [
-            Member(n, d, lg, c, p) for (n, d, lg), (c, p) in zip(names, ports, strict=True)
+            Member(n, d, lg, c, p, listen_host=listen_host)
+            for (n, d, lg), (c, p) in zip(names, ports, strict=True)
         ]
         self._token = "elastic-" + uuid.uuid4().hex[:8]
 
@@ -165,7 +174,7 @@ class EmbeddedEtcd:
                         "--data-dir",
                         str(m.data_dir),
                         "--listen-client-urls",
-                        m.client_url,
+                        m.listen_url,
                         "--advertise-client-urls",
                         m.client_url,
                         "--listen-peer-urls",
