@@ -148,23 +148,29 @@ class WorkerSlot:
             return
         if self.channel is not None:
             self.channel.close()
+        # Only Popen waits for the worker itself: a psutil wait would reap it first, and
+        # Popen's waiting thread would then read the lost status as 0, a clean exit.
+        deadline = time.monotonic() + grace_s
         victims: list[psutil.Process] = []
         if self.proc.poll() is None:
-            try:
-                proc = psutil.Process(self.proc.pid)
-                victims = [proc, *proc.children(recursive=True)]
-            except psutil.NoSuchProcess:
-                pass
+            with contextlib.suppress(psutil.NoSuchProcess):
+                worker = psutil.Process(self.proc.pid)
+                victims = [worker, *worker.children(recursive=True)]
         for v in victims:
             with contextlib.suppress(psutil.NoSuchProcess):
                 v.terminate()
                 v.resume()  # a stopped process only sees SIGTERM once it runs again
-        _, alive = psutil.wait_procs(victims, timeout=grace_s)
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+        left = max(0.0, deadline - time.monotonic())
+        _, alive = psutil.wait_procs(victims[1:], timeout=left)
         for v in alive:
             with contextlib.suppress(psutil.NoSuchProcess):
                 v.kill()
         psutil.wait_procs(alive, timeout=5)
-        self.proc.wait(timeout=5)
 
     def kill(self) -> None:
         """SIGKILL now (a frozen worker cannot be asked to stop)."""
