@@ -126,6 +126,13 @@ def history_violations(events: list[dict[str, Any]]) -> list[str]:
     and a step attempted again by a later round (the first attempt dropped in flight) must start
     from the same state, unless a checkpoint was loaded in between (a whole restart rolls back,
     and the steps after the checkpoint are trained again, possibly at another world size).
+
+    Rounds are compared only where every rank of both started the step. A round left while a
+    step's all-reduce was in flight may have delivered it to some ranks only: those apply the
+    step and start the next alone, from a state no peer shares, and can go no further (the next
+    collective needs every rank). Their state is dropped with the round (or, if one of them is in
+    the next round, becomes the newest state, which the others take). A second world training on
+    its own starts every step with all of its ranks, so it is still caught.
     """
     loads = sorted(e["ts"] for e in events if e["event"] == "checkpoint_loaded")
     attempts: dict[int, list[dict[str, Any]]] = defaultdict(list)
@@ -135,17 +142,21 @@ def history_violations(events: list[dict[str, Any]]) -> list[str]:
     bad = []
     for step, records in sorted(attempts.items()):
         by_round: dict[int, set[str]] = defaultdict(set)
+        ranks: dict[int, set[int]] = defaultdict(set)
+        world: dict[int, int] = {}
         first_ts: dict[int, float] = {}
         for r in records:
             by_round[r["round"]].add(r["before"])
+            ranks[r["round"]].add(r["rank"])
+            world[r["round"]] = r["world_size"]
             first_ts.setdefault(r["round"], r["ts"])
         for rnd, states in sorted(by_round.items()):
             if len(states) > 1:
                 bad.append(
                     f"step {step}: the ranks of round {rnd} trained it from {len(states)} states"
                 )
-        rounds = sorted(by_round)
-        for earlier, later in zip(rounds, rounds[1:], strict=False):
+        whole = sorted(rnd for rnd in by_round if len(ranks[rnd]) == world[rnd])
+        for earlier, later in zip(whole, whole[1:], strict=False):
             rolled_back = any(first_ts[earlier] < ts < first_ts[later] for ts in loads)
             if by_round[earlier] != by_round[later] and not rolled_back:
                 bad.append(
