@@ -1,6 +1,6 @@
 """Recovery from node faults: this project next to the torchrun peer, in one run, same machine.
 
-Four fault kinds, each injected ``--repeats`` times into a fresh 3-node job of each runtime:
+Six fault kinds, each injected ``--repeats`` times into a fresh 3-node job of each runtime:
 
 - ``kill``: SIGKILL of a node that does not hold rank 0 (its agent and every process under it);
 - ``kill_rank0``: SIGKILL of the node with rank 0, which for both runtimes also hosts the
@@ -11,6 +11,15 @@ Four fault kinds, each injected ``--repeats`` times into a fresh 3-node job of e
 - ``leave``: SIGTERM of a node that does not hold rank 0 (a preemption, a maintenance drain).
   Ours leaves as planned: it finishes the step in flight and one more, and the others switch
   rounds in between. The peer's torchrun agent stops its worker and the others restart.
+- ``etcd_restart``: the job's etcd SIGKILLed and started again (same data, same port) after
+  ``--etcd-down-s``; the round trains on meanwhile (the steps are counted), and the recovery is
+  measured from etcd's return, when the agents renew their leases and watch again (the job is
+  made longer by 10 steps per second of outage, to train on past it). Ours only: the peer has
+  no etcd.
+- ``partition``: a node that does not hold rank 0 cut off its peers by bringing its link down
+  (each node a bare-metal launcher in a network namespace, chaos/netns.py; needs root). The
+  round's collectives fail after ``--pg-timeout-s``, the majority evicts it, and its link comes
+  up again once they recovered. Ours only: the peer script runs its nodes on loopback.
 
 Stall and redone steps are defined the same way for both (chaos/report.py and the peer's
 README): from the fault until a survivor completes a step beyond the one in flight; steps trained
@@ -21,7 +30,7 @@ state is larger, so a state transfer costs us more than it would cost the peer).
 counts the step in flight as lost, which a planned leave does not lose; ours is also given as
 the time lost against the pace before the fault (chaos/report.py), which the peer does not report.
 
-    ./dev.sh bench                                  # everything: 4 kinds x 5 faults x 2 runtimes
+    ./dev.sh bench                                  # everything: 6 kinds x 5 faults x 2 runtimes
     ./dev.sh bench --faults kill --repeats 2 --skip-peer
 
 The peer is ``shared/bench/peer_torchrun/run.sh`` beside this checkout; it needs torchrun on PATH
@@ -31,6 +40,7 @@ The peer is ``shared/bench/peer_torchrun/run.sh`` beside this checkout; it needs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import signal
@@ -45,9 +55,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from chaos.injectors import kill_node, node_with_rank, thaw_node  # noqa: E402
+from chaos.injectors import (  # noqa: E402
+    heal,
+    kill_node,
+    node_with_rank,
+    partition,
+    start_etcd,
+    stop_etcd,
+    thaw_node,
+)
+from chaos.netns import PEER_LINK, LocalNetwork, available  # noqa: E402
 from chaos.report import Recovery, recovery  # noqa: E402
 from elastic.events import EventFollower, read_events  # noqa: E402
+from launcher.embedded_etcd import EmbeddedEtcd  # noqa: E402
 
 DATASET = 640  # the default synthetic ImageFolder: 10 classes x 64 JPEGs
 BATCH = 16
@@ -56,7 +76,12 @@ FAULTS = {
     "kill_rank0": "SIGKILL the rank-0 + store node",
     "freeze": "SIGSTOP a node",
     "leave": "SIGTERM a node (planned leave)",
+    "etcd_restart": "etcd stopped, restarted",
+    "partition": "cut a node off its peers",
 }
+# Faults the peer script cannot take: it has no etcd (its c10d store lives in an agent), and it
+# runs its nodes on loopback, not in network namespaces.
+PEERLESS = {"etcd_restart": "no etcd in torchrun's c10d", "partition": "peer runs on loopback"}
 BREAKDOWN = ("detected", "round_formed", "rebuild", "sync", "first_step")
 
 
@@ -67,27 +92,37 @@ class Outcome:
     detail: str
 
 
+def job_overrides(run_dir: Path, args: argparse.Namespace, steps: int) -> list[str]:
+    """The same job for every fault kind: ``steps`` at world size 3."""
+    return [
+        f"job_id={run_dir.name}",
+        f"run_dir={run_dir}",
+        f"checkpoint.every_steps={args.ckpt_every}",
+        f"trainer.epochs={steps * 3 * BATCH / DATASET}",
+        f"data.batch_size={BATCH}",
+    ]
+
+
 def run_ours(work: Path, fault: str, args: argparse.Namespace) -> Recovery:
     """One job with one fault; its recovery (with its median step time before the fault)."""
     run_dir = work / f"ours-{fault}-{time.monotonic_ns()}"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "launcher",
-            f"job_id={run_dir.name}",
-            f"run_dir={run_dir}",
-            "cluster.nodes=3",
-            f"checkpoint.every_steps={args.ckpt_every}",
-            f"trainer.epochs={args.steps * 3 * BATCH / DATASET}",  # --steps at world size 3
-            f"data.batch_size={BATCH}",
-        ],
-        cwd=work,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"},
-    )
-    try:
+    if fault == "partition":
+        return run_ours_partitioned(run_dir, args)
+    with contextlib.ExitStack() as stack:
+        # Long enough to train on through an etcd outage (steps take well over 0.1 s here).
+        steps = args.steps + (round(10 * args.etcd_down_s) if fault == "etcd_restart" else 0)
+        overrides = ["cluster.nodes=3", *job_overrides(run_dir, args, steps)]
+        if fault == "etcd_restart":  # an etcd of the bench's own, to stop and start
+            etcd = stack.enter_context(EmbeddedEtcd(work / "etcd", work / "etcd.log"))
+            overrides.append(f"cluster.etcd_endpoints=[{etcd.endpoint}]")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "launcher", *overrides],
+            cwd=work,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"},
+        )
+        stack.callback(proc.kill)
         follower = EventFollower(run_dir)
         follower.wait_for(lambda e: e["event"] == "step" and e["step"] >= args.kill_at, 600)
         rank0 = node_with_rank(run_dir, 0)
@@ -102,12 +137,61 @@ def run_ours(work: Path, fault: str, args: argparse.Namespace) -> Recovery:
                 thaw_node(run_dir, other)
         elif fault == "leave":
             fault_ts = kill_node(run_dir, other, signal.SIGTERM)
+        elif fault == "etcd_restart":
+            down = stop_etcd(run_dir, etcd)
+            time.sleep(max(0.0, down + args.etcd_down_s - time.time()))  # the outage
+            fault_ts = start_etcd(run_dir, etcd)  # measured from here: the agents reconnect
+            steps = [e for e in read_events(run_dir) if e["event"] == "step"]
+            during = [e for e in steps if down < e["ts"] < fault_ts]
+            print(f"  etcd down {fault_ts - down:.1f} s: {len(during)} steps trained", flush=True)
         else:
             fault_ts = kill_node(run_dir, rank0 if fault == "kill_rank0" else other)
         if proc.wait(timeout=900) != 0:
             print(f"  (our job exited with {proc.returncode}; run dir {run_dir})", flush=True)
-    finally:
-        proc.kill()
+    return recovery(read_events(run_dir), fault_ts)
+
+
+def run_ours_partitioned(run_dir: Path, args: argparse.Namespace) -> Recovery:
+    """Three bare-metal launchers, each in a network namespace (chaos/netns.py); a node that
+    does not hold rank 0 is cut off its peers, and its link is brought up again once the others
+    recovered (it rejoins)."""
+    work = run_dir.parent
+    overrides = [
+        *job_overrides(run_dir, args, args.steps),
+        f"rendezvous.pg_timeout_s={args.pg_timeout_s}",
+    ]
+    with (
+        LocalNetwork(3) as net,
+        EmbeddedEtcd(work / "etcd", work / "etcd.log", listen_host="0.0.0.0") as etcd,
+        contextlib.ExitStack() as stack,
+    ):
+        port = int(etcd.endpoint.rsplit(":", 1)[1])
+        follower = EventFollower(run_dir)
+        nodes: list[subprocess.Popen[bytes]] = []
+        for i in range(3):
+            nodes.append(
+                subprocess.Popen(
+                    net.launcher(i, port, *overrides),
+                    cwd=work,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+            stack.callback(nodes[-1].kill)
+            if i == 0:  # node0's launcher makes the data set before its agent starts
+                follower.wait_for(lambda e: e["event"] == "agent_started", 600)
+        follower.wait_for(lambda e: e["event"] == "step" and e["step"] >= args.kill_at, 600)
+        victim = next(i for i in (2, 1, 0) if f"node{i}" != node_with_rank(run_dir, 0))
+        fault_ts = partition(run_dir, net, victim, PEER_LINK)
+        try:
+            follower.wait_for(lambda e: e["event"] == "recovered", args.pg_timeout_s + 60)
+        except TimeoutError:
+            pass  # counted as no progress by recovery()
+        finally:
+            heal(run_dir, net, victim, PEER_LINK)
+        codes = [p.wait(timeout=900) for p in nodes]
+        if codes != [0, 0, 0]:
+            print(f"  (our nodes exited with {codes}; run dir {run_dir})", flush=True)
     return recovery(read_events(run_dir), fault_ts)
 
 
@@ -178,12 +262,25 @@ def main() -> None:
     parser.add_argument(
         "--peer", type=Path, default=REPO.parent / "shared" / "bench" / "peer_torchrun" / "run.sh"
     )
+    parser.add_argument(
+        "--etcd-down-s", type=float, default=5.0, help="how long etcd_restart keeps etcd down"
+    )
+    parser.add_argument(
+        "--pg-timeout-s",
+        type=float,
+        default=10.0,
+        help="rendezvous.pg_timeout_s for partition: a cut link fails collectives after this",
+    )
     parser.add_argument("--skip-peer", action="store_true")
     args = parser.parse_args()
     faults = args.faults.split(",")
     unknown = set(faults) - set(FAULTS)
     if unknown:
         parser.error(f"--faults: unknown {sorted(unknown)}; choose from {', '.join(FAULTS)}")
+    why_not = available()
+    if "partition" in faults and why_not:
+        print(f"partition: skipped, network namespaces are not available here ({why_not})")
+        faults.remove("partition")
     if not args.skip_peer and not args.peer.exists():
         parser.error(f"--peer: {args.peer} not found (or pass --skip-peer)")
 
@@ -203,7 +300,7 @@ def main() -> None:
                     + ", ".join(f"{k} {v:.2f} s" for k, v in rec.breakdown.items()),
                     flush=True,
                 )
-                if not args.skip_peer:
+                if not args.skip_peer and fault not in PEERLESS:
                     # The peer's step: ~10 ms of MLP compute, padded to our step time.
                     out = run_peer(fault, args, max(0.0, statistics.median(step_times) - 0.01))
                     peer[fault].append(out)
@@ -232,6 +329,8 @@ def main() -> None:
             else:
                 ratio = f"{peer_p50 / our_p50:.1f}x"
             print(f"{'':34}{'torchrun':10}{line}{ratio:>11}")
+        elif fault in PEERLESS:
+            print(f"{'':34}{'torchrun':10}  not run: {PEERLESS[fault]}")
     print(
         "\nour recovery breakdown, p50 seconds (detected/round_formed: from the fault; lost: the"
         " delay against the pace before the fault)"

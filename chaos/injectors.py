@@ -1,5 +1,5 @@
 """Fault injectors: real signals to real processes, found through the run's event log, and
-network partitions of nodes run in namespaces (:mod:`chaos.netns`).
+network partitions and slow links of nodes run in namespaces (:mod:`chaos.netns`).
 
 Nodes and workers are found through the events; etcd members through the
 :class:`~launcher.embedded_etcd.EmbeddedEtcd` that owns them, or, for the one ``python -m
@@ -19,7 +19,7 @@ from typing import Any
 
 import psutil
 
-from chaos.netns import LocalNetwork
+from chaos.netns import PEER_LINK, LocalNetwork
 from elastic.events import EventLog, read_events
 from launcher.embedded_etcd import EmbeddedEtcd
 
@@ -141,6 +141,24 @@ def heal(run_dir: str | os.PathLike[str], net: LocalNetwork, node: int, link: st
     """End a :func:`partition`."""
     net.set_link(node, link, up=True)
     return _log(run_dir, "fault_cleared", kind="partition", target=f"node{node}", link=link)
+
+
+def throttle(
+    run_dir: str | os.PathLike[str], net: LocalNetwork, node: int, rate_mbit: float
+) -> float:
+    """Slow node ``node``'s link to its peers to ``rate_mbit`` (:meth:`LocalNetwork.set_rate`):
+    a node that is slow, not dead. :func:`unthrottle` lifts the limit."""
+    sent = _log(
+        run_dir, "fault_injected", kind="slow_network", target=f"node{node}", rate_mbit=rate_mbit
+    )
+    net.set_rate(node, PEER_LINK, rate_mbit)
+    return sent
+
+
+def unthrottle(run_dir: str | os.PathLike[str], net: LocalNetwork, node: int) -> float:
+    """End a :func:`throttle`."""
+    net.set_rate(node, PEER_LINK, None)
+    return _log(run_dir, "fault_cleared", kind="slow_network", target=f"node{node}")
 
 
 def _log(run_dir: str | os.PathLike[str], event: str, **fields: Any) -> float:

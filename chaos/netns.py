@@ -18,6 +18,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 from pathlib import Path
 from types import TracebackType
 
@@ -26,6 +27,8 @@ BRIDGE = f"{PREFIX}br"
 PEER_LINK = "peer"
 ETCD_LINK = "etcd"
 NETNS_ETC = Path("/etc/netns")
+TBF_BURST = "256kb"  # what the bucket lets through at once: a few dozen packets
+TBF_LATENCY = "2s"  # the longest a packet may queue behind the bucket before it is dropped
 
 
 def _ip(*args: str, ns: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -37,8 +40,9 @@ def available() -> str:
     """Empty if namespaces can be made here; else why not (for a test's skip line)."""
     if os.geteuid() != 0:
         return "network namespaces need root"
-    if shutil.which("ip") is None:
-        return "no ip command (iproute2)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"no {tool} command (iproute2)"
     probe = f"{PREFIX}probe"
     made = _ip("netns", "add", probe)
     if made.returncode != 0:
@@ -105,9 +109,45 @@ class LocalNetwork:
         """``argv`` run inside node ``i``'s namespace."""
         return ["ip", "netns", "exec", self.ns(i), *argv]
 
+    def launcher(self, i: int, etcd_port: int, *overrides: str) -> list[str]:
+        """The command that runs node ``i``'s bare-metal launcher in its namespace, as on a
+        machine of its own: it binds its peer address and reaches etcd (listening on every
+        address of this machine, port ``etcd_port``) over its etcd link."""
+        return self.command(
+            i,
+            [
+                sys.executable,
+                "-m",
+                "launcher",
+                "cluster=bare_metal",
+                f"cluster.nodes={self.nodes}",
+                f"cluster.node_id=node{i}",
+                f"cluster.host={self.peer_address(i)}",
+                f"cluster.etcd_endpoints=[{self.etcd_address(i)}:{etcd_port}]",
+                "cluster.threads_per_worker=1",  # the "machines" share this one's cores
+                *overrides,
+            ],
+        )
+
     def set_link(self, i: int, link: str, up: bool) -> None:
         """Bring node ``i``'s ``link`` (:data:`PEER_LINK` or :data:`ETCD_LINK`) down or up."""
         self._must(("link", "set", link, "up" if up else "down"), self.ns(i))
+
+    def set_rate(self, i: int, link: str, rate_mbit: float | None) -> None:
+        """Limit what node ``i`` sends on ``link`` to ``rate_mbit`` with a token bucket (tbf),
+        or lift the limit (None). Packets queue behind the bucket, so every transfer slows, and
+        past ``TBF_LATENCY`` of queue they are dropped: a slow, and under load lossy, link.
+        (``tc netem`` would add delay and loss directly, but many kernels lack ``sch_netem``.)"""
+        tc = ["ip", "netns", "exec", self.ns(i), "tc", "qdisc"]
+        if rate_mbit is None:
+            subprocess.run([*tc, "del", "dev", link, "root"], capture_output=True)  # none: fine
+            return
+        shape = ["rate", f"{rate_mbit}mbit", "burst", TBF_BURST, "latency", TBF_LATENCY]
+        done = subprocess.run(
+            [*tc, "replace", "dev", link, "root", "tbf", *shape], capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"tc qdisc replace ... tbf (in {self.ns(i)}): {done.stderr}")
 
     def _must(self, args: tuple[str, ...], ns: str | None = None) -> None:
         done = _ip(*args, ns=ns)

@@ -1,18 +1,19 @@
 """Network partitions: three bare-metal launchers, each in its own network namespace
-(:mod:`chaos.netns`), one node cut off its peers and then off etcd by bringing a real link down.
+(:mod:`chaos.netns`), one node cut off its peers and then off etcd by bringing a real link down,
+then slowed down by a rate limit on its link.
 
-Skipped where the host does not allow network namespaces (not root, no ``ip``)."""
+Skipped where the host does not allow network namespaces (not root, no ``ip`` or ``tc``)."""
 
 from __future__ import annotations
 
+import statistics
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from chaos import netns
-from chaos.injectors import heal, node_with_rank, partition
+from chaos.injectors import heal, node_with_rank, partition, throttle, unthrottle
 from launcher.embedded_etcd import EmbeddedEtcd
 
 from .conftest import FAST_JOB, output
@@ -23,43 +24,40 @@ pytestmark = pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "")
 NODES = 3
 EPOCHS = 20
 PG_TIMEOUT_S = 5  # a cut link fails the round's collectives after this long
+SLOW_MBIT = 300  # a ResNet-18 step's allreduce then takes seconds, still within PG_TIMEOUT_S
+SLOW_STEPS = 3
 
 
 def start_node(
     net: netns.LocalNetwork, i: int, run_dir: Path, etcd_port: int
 ) -> subprocess.Popen[str]:
     """Node ``i``'s launcher, run as on a machine of its own: ``cluster=bare_metal``."""
-    argv = [
-        sys.executable,
-        "-m",
-        "launcher",
-        "cluster=bare_metal",
-        f"cluster.nodes={NODES}",
-        f"cluster.node_id=node{i}",
-        f"cluster.host={net.peer_address(i)}",
-        f"cluster.etcd_endpoints=[{net.etcd_address(i)}:{etcd_port}]",
+    argv = net.launcher(
+        i,
+        etcd_port,
         "job_id=partitioned",
         f"run_dir={run_dir}",
         *FAST_JOB,
         f"trainer.epochs={EPOCHS}",
         f"rendezvous.pg_timeout_s={PG_TIMEOUT_S}",
-        "cluster.threads_per_worker=1",  # three "machines" share this one's cores
         RECORD,
-    ]
+    )
     out = open(run_dir.parent / f"node{i}.out", "w")  # noqa: SIM115 - closed with the process
     return subprocess.Popen(
-        net.command(i, argv), cwd=run_dir.parent, stdout=out, stderr=subprocess.STDOUT, text=True
+        argv, cwd=run_dir.parent, stdout=out, stderr=subprocess.STDOUT, text=True
     )
 
 
-def test_a_node_cut_off_its_peers_or_off_etcd_is_dropped_and_rejoins_once_healed(
+def test_a_node_cut_off_is_dropped_and_rejoins_once_healed_and_a_slow_one_is_kept(
     tmp_path: Path,
 ) -> None:
     """Cut off its peers (etcd still reachable), the node's round fails after pg_timeout_s; the
     two others, the majority, evict it, and it fences itself. It joins again only once it
     reaches them (peers_unreachable meanwhile), so it never stalls their rounds. Cut off etcd
     (its peers still reachable), its lease runs out and the others go on without it; it trains
-    no step in a round they left, and rejoins when etcd is back. One history throughout."""
+    no step in a round they left, and rejoins when etcd is back. Slowed down (a rate-limited
+    link, whose collectives still end within pg_timeout_s), it stays: no eviction, no fencing.
+    One history throughout."""
     run_dir = tmp_path / "run"
     with (
         netns.LocalNetwork(NODES) as net,
@@ -123,6 +121,27 @@ def test_a_node_cut_off_its_peers_or_off_etcd_is_dropped_and_rejoins_once_healed
                 healed_etcd,
             )
             assert again["world_size"] == NODES
+            paced = wait_event(
+                run_dir,
+                nodes[0],
+                lambda e: e["event"] == "step" and e["round"] == again["round"],
+                healed_etcd,
+            )
+            wait_event(  # the pace before the slowdown
+                run_dir, nodes[0], lambda e: e["event"] == "step" and e["step"] >= paced["step"] + 5
+            )
+
+            slow = throttle(run_dir, net, victim, SLOW_MBIT)
+            try:
+                first = wait_event(run_dir, nodes[0], lambda e: e["event"] == "step", slow)
+                wait_event(
+                    run_dir,
+                    nodes[0],
+                    lambda e: e["event"] == "step" and e["step"] >= first["step"] + SLOW_STEPS,
+                    slow,
+                )
+            finally:
+                fast = unthrottle(run_dir, net, victim)
             codes = [wait_exit(p, run_dir) for p in nodes]
         finally:
             for p in nodes:
@@ -144,3 +163,12 @@ def test_a_node_cut_off_its_peers_or_off_etcd_is_dropped_and_rejoins_once_healed
     assert dropped["ts"] - cut_etcd < 10
     fenced = [e for e in events if e["event"] == "fenced" and e["node"] == target]
     assert len(fenced) == 2
+    # Slowed down, not cut: every step took longer, and nobody took the slow node for dead.
+    steps = [e for e in events if e["event"] == "step" and e["round"] == again["round"]]
+    gaps = [(a["ts"], b["ts"] - a["ts"], b["ts"]) for a, b in zip(steps, steps[1:], strict=False)]
+    before = [gap for _, gap, end in gaps if end < slow]
+    during = [gap for start, gap, end in gaps if start >= first["ts"] and end < fast]
+    assert len(during) >= SLOW_STEPS
+    assert min(during) > 2 * statistics.median(before), (before, during)
+    faults = {"round_formed", "peer_evicted", "fenced", "worker_peer_lost", "worker_frozen"}
+    assert [e for e in events if e["event"] in faults and slow < e["ts"] < fast + 2] == []
