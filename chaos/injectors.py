@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ import psutil
 
 from chaos.netns import PEER_LINK, LocalNetwork
 from elastic.events import EventLog, read_events
+from elastic.lifeline import tied
 from launcher.embedded_etcd import EmbeddedEtcd
 
 CHAOS_NODE = "chaos"
@@ -98,6 +101,46 @@ def kill_worker(
     except psutil.NoSuchProcess as exc:
         raise TargetNotFound(f"worker {local_rank} of {node_id} is not running") from exc
     return _signal(run_dir, [proc], sig, kind="worker", target=f"{node_id}/worker{local_rank}")
+
+
+def restart_node(
+    run_dir: str | os.PathLike[str], node_id: str, endpoints: list[str], nodes_on_machine: int
+) -> tuple[float, subprocess.Popen[bytes]]:
+    """Start a killed or departed node's agent again, as a repaired machine rejoins: a fresh
+    agent on the run's ``config.yaml``, in a session of its own (so that :func:`kill_node`
+    reaches all of it), tied to this process. Logged as ``fault_cleared`` before it starts."""
+    run_dir = Path(run_dir)
+    sent = _log(run_dir, "fault_cleared", kind="restart", target=node_id)
+    argv = [
+        sys.executable,
+        "-m",
+        "launcher.agent",
+        "--config",
+        str(run_dir / "config.yaml"),
+        "--node-id",
+        node_id,
+        "--host",
+        "127.0.0.1",
+        "--etcd",
+        ",".join(endpoints),
+        "--nodes-on-machine",
+        str(nodes_on_machine),
+    ]
+    with open(run_dir / "logs" / f"{node_id}.log", "ab") as out:
+        proc = subprocess.Popen(
+            tied(argv),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    return sent, proc
+
+
+def skipped(run_dir: str | os.PathLike[str], kind: str, target: str, reason: str) -> float:
+    """Log a fault that was due but could not be carried out, and why."""
+    return _log(run_dir, "fault_skipped", kind=kind, target=target, reason=reason)
 
 
 def stop_etcd(run_dir: str | os.PathLike[str], etcd: EmbeddedEtcd, member: int = 0) -> float:

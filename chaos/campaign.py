@@ -1,0 +1,160 @@
+"""A chaos campaign: the schema of ``conf/campaign/*.yaml`` and the seeded schedule it makes.
+
+A campaign is a list of faults, each with its kind, when it strikes (after a step, or seconds
+into training), its target and how it ends (a thaw after ``duration_s``, a node started again
+after ``restart_after_s``). The list is either written out (``faults``) or drawn at random
+(``mtbf_s``: exponential gaps at that mean, kinds drawn from ``kinds``) from ``seed``, so that a
+campaign can be replayed exactly. Which node a fault hits is decided when it strikes, among the
+nodes then up, by a generator seeded from the campaign's seed and the fault's number: the same
+campaign on the same job picks the same nodes.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from elastic.config import Choice, problem
+
+MAX_RANDOM_FAULTS = 1000  # a random campaign without ``count`` runs until the job ends
+
+
+class FaultKind(Choice):
+    kill_node = "kill_node"  # SIGKILL a node: its agent and every process under it
+    kill_worker = "kill_worker"  # SIGKILL one training worker; its agent restarts it
+    freeze_node = "freeze_node"  # SIGSTOP a node for duration_s (a hung machine)
+    leave_node = "leave_node"  # SIGTERM a node: a planned leave (preemption, drain)
+
+
+@dataclass
+class FaultSpec:
+    kind: FaultKind = FaultKind.kill_node
+    at_step: int = 0  # strike once training passed this step...
+    at_s: float = 0.0  # ...or this many seconds after training started (exactly one of the two)
+    target: str = "not_rank0"  # node<K>, rank0, not_rank0 (any up node but rank 0's), any
+    duration_s: float = 5.0  # freeze_node: thawed after this long
+    restart_after_s: float = -1.0  # kill_node, leave_node: started again after this; <0: never
+
+
+@dataclass
+class CampaignConfig:
+    name: str = "scripted"
+    seed: int = 0
+    faults: list[FaultSpec] = field(default_factory=list)  # a written-out schedule
+    mtbf_s: float = 0.0  # >0: random faults at this mean time between faults, after `faults`
+    kinds: list[FaultKind] = field(
+        default_factory=lambda: [FaultKind.kill_node, FaultKind.freeze_node, FaultKind.leave_node]
+    )
+    count: int = 0  # random faults to draw; 0: until the job ends
+    target: str = "not_rank0"  # random faults' target
+    freeze_s: float = 5.0  # random freezes last this long
+    restart_after_s: float = 10.0  # randomly killed or stopped nodes come back after this
+    baseline: bool = True  # measure the fault-free rate at each world size, for the goodput
+    baseline_steps: int = 30  # steps of each fault-free run
+    out_dir: str = ""  # "" = <run_dir>/chaos
+
+
+@dataclass
+class ChaosConfig:
+    """The root of ``python -m chaos``'s own configuration (conf/chaos.yaml)."""
+
+    campaign: CampaignConfig = field(default_factory=CampaignConfig)
+
+
+TARGETS = "node<K>, rank0, not_rank0 or any"
+
+
+def problems(c: CampaignConfig, nodes: int) -> list[str]:
+    """Every value of the campaign that cannot work, each with the key and the fix."""
+    found = []
+    for i, f in enumerate(c.faults):
+        key = f"campaign.faults[{i}]"
+        if (f.at_step > 0) == (f.at_s > 0):
+            found.append(
+                problem(
+                    f"{key}.at_step/at_s",
+                    (f.at_step, f.at_s),
+                    "a fault needs exactly one moment",
+                    "set at_step to a step number or at_s to seconds into training, not both",
+                )
+            )
+        if not target_ok(f.target, nodes):
+            found.append(
+                problem(
+                    f"{key}.target",
+                    f.target,
+                    f"not a node of this {nodes}-node job",
+                    f"use {TARGETS}",
+                )
+            )
+        if f.kind is FaultKind.freeze_node and f.duration_s <= 0:
+            found.append(
+                problem(f"{key}.duration_s", f.duration_s, "a freeze must end", "set it above 0")
+            )
+    if c.mtbf_s < 0:
+        found.append(problem("campaign.mtbf_s", c.mtbf_s, "a mean time", "set it >= 0 (0: none)"))
+    if c.mtbf_s > 0 and not c.kinds:
+        found.append(problem("campaign.kinds", [], "nothing to draw from", "list fault kinds"))
+    if not target_ok(c.target, nodes):
+        found.append(problem("campaign.target", c.target, "not a node", f"use {TARGETS}"))
+    if not c.faults and c.mtbf_s == 0:
+        found.append(
+            problem(
+                "campaign.faults",
+                [],
+                "the campaign has no fault",
+                "list faults, or set campaign.mtbf_s for random ones",
+            )
+        )
+    if c.baseline_steps < 5:
+        found.append(
+            problem(
+                "campaign.baseline_steps",
+                c.baseline_steps,
+                "too few steps to measure a steady rate",
+                "set it to at least 5",
+            )
+        )
+    return found
+
+
+def target_ok(target: str, nodes: int) -> bool:
+    if target in ("rank0", "not_rank0", "any"):
+        return True
+    return target.startswith("node") and target[4:].isdigit() and int(target[4:]) < nodes
+
+
+def schedule(c: CampaignConfig) -> list[FaultSpec]:
+    """The campaign's faults: the written ones (by step, then by time), then the random ones
+    (by time), each random one drawn from ``seed`` alone."""
+    written = sorted(c.faults, key=lambda f: (f.at_step == 0, f.at_step, f.at_s))
+    if c.mtbf_s <= 0:
+        return written
+    rng = random.Random(c.seed)
+    drawn, t = [], 0.0
+    for _ in range(c.count or MAX_RANDOM_FAULTS):
+        t += rng.expovariate(1.0 / c.mtbf_s)
+        kind = c.kinds[rng.randrange(len(c.kinds))]
+        drawn.append(
+            FaultSpec(
+                kind=kind,
+                at_s=round(t, 3),
+                target=c.target,
+                duration_s=c.freeze_s,
+                restart_after_s=c.restart_after_s,
+            )
+        )
+    return written + drawn
+
+
+def pick(target: str, up: list[str], rank0: str | None, seed: int, number: int) -> str | None:
+    """The node fault ``number`` strikes, among the nodes ``up`` now; None if there is none.
+
+    ``up`` is sorted by the caller; the choice depends only on it, the seed and the number.
+    """
+    if target.startswith("node"):
+        return target if target in up else None
+    candidates = [n for n in up if target == "any" or (target == "rank0") == (n == rank0)]
+    if not candidates:
+        return None
+    return random.Random(f"{seed}:{number}").choice(candidates)
