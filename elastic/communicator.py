@@ -29,6 +29,7 @@ worker's own fault.
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -42,6 +43,9 @@ from torch.nn.parallel import DistributedDataParallel
 from elastic.control import Assignment
 
 log = logging.getLogger(__name__)
+
+MEET_FIRST_PAUSE_S = 0.005  # a rank waiting for its round's peers looks again after this,
+MEET_POLL_S = 0.1  # doubling up to this: how soon it sees an abort
 
 
 class RoundAborted(RuntimeError):
@@ -123,9 +127,57 @@ class Communicator:
             shrunk = previous is not None and self._try_shrink(previous, assignment)
             if not shrunk:
                 self.close()
+                self._meet(assignment)
                 self._init_group(assignment)
         if self._aborted.is_set():
             raise RoundAborted(f"round {self._announced} was announced")
+
+    def _meet(self, assignment: Assignment) -> None:
+        """Wait until every rank of the round has reached its set-up, abortably.
+
+        The group's own set-up cannot be interrupted: begun while a peer is frozen (a node
+        stopped just before its round was formed), it waits out the whole
+        ``rendezvous.pg_timeout_s``, even when the agent has announced a newer round without that
+        peer a moment later. So the ranks first meet on the store, on a thread of their own (a
+        store client connecting to a frozen host hangs whatever its timeout), while this thread
+        watches for an abort; ranks that all met a moment ago set up at once.
+        """
+        met = threading.Event()
+        errors: list[BaseException] = []
+
+        def meet() -> None:
+            prefix = f"round{assignment.round}/arrived/"
+            keys = [f"{prefix}{rank}" for rank in range(assignment.world_size)]
+            pause = MEET_FIRST_PAUSE_S
+            try:
+                store = dist.TCPStore(
+                    assignment.store_host,
+                    assignment.store_port,
+                    is_master=False,
+                    timeout=self.timeout,
+                )
+                store.set(keys[assignment.rank], b"1")
+                deadline = time.monotonic() + self.timeout.total_seconds()
+                while not store.check(keys) and not self._aborted.is_set():
+                    if time.monotonic() >= deadline:
+                        raise dist.DistStoreError(
+                            f"not every rank of round {assignment.round} reached its set-up "
+                            f"within {self.timeout.total_seconds():.0f} s"
+                        )
+                    time.sleep(pause)  # the peers' keys arrive at the store: look again
+                    pause = min(2 * pause, MEET_POLL_S)
+            except dist.DistError as exc:
+                errors.append(exc)
+            met.set()
+
+        threading.Thread(target=meet, name=f"meet-round{assignment.round}", daemon=True).start()
+        while not met.wait(MEET_POLL_S):
+            if self._aborted.is_set():
+                break
+        if self._aborted.is_set():
+            raise RoundAborted(f"round {self._announced} was announced")
+        if errors:
+            raise errors[0]
 
     def _init_group(self, assignment: Assignment) -> None:
         store = dist.TCPStore(
