@@ -24,6 +24,18 @@ class FaultKind(Choice):
     kill_worker = "kill_worker"  # SIGKILL one training worker; its agent restarts it
     freeze_node = "freeze_node"  # SIGSTOP a node for duration_s (a hung machine)
     leave_node = "leave_node"  # SIGTERM a node: a planned leave (preemption, drain)
+    kill_etcd_member = "kill_etcd_member"  # SIGKILL one etcd member, started again after duration_s
+    fill_disk = "fill_disk"  # fill the checkpoint file system for duration_s (campaign.fill_*)
+    corrupt_shard = "corrupt_shard"  # flip a byte of the newest committed checkpoint
+    # With campaign.netns (each node in a network namespace), for duration_s:
+    partition_peers = "partition_peers"  # cut a node off its peers (it still reaches etcd)
+    partition_etcd = "partition_etcd"  # cut a node off etcd (it still reaches its peers)
+    slow_network = "slow_network"  # rate-limit a node's link to its peers to campaign.slow_mbit
+
+
+SHARED_KINDS = (FaultKind.kill_etcd_member, FaultKind.fill_disk, FaultKind.corrupt_shard)
+NETWORK_KINDS = (FaultKind.partition_peers, FaultKind.partition_etcd, FaultKind.slow_network)
+TIMED_KINDS = (FaultKind.freeze_node, *SHARED_KINDS[:2], *NETWORK_KINDS)  # end after duration_s
 
 
 @dataclass
@@ -31,8 +43,10 @@ class FaultSpec:
     kind: FaultKind = FaultKind.kill_node
     at_step: int = 0  # strike once training passed this step...
     at_s: float = 0.0  # ...or this many seconds after training started (exactly one of the two)
-    target: str = "not_rank0"  # node<K>, rank0, not_rank0 (any up node but rank 0's), any
-    duration_s: float = 5.0  # freeze_node: thawed after this long
+    # node<K>, rank0, not_rank0 (any up node but rank 0's), any; the shared kinds strike the
+    # job's etcd or checkpoints, whatever the target
+    target: str = "not_rank0"
+    duration_s: float = 5.0  # freeze_node, kill_etcd_member, fill_disk: ended after this long
     restart_after_s: float = -1.0  # kill_node, leave_node: started again after this; <0: never
 
 
@@ -47,15 +61,25 @@ class CampaignConfig:
     )
     count: int = 0  # random faults to draw; 0: until the job ends
     target: str = "not_rank0"  # random faults' target
-    freeze_s: float = 5.0  # random freezes last this long
+    freeze_s: float = 5.0  # random freezes, etcd member losses and full disks last this long
     restart_after_s: float = 10.0  # randomly killed or stopped nodes come back after this
+    etcd_members: int = 1  # members of the campaign's own etcd (3: kill_etcd_member loses one)
+    fill_keep_mb: int = 1  # fill_disk leaves this much free
+    fill_limit_gb: float = 4.0  # fill_disk refuses a file system with more free (the machine's)
+    # Start each node as a bare-metal launcher in a network namespace of its own (root, ip, tc),
+    # so that the network kinds can cut or slow its links (chaos/netns.py).
+    netns: bool = False
+    slow_mbit: float = 300.0  # slow_network's rate
     baseline: bool = True  # measure the fault-free rate at each world size, for the goodput
     baseline_steps: int = 30  # steps of each fault-free run
     out_dir: str = ""  # "" = <run_dir>/chaos
+    # Attach to a running job (job_id, cluster.etcd_endpoints, run_dir: where its events are)
+    # instead of launching one: faults are requested through etcd (the job needs chaos.allow).
+    attach: bool = False
 
 
 @dataclass
-class ChaosConfig:
+class ChaosCommandConfig:
     """The root of ``python -m chaos``'s own configuration (conf/chaos.yaml)."""
 
     campaign: CampaignConfig = field(default_factory=CampaignConfig)
@@ -87,9 +111,9 @@ def problems(c: CampaignConfig, nodes: int) -> list[str]:
                     f"use {TARGETS}",
                 )
             )
-        if f.kind is FaultKind.freeze_node and f.duration_s <= 0:
+        if f.kind in TIMED_KINDS and f.duration_s <= 0:
             found.append(
-                problem(f"{key}.duration_s", f.duration_s, "a freeze must end", "set it above 0")
+                problem(f"{key}.duration_s", f.duration_s, f"a {f.kind} must end", "set it above 0")
             )
     if c.mtbf_s < 0:
         found.append(problem("campaign.mtbf_s", c.mtbf_s, "a mean time", "set it >= 0 (0: none)"))
@@ -105,6 +129,10 @@ def problems(c: CampaignConfig, nodes: int) -> list[str]:
                 "the campaign has no fault",
                 "list faults, or set campaign.mtbf_s for random ones",
             )
+        )
+    if c.etcd_members not in (1, 3):
+        found.append(
+            problem("campaign.etcd_members", c.etcd_members, "etcd runs 1 or 3 here", "set 1 or 3")
         )
     if c.baseline_steps < 5:
         found.append(

@@ -1,20 +1,31 @@
 """``python -m chaos [campaign=<name>] [campaign.<key>=...] [job overrides...]``: run a chaos
-campaign against a local job and judge it.
+campaign against a job and judge it.
 
 Overrides that start with ``campaign`` choose and tune the campaign (``conf/campaign/``, the
 schema in :mod:`chaos.campaign`); every other override is the job's, exactly as for ``python -m
-launcher``. The command starts an etcd of its own for the job (so that it can start killed nodes
-again), launches the job with ``trainer.record_samples=true`` (the invariants need every rank's
-samples), carries out the schedule (:mod:`chaos.runner`), measures the fault-free rate at each
-world size the job ran at (``campaign.baseline``), and writes ``report.json``, ``summary.txt``
-and ``timeline.png`` to ``<run_dir>/chaos/``. It exits 1 if an invariant broke, 2 on bad input.
+launcher``. By default the command starts an etcd of its own for a local job (so that it can
+start killed nodes again), launches the job with ``trainer.record_samples=true`` (the invariants
+need every rank's samples), carries out the schedule (:mod:`chaos.runner`), measures the
+fault-free rate at each world size the job ran at (``campaign.baseline``), and writes
+``report.json``, ``summary.txt`` and ``timeline.png`` to ``<run_dir>/chaos/``.
+
+With ``campaign.attach=true`` it launches nothing: it joins the running job named by
+``job_id``, ``cluster.etcd_endpoints`` and ``run_dir`` (where the job's config and events are: a
+shared file system, or this machine), and requests each fault from the target node's agent
+through etcd; the job must have been started with ``chaos.allow=true`` and
+``trainer.record_samples=true``. The fault-free rates then come from the job's own steps.
+
+It exits 1 if an invariant broke, 2 on bad input.
 """
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 from hydra import compose as hydra_compose
 from hydra import initialize_config_module
@@ -23,19 +34,23 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from chaos.campaign import CampaignConfig, ChaosConfig, problems
+from chaos import netns
+from chaos.campaign import CampaignConfig, ChaosCommandConfig, problems
 from chaos.runner import CampaignRunner
 from chaos.timeline import draw
-from chaos.verdict import fault_free_rate, judge, needed_sizes, summary
+from chaos.verdict import fault_free_rate, judge, needed_sizes, observed_rates, summary
 from elastic import config
 from elastic.config import ClusterMode, Config, ConfigError
-from elastic.events import read_events
+from elastic.events import EventFollower, read_events
 from launcher.compose import UsageError, compose, finalize
-from launcher.embedded_etcd import EmbeddedEtcd
+from launcher.embedded_etcd import HOST, EmbeddedEtcd
+from launcher.etcd import EtcdUnavailable, connect
 
-ConfigStore.instance().store(name="chaos_schema", node=ChaosConfig)
+ConfigStore.instance().store(name="chaos_schema", node=ChaosCommandConfig)
 
 JOB_TIMEOUT_S = 6 * 3600.0  # a campaign's job, or a fault-free run, that runs longer is stopped
+RECORD_SAMPLES = "trainer.record_samples=true"  # the invariants need every rank's samples
+ANY = "0.0.0.0"  # etcd for nodes in namespaces: every address of this machine
 
 
 def split(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -48,7 +63,7 @@ def compose_campaign(overrides: list[str]) -> CampaignConfig:
     try:
         with initialize_config_module(config_module="conf", version_base=None):
             dcfg = hydra_compose(config_name="chaos", overrides=overrides)
-        chaos: ChaosConfig = OmegaConf.to_object(dcfg)  # type: ignore[assignment]
+        chaos: ChaosCommandConfig = OmegaConf.to_object(dcfg)  # type: ignore[assignment]
     except (HydraException, OmegaConfBaseException) as exc:
         cause = f"\n{exc.__cause__}" if exc.__cause__ is not None else ""
         raise UsageError(
@@ -73,7 +88,7 @@ def baseline_rates(
     cfg: Config,
     campaign: CampaignConfig,
     job: list[str],
-    endpoint: str,
+    endpoints: list[str],
     sizes: list[int],
     samples_per_epoch: int,
     out_dir: Path,
@@ -93,7 +108,7 @@ def baseline_rates(
                 f"job_id={cfg.job_id}-baseline{world}",
                 f"run_dir={run_dir}",
                 f"cluster.nodes={world}",
-                f"cluster.etcd_endpoints=[{endpoint}]",
+                f"cluster.etcd_endpoints=[{','.join(endpoints)}]",
                 f"checkpoint.url=file://{run_dir / 'checkpoints'}",
                 f"trainer.epochs={epochs}",
                 "trainer.record_samples=true",  # as in the campaign: the same work per step
@@ -116,12 +131,22 @@ def main(argv: list[str]) -> int:
     campaign_args, job = split(argv)
     try:
         campaign = compose_campaign(campaign_args)
-        cfg = compose(job, need_job=False)
+        cfg = compose(job, need_job=campaign.attach)
         config.validate(cfg)
     except (UsageError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     cfg = finalize(cfg)
+    return attach(cfg, campaign) if campaign.attach else launch(cfg, campaign, job)
+
+
+def refuse(found: list[str]) -> int:
+    print("error: the campaign cannot run:\n  " + "\n  ".join(found), file=sys.stderr)
+    return 2
+
+
+def launch(cfg: Config, campaign: CampaignConfig, job: list[str]) -> int:
+    """Launch a local job on an etcd of our own, run the campaign on it, and judge it."""
     found = problems(campaign, cfg.cluster.nodes)
     if cfg.cluster.mode is not ClusterMode.local:
         found.append(
@@ -129,7 +154,7 @@ def main(argv: list[str]) -> int:
                 "cluster.mode",
                 str(cfg.cluster.mode),
                 "python -m chaos launches a local job",
-                "run it with cluster=local (attaching to a bare-metal job is not there yet)",
+                "run it with cluster=local, or attach to the running job with campaign.attach=true",
             )
         )
     if cfg.cluster.etcd_endpoints:
@@ -138,12 +163,20 @@ def main(argv: list[str]) -> int:
                 "cluster.etcd_endpoints",
                 cfg.cluster.etcd_endpoints,
                 "the campaign starts the job's etcd itself",
-                "leave it empty",
+                "leave it empty, or attach to a running job with campaign.attach=true",
+            )
+        )
+    if campaign.netns and (why := netns.available()):
+        found.append(
+            config.problem(
+                "campaign.netns",
+                True,
+                f"this host cannot make network namespaces ({why})",
+                "run as root with iproute2, or leave it false (network faults are then skipped)",
             )
         )
     if found:
-        print("error: the campaign cannot run:\n  " + "\n  ".join(found), file=sys.stderr)
-        return 2
+        return refuse(found)
 
     run_dir = Path(cfg.run_dir)
     out_dir = Path(campaign.out_dir) if campaign.out_dir else run_dir / "chaos"
@@ -154,20 +187,50 @@ def main(argv: list[str]) -> int:
         f"{cfg.cluster.nodes} nodes; the job's output: {out_dir / 'job.out'}",
         flush=True,
     )
-    with EmbeddedEtcd(out_dir / "etcd", out_dir / "etcd.log") as etcd:
-        argv_job = launcher_argv(
-            job, f"cluster.etcd_endpoints=[{etcd.endpoint}]", "trainer.record_samples=true"
+    etcd_dir, members = out_dir / "etcd", campaign.etcd_members
+    with contextlib.ExitStack() as stack:
+        net = stack.enter_context(netns.LocalNetwork(cfg.cluster.nodes)) if campaign.netns else None
+        etcd = stack.enter_context(
+            EmbeddedEtcd(
+                etcd_dir, out_dir / "etcd.log", members=members, listen_host=ANY if net else HOST
+            )
         )
-        with open(out_dir / "job.out", "w") as f:
-            proc = subprocess.Popen(argv_job, stdout=f, stderr=subprocess.STDOUT)
-        runner = CampaignRunner(cfg, campaign, [etcd.endpoint])
+        endpoints = etcd.endpoints
+        start_node, procs = None, []
+        if net is None:
+            argv_job = launcher_argv(
+                job, f"cluster.etcd_endpoints=[{','.join(endpoints)}]", RECORD_SAMPLES
+            )
+            with open(out_dir / "job.out", "w") as f:
+                procs.append(subprocess.Popen(argv_job, stdout=f, stderr=subprocess.STDOUT))
+        else:
+            ports = [int(e.rsplit(":", 1)[1]) for e in endpoints]
+
+            def start_node(node: str) -> subprocess.Popen[bytes]:
+                """Node ``node``'s bare-metal launcher, in its namespace."""
+                argv = net.launcher(int(node.removeprefix("node")), ports, *job, RECORD_SAMPLES)
+                with open(out_dir / f"{node}.out", "ab") as f:
+                    return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT)
+
+            procs.append(start_node("node0"))  # it prepares the data before its agent starts
+            EventFollower(run_dir).wait_for(
+                lambda e: e["event"] == "agent_started" or procs[0].poll() is not None,
+                timeout_s=JOB_TIMEOUT_S,
+            )
+            procs += [start_node(f"node{i}") for i in range(1, cfg.cluster.nodes)]
+        runner = CampaignRunner(cfg, campaign, endpoints, etcd=etcd, net=net, start_node=start_node)
         try:
-            runner.run(proc)
+            # Nodes in namespaces are launchers of their own: the job runs while any does.
+            runner.run(lambda: any(p.poll() is None for p in procs + runner.started()))
+            for p in procs:
+                p.wait(timeout=JOB_TIMEOUT_S)
         finally:
-            if proc.poll() is None:
-                proc.terminate()
-            proc.wait(timeout=60)
-        print(f"chaos: the job exited with {proc.returncode}", flush=True)
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+                    p.wait(timeout=60)
+        codes = ", ".join(str(p.returncode) for p in procs)
+        print(f"chaos: the job exited with {codes}", flush=True)
         events = read_events(run_dir)
         job_cfg = config.load(run_dir / "config.yaml")
         rates = None
@@ -175,8 +238,77 @@ def main(argv: list[str]) -> int:
             sizes = needed_sizes(events, job_cfg.cluster.nodes, job_cfg.cluster.min_nodes)
             started = next(e for e in events if e["event"] == "training_started")
             per_epoch = round(started["total_samples"] / job_cfg.trainer.epochs)
-            rates = baseline_rates(job_cfg, campaign, job, etcd.endpoint, sizes, per_epoch, out_dir)
-    verdict = judge(events, job_cfg, rates)
+            rates = baseline_rates(job_cfg, campaign, job, endpoints, sizes, per_epoch, out_dir)
+    return report(events, job_cfg, rates, out_dir, campaign)
+
+
+def attach(cfg: Config, campaign: CampaignConfig) -> int:
+    """Run the campaign on the running job ``cfg`` names, through fault requests, and judge
+    it from its event log."""
+    run_dir = Path(cfg.run_dir)
+    if not (run_dir / "config.yaml").exists():
+        return refuse(
+            [
+                config.problem(
+                    "run_dir",
+                    str(run_dir),
+                    "no config.yaml of a running job there",
+                    "point run_dir at the job's run directory (shared, or on this machine)",
+                )
+            ]
+        )
+    job_cfg = config.load(run_dir / "config.yaml")
+    found = problems(campaign, job_cfg.cluster.nodes)
+    if not job_cfg.chaos.allow:
+        found.append(
+            config.problem(
+                "chaos.allow",
+                False,
+                f"job {cfg.job_id} was started without it, and its agents refuse fault requests",
+                "start the job with chaos.allow=true",
+            )
+        )
+    if not job_cfg.trainer.record_samples:
+        found.append(
+            config.problem(
+                "trainer.record_samples",
+                False,
+                "the job does not log its samples, so exactly-once cannot be checked",
+                "start the job with trainer.record_samples=true",
+            )
+        )
+    if found:
+        return refuse(found)
+    try:
+        client = connect(cfg.cluster.etcd_endpoints, timeout_s=cfg.health.etcd_timeout_s)
+    except EtcdUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    out_dir = Path(campaign.out_dir) if campaign.out_dir else run_dir / "chaos"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(
+        f"chaos: campaign {campaign.name!r} (seed {campaign.seed}) attached to job "
+        f"{cfg.job_id} through etcd {','.join(cfg.cluster.etcd_endpoints)}",
+        flush=True,
+    )
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    runner = CampaignRunner(job_cfg, campaign, cfg.cluster.etcd_endpoints, remote=client)
+    runner.run(lambda: time.monotonic() < deadline)
+    events = read_events(run_dir)
+    rates = observed_rates(events, config.max_nodes(job_cfg))
+    return report(events, job_cfg, rates, out_dir, campaign, "the job's own steps")
+
+
+def report(
+    events: list[dict[str, Any]],
+    job_cfg: Config,
+    rates: dict[int, float] | None,
+    out_dir: Path,
+    campaign: CampaignConfig,
+    rates_from: str = "fault-free runs",
+) -> int:
+    """Judge the campaign, write its report, summary and picture; the exit code."""
+    verdict = judge(events, job_cfg, rates, rates_from)
     (out_dir / "report.json").write_text(verdict.to_json())
     text = summary(verdict)
     (out_dir / "summary.txt").write_text(text + "\n")

@@ -12,21 +12,27 @@ signal was sent, so recovery can be measured from the log alone: fault to first 
 from __future__ import annotations
 
 import contextlib
+import errno
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import psutil
 
 from chaos.netns import PEER_LINK, LocalNetwork
 from elastic.events import EventLog, read_events
 from elastic.lifeline import tied
+from elastic.manifest import MANIFEST, candidates
 from launcher.embedded_etcd import EmbeddedEtcd
 
 CHAOS_NODE = "chaos"
+BALLAST = ".chaos-ballast"  # the file that fills a checkpoint file system
 
 
 class TargetNotFound(LookupError):
@@ -52,11 +58,16 @@ def node_with_rank(run_dir: str | os.PathLike[str], rank: int = 0) -> str:
 def node_processes(run_dir: str | os.PathLike[str], node_id: str) -> list[psutil.Process]:
     """A node's agent and every process under it (its workers and their helpers)."""
     agent = _newest(Path(run_dir), "agent_started", node=node_id)
+    return process_tree(agent["pid"], f"the agent of {node_id}")
+
+
+def process_tree(pid: int, what: str) -> list[psutil.Process]:
+    """Process ``pid`` (``what``, for the error) and every process under it."""
     try:
-        root = psutil.Process(agent["pid"])
+        root = psutil.Process(pid)
         return [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess as exc:
-        raise TargetNotFound(f"the agent of {node_id} (pid {agent['pid']}) is not running") from exc
+        raise TargetNotFound(f"{what} (pid {pid}) is not running") from exc
 
 
 def kill_node(
@@ -67,15 +78,13 @@ def kill_node(
     ``SIGSTOP`` freezes the node (its agent and workers), like a machine that hangs.
     """
     procs = node_processes(run_dir, node_id)
-    return _signal(run_dir, procs, sig, kind="node", target=node_id)
+    return send(run_dir, procs, sig, kind="node", target=node_id)
 
 
 def thaw_node(run_dir: str | os.PathLike[str], node_id: str) -> float:
     """``SIGCONT`` a frozen node (logged as ``fault_cleared``): it finds itself fenced out."""
     procs = node_processes(run_dir, node_id)
-    return _signal(
-        run_dir, procs, signal.SIGCONT, event="fault_cleared", kind="node", target=node_id
-    )
+    return send(run_dir, procs, signal.SIGCONT, event="fault_cleared", kind="node", target=node_id)
 
 
 def kill_agent(
@@ -85,7 +94,7 @@ def kill_agent(
     stops answering (its lease runs out) while its workers still train; :func:`thaw_node`
     resumes it."""
     agent = node_processes(run_dir, node_id)[0]
-    return _signal(run_dir, [agent], sig, kind="agent", target=node_id)
+    return send(run_dir, [agent], sig, kind="agent", target=node_id)
 
 
 def kill_worker(
@@ -100,7 +109,7 @@ def kill_worker(
         proc = psutil.Process(started["worker_pid"])
     except psutil.NoSuchProcess as exc:
         raise TargetNotFound(f"worker {local_rank} of {node_id} is not running") from exc
-    return _signal(run_dir, [proc], sig, kind="worker", target=f"{node_id}/worker{local_rank}")
+    return send(run_dir, [proc], sig, kind="worker", target=f"{node_id}/worker{local_rank}")
 
 
 def restart_node(
@@ -110,7 +119,7 @@ def restart_node(
     agent on the run's ``config.yaml``, in a session of its own (so that :func:`kill_node`
     reaches all of it), tied to this process. Logged as ``fault_cleared`` before it starts."""
     run_dir = Path(run_dir)
-    sent = _log(run_dir, "fault_cleared", kind="restart", target=node_id)
+    sent = log_event(run_dir, "fault_cleared", kind="restart", target=node_id)
     argv = [
         sys.executable,
         "-m",
@@ -140,7 +149,7 @@ def restart_node(
 
 def skipped(run_dir: str | os.PathLike[str], kind: str, target: str, reason: str) -> float:
     """Log a fault that was due but could not be carried out, and why."""
-    return _log(run_dir, "fault_skipped", kind=kind, target=target, reason=reason)
+    return log_event(run_dir, "fault_skipped", kind=kind, target=target, reason=reason)
 
 
 def stop_etcd(run_dir: str | os.PathLike[str], etcd: EmbeddedEtcd, member: int = 0) -> float:
@@ -149,7 +158,7 @@ def stop_etcd(run_dir: str | os.PathLike[str], etcd: EmbeddedEtcd, member: int =
     pid = etcd.pid(member)
     if pid is None:
         raise TargetNotFound(f"etcd member {member} is not running")
-    record = _log(run_dir, "fault_injected", kind="etcd", target=f"member{member}", pids=[pid])
+    record = log_event(run_dir, "fault_injected", kind="etcd", target=f"member{member}", pids=[pid])
     etcd.stop_member(member, kill=True)
     return record
 
@@ -158,7 +167,7 @@ def start_etcd(run_dir: str | os.PathLike[str], etcd: EmbeddedEtcd, member: int 
     """Start a member stopped by :func:`stop_etcd` again, as an operator restarts etcd; returns
     once it is healthy (logged as ``fault_cleared`` at that moment)."""
     etcd.start_member(member)
-    return _log(run_dir, "fault_cleared", kind="etcd", target=f"member{member}")
+    return log_event(run_dir, "fault_cleared", kind="etcd", target=f"member{member}")
 
 
 def kill_embedded_etcd_member(run_dir: str | os.PathLike[str], member: int) -> float:
@@ -168,14 +177,71 @@ def kill_embedded_etcd_member(run_dir: str | os.PathLike[str], member: int) -> f
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
         if "--data-dir" in cmd and cmd[cmd.index("--data-dir") + 1] == data_dir:
-            return _signal(run_dir, [p], signal.SIGKILL, kind="etcd", target=f"member{member}")
+            return send(run_dir, [p], signal.SIGKILL, kind="etcd", target=f"member{member}")
     raise TargetNotFound(f"no etcd process with --data-dir {data_dir}")
+
+
+def corrupt_shard(run_dir: str | os.PathLike[str], url: str) -> float:
+    """Flip one byte in the middle of the largest shard of the newest committed checkpoint at
+    ``url``, as a disk or a copy gone bad would: its manifest's hash no longer matches, so a
+    load must refuse it and take an older one (the verdict checks that none such was loaded)."""
+    fs, root = fsspec.core.url_to_fs(url.rstrip("/"))
+    for folder in candidates(fs, root):
+        try:
+            files = json.loads(fs.cat_file(f"{folder}/{MANIFEST}"))["files"]
+        except (OSError, ValueError, KeyError):
+            continue  # not committed
+        name = max(files, key=lambda n: files[n]["size"])
+        data = bytearray(fs.cat_file(f"{folder}/{name}"))
+        if not data:
+            continue
+        data[len(data) // 2] ^= 0xFF
+        target = f"{folder.rsplit('/', 1)[-1]}/{name}"
+        sent = log_event(run_dir, "fault_injected", kind="checkpoint", target=target)
+        fs.pipe_file(f"{folder}/{name}", bytes(data))
+        return sent
+    raise TargetNotFound(f"no committed checkpoint at {url} yet")
+
+
+def fill_disk(
+    run_dir: str | os.PathLike[str], folder: str | os.PathLike[str], keep_mb: int, limit_gb: float
+) -> Path:
+    """Fill the file system holding ``folder`` (where checkpoints go) with a ballast file until
+    ``keep_mb`` are left; :func:`clear_disk` removes it. A file system with more than
+    ``limit_gb`` free is refused (:class:`TargetNotFound`): filling it would fill the machine's
+    disk for everyone, so give the checkpoints a small one of their own."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(folder).free
+    if free > limit_gb * 2**30:
+        raise TargetNotFound(
+            f"{folder} is on a file system with {free / 2**30:.1f} GB free, over "
+            f"campaign.fill_limit_gb={limit_gb}: filling it would fill this machine's disk; put "
+            "checkpoint.url on a small file system of its own, or raise the limit"
+        )
+    ballast = folder / BALLAST
+    log_event(run_dir, "fault_injected", kind="disk", target=str(folder), free_mb=free // 2**20)
+    chunk = b"\0" * 2**24
+    with open(ballast, "wb", buffering=0) as f:  # unbuffered: a full disk fails the write itself
+        try:
+            while (left := shutil.disk_usage(folder).free - keep_mb * 2**20) > 0:
+                f.write(chunk[: min(left, len(chunk))])
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+    return ballast
+
+
+def clear_disk(run_dir: str | os.PathLike[str], ballast: Path) -> float:
+    """End a :func:`fill_disk`."""
+    ballast.unlink(missing_ok=True)
+    return log_event(run_dir, "fault_cleared", kind="disk", target=str(ballast.parent))
 
 
 def partition(run_dir: str | os.PathLike[str], net: LocalNetwork, node: int, link: str) -> float:
     """Cut node ``node`` of ``net`` off its peers (``link="peer"``) or off etcd (``"etcd"``);
     :func:`heal` joins it again."""
-    sent = _log(run_dir, "fault_injected", kind="partition", target=f"node{node}", link=link)
+    sent = log_event(run_dir, "fault_injected", kind="partition", target=f"node{node}", link=link)
     net.set_link(node, link, up=False)
     return sent
 
@@ -183,7 +249,7 @@ def partition(run_dir: str | os.PathLike[str], net: LocalNetwork, node: int, lin
 def heal(run_dir: str | os.PathLike[str], net: LocalNetwork, node: int, link: str) -> float:
     """End a :func:`partition`."""
     net.set_link(node, link, up=True)
-    return _log(run_dir, "fault_cleared", kind="partition", target=f"node{node}", link=link)
+    return log_event(run_dir, "fault_cleared", kind="partition", target=f"node{node}", link=link)
 
 
 def throttle(
@@ -191,7 +257,7 @@ def throttle(
 ) -> float:
     """Slow node ``node``'s link to its peers to ``rate_mbit`` (:meth:`LocalNetwork.set_rate`):
     a node that is slow, not dead. :func:`unthrottle` lifts the limit."""
-    sent = _log(
+    sent = log_event(
         run_dir, "fault_injected", kind="slow_network", target=f"node{node}", rate_mbit=rate_mbit
     )
     net.set_rate(node, PEER_LINK, rate_mbit)
@@ -201,26 +267,32 @@ def throttle(
 def unthrottle(run_dir: str | os.PathLike[str], net: LocalNetwork, node: int) -> float:
     """End a :func:`throttle`."""
     net.set_rate(node, PEER_LINK, None)
-    return _log(run_dir, "fault_cleared", kind="slow_network", target=f"node{node}")
+    return log_event(run_dir, "fault_cleared", kind="slow_network", target=f"node{node}")
 
 
-def _log(run_dir: str | os.PathLike[str], event: str, **fields: Any) -> float:
-    """Write one chaos event to the run's log; returns its timestamp."""
-    log = EventLog(run_dir, CHAOS_NODE, role="chaos")
+def log_event(
+    run_dir: str | os.PathLike[str], event: str, writer: str = CHAOS_NODE, **fields: Any
+) -> float:
+    """Write one chaos event to the run's log; returns its timestamp. ``writer`` names the file:
+    a node's helper (:mod:`chaos.node_helper`) appends to its node's, which on bare metal no
+    other machine writes."""
+    log = EventLog(run_dir, writer, role="chaos")
     try:
         return float(log.emit(event, **fields)["ts"])
     finally:
         log.close()
 
 
-def _signal(
+def send(
     run_dir: str | os.PathLike[str],
     procs: list[psutil.Process],
     sig: signal.Signals,
     event: str = "fault_injected",
+    writer: str = CHAOS_NODE,
     **fields: Any,
 ) -> float:
-    sent = _log(run_dir, event, signal=sig.name, pids=[p.pid for p in procs], **fields)
+    """Log ``event`` (with the signal, the pids and ``fields``), then signal ``procs``."""
+    sent = log_event(run_dir, event, writer, signal=sig.name, pids=[p.pid for p in procs], **fields)
     for p in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.send_signal(sig)

@@ -19,6 +19,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -109,10 +110,13 @@ class LocalNetwork:
         """``argv`` run inside node ``i``'s namespace."""
         return ["ip", "netns", "exec", self.ns(i), *argv]
 
-    def launcher(self, i: int, etcd_port: int, *overrides: str) -> list[str]:
+    def launcher(self, i: int, etcd_port: int | Sequence[int], *overrides: str) -> list[str]:
         """The command that runs node ``i``'s bare-metal launcher in its namespace, as on a
         machine of its own: it binds its peer address and reaches etcd (listening on every
-        address of this machine, port ``etcd_port``) over its etcd link."""
+        address of this machine, port ``etcd_port``, or each of several members') over its
+        etcd link."""
+        ports = [etcd_port] if isinstance(etcd_port, int) else list(etcd_port)
+        endpoints = ",".join(f"{self.etcd_address(i)}:{port}" for port in ports)
         return self.command(
             i,
             [
@@ -123,7 +127,7 @@ class LocalNetwork:
                 f"cluster.nodes={self.nodes}",
                 f"cluster.node_id=node{i}",
                 f"cluster.host={self.peer_address(i)}",
-                f"cluster.etcd_endpoints=[{self.etcd_address(i)}:{etcd_port}]",
+                f"cluster.etcd_endpoints=[{endpoints}]",
                 "cluster.threads_per_worker=1",  # the "machines" share this one's cores
                 *overrides,
             ],

@@ -1,5 +1,8 @@
-"""Carry out a campaign's schedule on a running local job: real signals, at the step or second
-each fault is due, and the end of each timed fault (a thaw, a node started again).
+"""Carry out a campaign's schedule on a running job, at the step or second each fault is due.
+
+On a local job the runner signals the processes itself and ends each timed fault (a thaw, a node
+started again). Attached to a job elsewhere (``campaign.attach=true``), it asks each node's agent
+for the fault through etcd (:mod:`chaos.requests`), and the node's helper strikes and ends it.
 
 What was done is in the run's event log (``fault_injected``, ``fault_cleared``,
 ``fault_skipped``, written by :mod:`chaos.injectors`); the verdict is computed from there.
@@ -8,16 +11,31 @@ What was done is in the run's event log (``fault_injected``, ``fault_cleared``,
 from __future__ import annotations
 
 import contextlib
+import random
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from chaos import injectors
-from chaos.campaign import CampaignConfig, FaultKind, FaultSpec, pick, schedule
+from chaos.campaign import (
+    NETWORK_KINDS,
+    SHARED_KINDS,
+    CampaignConfig,
+    FaultKind,
+    FaultSpec,
+    pick,
+    schedule,
+)
+from chaos.netns import ETCD_LINK, PEER_LINK, LocalNetwork
+from chaos.requests import NoAnswer, request_fault
 from elastic.config import Config
 from elastic.events import EventFollower
+from launcher.embedded_etcd import EmbeddedEtcd
+from launcher.rendezvous import job_prefix
 
 POLL_S = 0.1  # how often the schedule is looked at: well under a step
 RESTARTED_EXIT_S = 30.0  # how long a restarted agent may take to end after the job
@@ -30,15 +48,24 @@ def due(spec: FaultSpec, step: int, since_start: float) -> bool:
 
 @dataclass
 class CampaignRunner:
-    """One campaign on one local job (``cfg``), whose etcd is at ``endpoints``."""
+    """One campaign on one job (``cfg``), whose etcd is at ``endpoints``; with ``remote`` (an
+    etcd client), faults are requested from the nodes' agents instead of signalled here."""
 
     cfg: Config
     campaign: CampaignConfig
     endpoints: list[str]
+    remote: Any = None
+    etcd: EmbeddedEtcd | None = None  # the job's etcd, when this campaign started it
+    net: LocalNetwork | None = None  # the nodes' namespaces (campaign.netns)
+    # Starts a node again (a repaired machine); None: its agent, on this machine's network.
+    start_node: Callable[[str], subprocess.Popen[bytes]] | None = None
     todo: list[FaultSpec] = field(init=False)
     down: dict[str, float] = field(default_factory=dict)  # node -> when it comes back (inf: never)
     frozen: dict[str, float] = field(default_factory=dict)  # node -> when it is thawed
     restarted: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
+    etcd_down: dict[int, float] = field(default_factory=dict)  # member -> when it is started
+    ballast: dict[Path, float] = field(default_factory=dict)  # file -> when it is removed
+    cut: dict[tuple[str, FaultKind], float] = field(default_factory=dict)  # -> when it ends
     number: int = 0  # faults struck or skipped so far
 
     def __post_init__(self) -> None:
@@ -48,17 +75,20 @@ class CampaignRunner:
     def run_dir(self) -> Path:
         return Path(self.cfg.run_dir)
 
-    def run(self, job: subprocess.Popen[bytes]) -> None:
-        """Follow the job until it exits, striking each fault when due."""
+    def run(self, running: Callable[[], bool]) -> None:
+        """Follow the job while ``running()`` and until it has trained, striking each fault
+        when due."""
         follower = EventFollower(self.run_dir)
-        started, step = None, 0
+        began = time.time()  # attached to a job that trains already: seconds count from here
+        started, step, trained = None, 0, False
         try:
-            while job.poll() is None:
+            while running() and not trained:
                 for e in follower.poll():
                     if e["event"] == "training_started" and started is None:
-                        started = e["ts"]
+                        started = max(e["ts"], began)
                     elif e["event"] == "step":
                         step = max(step, e["step"])
+                    trained |= e["event"] == "training_done"
                 now = time.time()
                 self._end_timed_faults(now)
                 while self.todo and started is not None and due(self.todo[0], step, now - started):
@@ -73,12 +103,24 @@ class CampaignRunner:
                     injectors.kill_node(self.run_dir, node)
                     proc.wait(timeout=5)
 
+    def started(self) -> list[subprocess.Popen[bytes]]:
+        """The nodes this campaign started again."""
+        return [proc for _, proc in self.restarted]
+
     def _up(self) -> list[str]:
-        nodes = [f"node{i}" for i in range(self.cfg.cluster.nodes)]
-        return [n for n in nodes if n not in self.down and n not in self.frozen]
+        if self.remote is None:
+            nodes = [f"node{i}" for i in range(self.cfg.cluster.nodes)]
+        else:  # the nodes registered now
+            folder = job_prefix(self.cfg.rendezvous.prefix, self.cfg.job_id) + "/nodes/"
+            nodes = sorted(m.key.decode()[len(folder) :] for _, m in self.remote.get_prefix(folder))
+        cut = {node for node, _ in self.cut}
+        return [n for n in nodes if n not in self.down and n not in self.frozen and n not in cut]
 
     def _strike(self, spec: FaultSpec) -> None:
         self.number += 1
+        if spec.kind in SHARED_KINDS:
+            self._strike_shared(spec)
+            return
         up = self._up()
         rank0 = None
         with contextlib.suppress(injectors.TargetNotFound):
@@ -91,8 +133,13 @@ class CampaignRunner:
         if takes_node and len(up) - 1 < self.cfg.cluster.min_nodes:
             self._skip(spec, node, "it would leave fewer than cluster.min_nodes nodes up")
             return
+        if self.remote is not None:
+            self._request(spec, node)
+            return
         try:
-            if spec.kind is FaultKind.kill_worker:
+            if spec.kind in NETWORK_KINDS:
+                self._cut(spec, node)
+            elif spec.kind is FaultKind.kill_worker:
                 injectors.kill_worker(self.run_dir, node, 0)
             elif spec.kind is FaultKind.freeze_node:
                 injectors.kill_node(self.run_dir, node, signal.SIGSTOP)
@@ -107,21 +154,121 @@ class CampaignRunner:
             return
         print(f"chaos: fault {self.number}: {spec.kind} {node}", flush=True)
 
+    def _cut(self, spec: FaultSpec, node: str) -> None:
+        """Cut or slow ``node``'s link for ``duration_s``."""
+        if self.net is None:
+            raise injectors.TargetNotFound(
+                f"{spec.kind} needs each node in a network namespace: set campaign.netns=true "
+                "(root, with ip and tc)"
+            )
+        i = int(node.removeprefix("node"))
+        if spec.kind is FaultKind.slow_network:
+            injectors.throttle(self.run_dir, self.net, i, self.campaign.slow_mbit)
+        else:
+            link = PEER_LINK if spec.kind is FaultKind.partition_peers else ETCD_LINK
+            injectors.partition(self.run_dir, self.net, i, link)
+        self.cut[(node, spec.kind)] = time.time() + spec.duration_s
+
+    def _strike_shared(self, spec: FaultSpec) -> None:
+        """A fault of what every node shares: the job's etcd, its checkpoints."""
+        now, target = time.time(), spec.kind.value
+        try:
+            if spec.kind is FaultKind.corrupt_shard:
+                target = self.cfg.checkpoint.url
+                injectors.corrupt_shard(self.run_dir, target)
+            elif spec.kind is FaultKind.fill_disk:
+                url = self.cfg.checkpoint.url
+                target = url.removeprefix("file://")
+                if "://" in target:
+                    raise injectors.TargetNotFound(f"checkpoint.url={url} is not a local path")
+                c = self.campaign
+                path = injectors.fill_disk(self.run_dir, target, c.fill_keep_mb, c.fill_limit_gb)
+                self.ballast[path] = now + spec.duration_s
+            else:
+                if self.etcd is None:
+                    raise injectors.TargetNotFound(
+                        "the job's etcd is not this campaign's (attached): nothing to kill"
+                    )
+                member = random.Random(f"{self.campaign.seed}:{self.number}").randrange(
+                    len(self.etcd.members)
+                )
+                target = f"member{member}"
+                if member in self.etcd_down:
+                    raise injectors.TargetNotFound(f"etcd {target} is down already")
+                injectors.stop_etcd(self.run_dir, self.etcd, member)
+                self.etcd_down[member] = now + spec.duration_s
+        except injectors.TargetNotFound as exc:
+            self._skip(spec, target, str(exc))
+            return
+        print(f"chaos: fault {self.number}: {spec.kind} {target}", flush=True)
+
+    def _request(self, spec: FaultSpec, node: str) -> None:
+        """Ask ``node``'s agent for the fault; its helper ends it, so only the time it is down
+        is kept here (for the nodes up)."""
+        try:
+            answer = request_fault(
+                self.remote,
+                self.cfg.rendezvous.prefix,
+                self.cfg.job_id,
+                node,
+                str(spec.kind),
+                duration_s=spec.duration_s,
+                restart_after_s=spec.restart_after_s,
+            )
+        except NoAnswer as exc:
+            self._skip(spec, node, str(exc))
+            return
+        if not answer.accepted:
+            self._skip(spec, node, f"{node} refused it: {answer.reason}")
+            return
+        now = time.time()
+        if spec.kind is FaultKind.freeze_node:
+            self.frozen[node] = now + spec.duration_s
+        elif spec.kind is not FaultKind.kill_worker:
+            back = spec.restart_after_s
+            self.down[node] = now + back if back >= 0 else float("inf")
+        print(f"chaos: fault {self.number}: {spec.kind} {node} (requested)", flush=True)
+
     def _skip(self, spec: FaultSpec, target: str, reason: str) -> None:
         injectors.skipped(self.run_dir, str(spec.kind), target, reason)
         print(f"chaos: fault {self.number} ({spec.kind}) skipped: {reason}", flush=True)
 
     def _end_timed_faults(self, now: float, restart: bool = True) -> None:
         """Thaw the nodes whose freeze is over and start the nodes whose repair is over; at the
-        end (``restart=False``) thaw every node, so that nothing stays stopped."""
+        end (``restart=False``) thaw every node, so that nothing stays stopped. Full disks and
+        lost etcd members end on time, and at the end in any case."""
+        for path, at in list(self.ballast.items()):
+            if now >= at or not restart:
+                injectors.clear_disk(self.run_dir, path)
+                del self.ballast[path]
+        for (node, kind), at in list(self.cut.items()):
+            if (now >= at or not restart) and self.net is not None:
+                i = int(node.removeprefix("node"))
+                if kind is FaultKind.slow_network:
+                    injectors.unthrottle(self.run_dir, self.net, i)
+                else:
+                    link = PEER_LINK if kind is FaultKind.partition_peers else ETCD_LINK
+                    injectors.heal(self.run_dir, self.net, i, link)
+                del self.cut[(node, kind)]
+        for member, at in list(self.etcd_down.items()):
+            if (now >= at or not restart) and self.etcd is not None:
+                injectors.start_etcd(self.run_dir, self.etcd, member)
+                del self.etcd_down[member]
         for node, at in list(self.frozen.items()):
             if now >= at:
-                injectors.thaw_node(self.run_dir, node)
+                if self.remote is None:  # else the node's helper thaws it
+                    injectors.thaw_node(self.run_dir, node)
                 del self.frozen[node]
         for node, at in list(self.down.items()):
-            if restart and now >= at:
-                _, proc = injectors.restart_node(
-                    self.run_dir, node, self.endpoints, self.cfg.cluster.nodes
-                )
+            if restart and now >= at and self.remote is not None:
+                del self.down[node]  # its helper starts it again
+            elif restart and now >= at:
+                if self.start_node is None:
+                    _, proc = injectors.restart_node(
+                        self.run_dir, node, self.endpoints, self.cfg.cluster.nodes
+                    )
+                else:
+                    injectors.log_event(self.run_dir, "fault_cleared", kind="restart", target=node)
+                    proc = self.start_node(node)
                 self.restarted.append((node, proc))
                 del self.down[node]

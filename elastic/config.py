@@ -478,6 +478,17 @@ class TrainerConfig:
 
 
 @dataclass
+class ChaosConfig:
+    """Whether this job's agents carry out fault requests (``python -m chaos campaign.attach``).
+
+    Off by default: with it on, anyone who can write the job's etcd prefix can stop, freeze or
+    kill this job's processes (README, "Chaos on bare metal").
+    """
+
+    allow: bool = False
+
+
+@dataclass
 class Config:
     job_id: str = ""  # local: a timestamp when empty; bare_metal: required, the same on every node
     run_dir: str = ""  # "" = runs/<job_id>
@@ -490,6 +501,7 @@ class Config:
     rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    chaos: ChaosConfig = field(default_factory=ChaosConfig)
 
 
 class ConfigError(ValueError):

@@ -30,7 +30,8 @@ its lease revoked (its keys vanish at once). Workers ignore SIGTERM: a signal se
 node reaches them too, and the agent decides when they stop.
 
 Everything the agent reacts to arrives in its inbox (:mod:`launcher.inbox`): worker messages and
-exits, signals, and changes of the rendezvous's view. Its loop is "gather the facts, decide, act":
+exits, signals, fault requests (:mod:`launcher.fault_requests`), and changes of the
+rendezvous's view. Its loop is "gather the facts, decide, act":
 the decisions (what a worker exit, a lost peer, fencing or quarantine, a new round mean for this
 node) are pure functions in :mod:`launcher.decisions`, and the loop carries out their answers.
 """
@@ -38,10 +39,12 @@ node) are pure functions in :mod:`launcher.decisions`, and the loop carries out 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -49,6 +52,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import torch.distributed as dist
 
@@ -57,9 +61,11 @@ from elastic.control import WorkerEnv
 from elastic.events import EventLog
 from launcher import decisions as decide
 from launcher.etcd import EtcdUnavailable, connect, etcd_errors
+from launcher.fault_requests import FaultRequests
 from launcher.health import run_checks
 from launcher.health_report import Status
 from launcher.inbox import (
+    FaultRequested,
     Inbox,
     Message,
     RendezvousChanged,
@@ -138,6 +144,7 @@ class Agent:
         self.draining_since: float | None = None  # a planned leave: when the workers were asked
         self.leave_answers: dict[int, int] = {}  # local rank: the step it can stop after
         self.cut_off = False  # it could not reach the round's members when it last looked
+        self.requests_taken: set[str] = set()  # fault requests answered (a re-read repeats them)
 
     # --- life cycle ----------------------------------------------------------------------------
 
@@ -174,6 +181,13 @@ class Agent:
             max_nodes=config.max_nodes(self.cfg),
             events=self.events,
             on_change=lambda: self.inbox.put(RendezvousChanged()),
+        )
+        self.requests = FaultRequests(
+            client,
+            self.cfg.rendezvous.prefix,
+            self.cfg.job_id,
+            self.node_id,
+            post=lambda rid, request: self.inbox.put(FaultRequested(rid, request)),
         )
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
@@ -268,6 +282,56 @@ class Agent:
             self.leave_answers[msg.local_rank] = msg.after_step
             if len(self.leave_answers) == len(self.workers.slots):
                 self.rdzv.leave_after(max(self.leave_answers.values()))
+        elif isinstance(msg, FaultRequested) and msg.request_id not in self.requests_taken:
+            self.requests_taken.add(msg.request_id)
+            self._on_fault_request(msg.request_id, msg.request)
+
+    def _on_fault_request(self, request_id: str, request: dict[str, Any]) -> None:
+        """Answer a fault request; if accepted, hand it to ``python -m chaos.node_helper``, in
+        a session of its own, so that it outlives this agent when it stops or kills it."""
+        answer = decide.answer_fault_request(request, self.cfg.chaos.allow, self.slots)
+        kind, by = request.get("kind"), request.get("by", "?")
+        if answer.accepted:
+            self.events.emit(
+                "fault_request_accepted",
+                f"{self.node_id}: carrying out {kind} requested by {by}",
+                request=request_id,
+                kind=kind,
+                by=by,
+            )
+        else:
+            self.events.emit(
+                "fault_refused",
+                f"{self.node_id}: refused a {kind} request from {by}: {answer.reason}",
+                level=logging.WARNING,
+                request=request_id,
+                kind=kind,
+                by=by,
+                reason=answer.reason,
+            )
+        try:
+            self.requests.answer(request_id, answer)
+        except etcd_errors() as exc:  # the requester then times out and says so
+            log.warning("%s: could not answer fault request %s (%s)", self.node_id, request_id, exc)
+        if not answer.accepted:
+            return
+        local_rank = int(request.get("local_rank", 0))
+        slot = self.workers.slots[local_rank]
+        argv = [
+            sys.executable,
+            "-m",
+            "chaos.node_helper",
+            f"--run-dir={self.run_dir}",
+            f"--node={self.node_id}",
+            f"--agent-pid={os.getpid()}",
+            f"--kind={kind}",
+            f"--duration-s={float(request.get('duration_s', 0))}",
+            f"--restart-after-s={float(request.get('restart_after_s', -1))}",
+            f"--worker-pid={slot.proc.pid if slot.proc else 0}",
+            f"--local-rank={local_rank}",
+        ]
+        with open(self.run_dir / "logs" / f"{self.node_id}.chaos.log", "ab") as out:
+            subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
     def _loop(self) -> int:
         """Until the node is done or must go: gather the facts, decide (:mod:`launcher.decisions`),
@@ -293,6 +357,8 @@ class Agent:
                 waiting_since = time.monotonic()
                 continue
             self._kill_frozen()
+            with contextlib.suppress(*etcd_errors()):  # etcd away: followed again on a later pass
+                self.requests.follow()
             exits = decide.on_worker_exits(
                 self.workers.exit_codes(), self.crashes, self.cfg.cluster.max_restarts
             )

@@ -385,3 +385,40 @@ def join_timed_out(waiting_since: float, now: float, limit_s: float) -> bool:
     """Whether a node outside every round since ``waiting_since`` waited beyond ``limit_s``
     (``rendezvous.join_timeout_s``; times from the same monotonic clock)."""
     return now - waiting_since > limit_s
+
+
+# --- fault requests (python -m chaos campaign.attach=true) ------------------------------------
+
+REQUESTABLE_KINDS = ("kill_node", "kill_worker", "freeze_node", "leave_node")
+
+
+@dataclass(frozen=True)
+class FaultAnswer:
+    """Whether this node carries out a fault request, and why not."""
+
+    accepted: bool
+    reason: str = ""
+
+
+def answer_fault_request(request: Mapping[str, object], allow: bool, slots: int) -> FaultAnswer:
+    """Whether to carry out ``request`` (the JSON a requester wrote) on this node of ``slots``
+    workers. Only a job started with ``chaos.allow=true`` takes any; then only the kinds a node
+    can do to itself (:data:`REQUESTABLE_KINDS`), with values that end."""
+    if not allow:
+        return FaultAnswer(
+            False,
+            "chaos.allow is false in this job's config; start the job with chaos.allow=true to "
+            "let it take fault requests",
+        )
+    kind = request.get("kind")
+    if kind not in REQUESTABLE_KINDS:
+        return FaultAnswer(
+            False, f"kind={kind!r} cannot be requested; use one of {', '.join(REQUESTABLE_KINDS)}"
+        )
+    duration = request.get("duration_s", 0)
+    if kind == "freeze_node" and not (isinstance(duration, int | float) and 0 < duration <= 3600):
+        return FaultAnswer(False, f"duration_s={duration!r}: a freeze must last 0-3600 s")
+    rank = request.get("local_rank", 0)
+    if kind == "kill_worker" and not (isinstance(rank, int) and 0 <= rank < slots):
+        return FaultAnswer(False, f"local_rank={rank!r}: this node has workers 0-{slots - 1}")
+    return FaultAnswer(True)

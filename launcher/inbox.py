@@ -8,8 +8,8 @@ the inbox alone, with a timeout for what only time reveals (a frozen worker, the
 Most messages are wake-ups: what they are about stays the truth of its owner (a slot's exit code,
 the rendezvous's view and fencing), which the agent reads when it wakes, so a message about a
 worker process that was replaced meanwhile does no harm. What exists only as a message is carried
-in it: a signal, the round in which a worker saw a collective fail, and the step after which
-a leaving worker can stop.
+in it: a signal, a fault request, the round in which a worker saw a collective fail, and the step
+after which a leaving worker can stop.
 
 The queue is a :class:`queue.SimpleQueue`, whose ``put`` is reentrant: a signal handler, which
 runs on the main thread between any two bytecodes, may post even while that thread is inside
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import queue
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -62,11 +63,27 @@ class Signal:
 
 
 @dataclass(frozen=True)
+class FaultRequested:
+    """A fault was requested for this node through etcd (:mod:`launcher.fault_requests`)."""
+
+    request_id: str
+    request: dict[str, Any]  # the requester's JSON, not yet checked
+
+
+@dataclass(frozen=True)
 class RendezvousChanged:
     """The rendezvous's view of the job changed, or it fenced this node."""
 
 
-Message = WorkerReady | WorkerPeerLost | WorkerLeaving | WorkerExited | Signal | RendezvousChanged
+Message = (
+    WorkerReady
+    | WorkerPeerLost
+    | WorkerLeaving
+    | WorkerExited
+    | Signal
+    | FaultRequested
+    | RendezvousChanged
+)
 
 
 class Inbox:

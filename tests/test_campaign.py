@@ -1,12 +1,18 @@
 """Chaos campaigns' pure parts: the seeded schedule, target picks, the checks on a campaign, and
-the goodput arithmetic, on literal inputs."""
+the goodput arithmetic, on literal inputs; and the faults of what nodes share (a corrupted
+shard, a full disk) on real files."""
 
 from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
 
 import pytest
 
 from chaos.campaign import CampaignConfig, FaultKind, FaultSpec, pick, problems, schedule
 from chaos.cli import split
+from chaos.injectors import TargetNotFound, clear_disk, corrupt_shard, fill_disk
 from chaos.runner import due
 from chaos.timeline import phases
 from chaos.verdict import (
@@ -14,9 +20,13 @@ from chaos.verdict import (
     checkpoint_violations,
     fault_free_rate,
     goodput,
+    observed_rates,
     world_segments,
     world_sizes,
 )
+from elastic.events import read_events
+
+from .conftest import small_tmpfs
 
 
 def test_a_random_campaign_replays_exactly_from_its_seed_and_differs_for_another() -> None:
@@ -69,7 +79,9 @@ def test_a_campaign_that_cannot_run_names_each_key_and_its_fix() -> None:
             FaultSpec(at_step=3, at_s=2.0),
             FaultSpec(at_step=1, target="node7"),
             FaultSpec(kind=FaultKind.freeze_node, at_step=1, duration_s=0),
+            FaultSpec(kind=FaultKind.fill_disk, at_step=1, duration_s=-1),
         ],
+        etcd_members=2,
         baseline_steps=2,
     )
     found = problems(bad, nodes=3)
@@ -78,6 +90,8 @@ def test_a_campaign_that_cannot_run_names_each_key_and_its_fix() -> None:
         "campaign.faults[0].at_step/at_s",
         "campaign.faults[1].target",
         "campaign.faults[2].duration_s",
+        "campaign.faults[3].duration_s",
+        "campaign.etcd_members",
         "campaign.baseline_steps",
     ]
     assert all("Fix:" in p for p in found)
@@ -109,6 +123,24 @@ def test_the_nodes_up_follow_kills_freezes_thaws_and_restarts() -> None:
                         (34.0, 50.0, 3)]  # fmt: skip
     assert world_sizes(segments, min_nodes=1) == [3, 2]
     assert world_sizes(segments, min_nodes=3) == [3]
+
+
+def test_the_nodes_up_at_first_are_the_first_rounds_whatever_their_names() -> None:
+    events = [
+        {"ts": 1.0, "event": "round_formed", "members": ["gpu-a", "gpu-b"]},
+        chaos(10.0, "fault_injected", "node", "gpu-b", "SIGKILL"),
+    ]
+    assert capacity(events, 2, 0.0, 20.0) == [(0.0, 10.0, 2), (10.0, 20.0, 1)]
+
+
+def test_rates_observed_in_the_campaign_leave_out_stalls_and_scale_to_unseen_sizes() -> None:
+    def step(ts: float, samples: int, world: int, rnd: int) -> dict:
+        return {"event": "step", "ts": ts, "samples": samples, "world_size": world, "round": rnd}
+
+    steps = [step(0.0, 0, 2, 1), step(1.0, 20, 2, 1), step(2.0, 40, 2, 1), step(3.0, 60, 2, 1)]
+    steps += [step(9.0, 70, 1, 2), step(10.0, 80, 1, 2)]  # the 6 s stall between rounds is left out
+    assert observed_rates(steps, nodes=3) == {2: 20.0, 1: 10.0, 3: 30.0}  # 3 scaled from 2
+    assert observed_rates(steps[:1], nodes=3) == {}
 
 
 def test_goodput_charges_lost_time_but_not_the_capacity_of_dead_nodes() -> None:
@@ -157,3 +189,42 @@ def test_a_recovery_is_drawn_as_consecutive_phases() -> None:
     ends = [0.1, 0.3, 0.4, 0.6, 1.0]
     assert [round(end, 6) for _, _, end in spans] == ends
     assert phases({"detected": 0.1}) == []  # training never started again: nothing to draw
+
+
+def committed_checkpoint(root: Path, step: int, shard: bytes, commit: bool = True) -> Path:
+    folder = root / f"step_{step:09d}"
+    folder.mkdir(parents=True)
+    (folder / "__0_0.distcp").write_bytes(shard)
+    (folder / ".metadata").write_bytes(b"m")
+    if commit:
+        files = {"__0_0.distcp": {"size": len(shard)}, ".metadata": {"size": 1}}
+        (folder / "manifest.json").write_text(json.dumps({"step": step, "files": files}))
+    return folder
+
+
+def test_a_corrupted_shard_is_the_largest_of_the_newest_committed_checkpoint(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "ckpt"
+    committed_checkpoint(root, 5, b"a" * 9)
+    newest = committed_checkpoint(root, 10, b"b" * 9)
+    committed_checkpoint(root, 15, b"c" * 9, commit=False)  # a save cut short: passed over
+    corrupt_shard(tmp_path / "run", f"file://{root}")
+    assert (newest / "__0_0.distcp").read_bytes() == b"bbbb" + bytes([ord("b") ^ 0xFF]) + b"bbbb"
+    assert (root / "step_000000005" / "__0_0.distcp").read_bytes() == b"a" * 9
+    hit = read_events(tmp_path / "run")[-1]
+    assert hit["kind"] == "checkpoint" and hit["target"] == "step_000000010/__0_0.distcp"
+    with pytest.raises(TargetNotFound, match="no committed checkpoint"):
+        corrupt_shard(tmp_path / "run", f"file://{tmp_path / 'none'}")
+
+
+def test_a_disk_is_filled_only_where_it_is_small_and_its_ballast_goes_after(tmp_path: Path) -> None:
+    with pytest.raises(TargetNotFound, match="campaign.fill_limit_gb"):
+        fill_disk(tmp_path / "run", tmp_path, keep_mb=1, limit_gb=0.0001)  # this machine's disk
+    with small_tmpfs(tmp_path / "small", size_mb=40) as small:
+        ballast = fill_disk(tmp_path / "run", small, keep_mb=2, limit_gb=1)
+        assert shutil.disk_usage(small).free <= 2 * 2**20
+        clear_disk(tmp_path / "run", ballast)
+        assert not ballast.exists() and shutil.disk_usage(small).free > 30 * 2**20
+    kinds = [(e["event"], e["kind"]) for e in read_events(tmp_path / "run")]
+    assert kinds == [("fault_injected", "disk"), ("fault_cleared", "disk")]

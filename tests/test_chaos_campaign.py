@@ -1,38 +1,36 @@
 """``python -m chaos`` end to end: a scripted campaign of real faults on a real local job passes
-its invariants and reports each fault and the goodput; a run whose record breaks an invariant
-fails the campaign and names it."""
+its invariants and reports each fault and the goodput; a campaign attached to a running job
+through etcd has its faults carried out by the nodes, and fails naming the invariant the job's
+record breaks."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-from .conftest import FAST_JOB
+import pytest
+
+from elastic.events import read_events
+
+from .conftest import FAST_JOB, launch, output
+from .test_e2e import wait_event
 
 DROP_SAMPLE = Path(__file__).parent / "drop_sample"
 CAMPAIGN_TIMEOUT_S = 600
 
 
-def chaos(tmp_path: Path, *overrides: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+def chaos(tmp_path: Path, *overrides: str, job_id: str = "campaign") -> tuple[int, str]:
+    """``python -m chaos`` on the fast job in ``tmp_path/run``: its exit code and output."""
     run_dir = tmp_path / "run"
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "chaos",
-            "job_id=campaign",
-            f"run_dir={run_dir}",
-            *FAST_JOB,
-            *overrides,
-        ],
+        [sys.executable, "-m", "chaos", f"job_id={job_id}", f"run_dir={run_dir}", *FAST_JOB]
+        + list(overrides),
         cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=CAMPAIGN_TIMEOUT_S,
-        env={**os.environ, **(env or {})},
     )
     return done.returncode, done.stdout + done.stderr
 
@@ -40,8 +38,9 @@ def chaos(tmp_path: Path, *overrides: str, env: dict[str, str] | None = None) ->
 def test_a_scripted_campaign_keeps_the_invariants_and_reports_each_fault_and_the_goodput(
     tmp_path: Path,
 ) -> None:
-    """A node killed and started again, a worker killed, a node frozen and thawed, a planned
-    leave and return (conf/campaign/scripted.yaml), on a 3-node job."""
+    """A node killed and started again, one of three etcd members lost for 3 s, a worker
+    killed, a shard of the newest checkpoint corrupted, a node frozen and thawed, a planned leave
+    and return (conf/campaign/scripted.yaml), on a 3-node job."""
     code, out = chaos(
         tmp_path,
         "campaign=scripted",
@@ -54,7 +53,14 @@ def test_a_scripted_campaign_keeps_the_invariants_and_reports_each_fault_and_the
     report = json.loads((out_dir / "report.json").read_text())
     assert report["ok"] and all(v == [] for v in report["violations"].values())
     kinds = [f["kind"] for f in report["faults"]]
-    assert kinds == ["node SIGKILL", "worker SIGKILL", "node SIGSTOP", "node SIGTERM"], report
+    assert kinds == [
+        "node SIGKILL",
+        "etcd",
+        "worker SIGKILL",
+        "checkpoint",
+        "node SIGSTOP",
+        "node SIGTERM",
+    ], report
     assert report["skipped"] == []
     for f in report["faults"]:
         assert f["stall_s"] is not None and f["stall_s"] < 60, f
@@ -67,17 +73,51 @@ def test_a_scripted_campaign_keeps_the_invariants_and_reports_each_fault_and_the
     assert "verdict: PASS" in summary and "goodput:" in summary
 
 
-def test_a_campaign_whose_record_breaks_an_invariant_fails_and_names_it(tmp_path: Path) -> None:
-    code, out = chaos(
-        tmp_path,
-        "campaign.faults=[{kind:kill_worker,at_step:3,target:any}]",
-        "campaign.baseline=false",
+def test_attached_through_etcd_a_campaign_has_its_faults_carried_out_and_names_a_broken_invariant(
+    tmp_path: Path, etcd_endpoint: str, job_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bare metal without ssh: a job started with ``chaos.allow=true`` on two local agents; a
+    campaign attached by job id and etcd requests a worker kill and a freeze, which the nodes'
+    helpers carry out (and thaw). The job's record drops a sample (the tests/drop_sample hook),
+    so the campaign must fail and name the samples invariant."""
+    monkeypatch.setenv("PYTHONPATH", str(DROP_SAMPLE))
+    monkeypatch.setenv("ELASTIC_TEST_DROP_SAMPLE_AT", "2")
+    run_dir = tmp_path / "run"
+    endpoints = f"cluster.etcd_endpoints=[{etcd_endpoint}]"
+    job = launch(
+        run_dir,
         "cluster.nodes=2",
-        "trainer.epochs=1",
-        env={"PYTHONPATH": str(DROP_SAMPLE), "ELASTIC_TEST_DROP_SAMPLE_AT": "2"},
+        "trainer.epochs=2",
+        "chaos.allow=true",
+        "trainer.record_samples=true",
+        endpoints,
+        job_id=job_id,
     )
+    try:
+        wait_event(run_dir, job, lambda e: e["event"] == "node_registered")  # it runs: attach
+        code, out = chaos(
+            tmp_path,
+            "campaign.attach=true",
+            endpoints,
+            "campaign.faults=[{kind:kill_worker,at_step:3,target:any},"
+            "{kind:freeze_node,at_step:8,target:not_rank0,duration_s:1}]",
+            job_id=job_id,
+        )
+        assert job.wait(timeout=CAMPAIGN_TIMEOUT_S) == 0, output(run_dir)[-3000:]
+    finally:
+        if job.poll() is None:
+            job.kill()
     assert code == 1, out[-4000:]
     assert "samples      BROKEN" in out and "trained more than once" in out
-    assert "verdict: FAIL" in out
-    report = json.loads((tmp_path / "run" / "chaos" / "report.json").read_text())
-    assert not report["ok"] and report["goodput"] is None
+    assert "from the job's own steps" in out
+    events = read_events(run_dir)
+    accepted = [e["kind"] for e in events if e["event"] == "fault_request_accepted"]
+    assert accepted == ["kill_worker", "freeze_node"], accepted
+    # Carried out on the nodes, by their helpers (the node's own event file), and ended.
+    done = [(e["event"], e["kind"], e.get("signal")) for e in events if e.get("role") == "chaos"]
+    assert done == [
+        ("fault_injected", "worker", "SIGKILL"),
+        ("fault_injected", "node", "SIGSTOP"),
+        ("fault_cleared", "node", "SIGCONT"),
+    ], done
+    assert all(e["node"] != "chaos" for e in events if e.get("role") == "chaos")

@@ -10,6 +10,7 @@ import time
 
 from elastic.control import EXIT_PEER_LOST, Assignment
 from launcher.decisions import (
+    REQUESTABLE_KINDS,
     Assign,
     Drain,
     Finish,
@@ -24,6 +25,7 @@ from launcher.decisions import (
     StopNode,
     TakeOver,
     WaitForId,
+    answer_fault_request,
     assignments,
     away_for,
     excluded_ranks,
@@ -418,3 +420,31 @@ def test_the_local_launcher_stops_nodes_still_waiting_once_the_job_is_trained() 
     assert still_waiting(codes, finished_at=None, now=100.0) == []  # nobody finished
     assert still_waiting(codes, finished_at=100.0, now=100.0 + FINISHED_GRACE_S / 2) == []
     assert still_waiting(codes, 100.0, 100.0 + FINISHED_GRACE_S + 1) == ["node1", "node2"]
+
+
+def test_a_fault_request_is_refused_unless_the_job_allows_chaos_and_names_the_fix() -> None:
+    freeze = {"kind": "freeze_node", "duration_s": 5}
+    refused = answer_fault_request(freeze, allow=False, slots=1)
+    assert not refused.accepted and "chaos.allow=true" in refused.reason
+    assert answer_fault_request(freeze, allow=True, slots=1).accepted
+
+
+def test_a_fault_request_must_name_a_kind_a_node_can_do_to_itself_with_values_that_end() -> None:
+    def why(request: dict) -> str:
+        answer = answer_fault_request(request, allow=True, slots=2)
+        assert not answer.accepted
+        return answer.reason
+
+    assert "kill_node" in why({"kind": "partition"}) and "kind=None" in why({})
+    assert "duration_s" in why({"kind": "freeze_node", "duration_s": 0})
+    assert "duration_s" in why({"kind": "freeze_node", "duration_s": "5"})
+    assert "workers 0-1" in why({"kind": "kill_worker", "local_rank": 2})
+    for kind in REQUESTABLE_KINDS:
+        request = {"kind": kind, "duration_s": 1.0, "local_rank": 1}
+        assert answer_fault_request(request, allow=True, slots=2).accepted
+
+
+def test_every_requestable_kind_is_a_campaign_kind() -> None:
+    from chaos.campaign import FaultKind
+
+    assert set(REQUESTABLE_KINDS) <= {str(k) for k in FaultKind}

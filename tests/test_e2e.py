@@ -22,6 +22,7 @@ from chaos.invariants import (
     sample_violations,
 )
 from chaos.report import recovery
+from chaos.requests import request_fault
 from elastic import config
 from elastic.control import EXIT_FAILED, EXIT_PEER_LOST
 from elastic.data import ensure_synthetic
@@ -312,10 +313,25 @@ def test_a_planned_leave_and_a_drain_hand_over_between_two_steps(
     assert done["world_size"] == 1 and done["samples_seen"] == 6 * SAMPLES_PER_EPOCH
 
 
-def test_killed_worker_is_restarted_and_rejoins_in_place(tmp_path: Path) -> None:
+def test_killed_worker_is_restarted_and_rejoins_in_place_and_requests_are_refused_by_default(
+    tmp_path: Path, etcd_endpoint: str, etcd_client, job_id: str
+) -> None:
+    """A worker killed by a signal; before it, a fault requested through etcd, which a job
+    started without ``chaos.allow=true`` refuses and logs."""
     run_dir = tmp_path / "run"
-    proc = launch(run_dir, "cluster.nodes=2", "trainer.epochs=5", RECORD)
+    proc = launch(
+        run_dir,
+        "cluster.nodes=2",
+        "trainer.epochs=5",
+        RECORD,
+        f"cluster.etcd_endpoints=[{etcd_endpoint}]",
+        job_id=job_id,
+    )
     wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["step"] >= 6)
+    answer = request_fault(etcd_client, "/elastic", job_id, "node1", "freeze_node", duration_s=60)
+    assert not answer.accepted and "chaos.allow" in answer.reason
+    refused = [e for e in read_events(run_dir) if e["event"] == "fault_refused"]
+    assert [(e["node"], e["kind"]) for e in refused] == [("node1", "freeze_node")]
     fault = kill_worker(run_dir, "node1")
 
     assert wait_exit(proc, run_dir) == 0, output(run_dir)[-3000:]
@@ -334,6 +350,7 @@ def test_killed_worker_is_restarted_and_rejoins_in_place(tmp_path: Path) -> None
     )
     assert synced["step"] > 0 and synced["source"] != synced["rank"]  # state sent, not loaded
     assert not any(e["event"] == "checkpoint_loaded" for e in after)
+    assert [e["target"] for e in events if e["event"] == "fault_injected"] == ["node1/worker0"]
 
 
 def test_a_worker_in_a_crash_loop_quarantines_its_node_and_the_job_goes_on(
