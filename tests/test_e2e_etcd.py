@@ -113,9 +113,11 @@ def test_a_local_job_on_3_etcd_members_loses_one_without_a_stall_then_all_and_re
         assert "Traceback" not in log.read_text(), log
     pids = [e["worker_pid"] for e in events if e["event"] == "worker_started"]
     assert not any(psutil.pid_exists(p) for p in pids)
-    newest = max(e["step"] for e in events if e["event"] == "checkpoint_saved")
-    manifest = run_dir / "checkpoints" / f"step_{newest:09d}" / "manifest.json"
-    assert json.loads(manifest.read_text())["progress"]["step"] == newest
+    # The newest commit is on disk: a worker stopped past the grace period may have committed a
+    # checkpoint (the manifest's rename) and not yet logged its ``checkpoint_saved``.
+    committed = sorted((run_dir / "checkpoints").glob("step_*/manifest.json"))
+    newest = json.loads(committed[-1].read_text())["progress"]["step"]
+    assert newest >= max(e["step"] for e in events if e["event"] == "checkpoint_saved")
 
     relaunched = time.time()
     again = launch(run_dir, *overrides)
