@@ -115,6 +115,16 @@ def backoff(attempt: int) -> float:
     return min(RETRY_MAX_S, RETRY_MIN_S * 2**attempt)
 
 
+@dataclass
+class EtcdLoad:
+    """What this node has cost etcd so far: watch events and their bytes (key and value)
+    delivered to it. Counted where they arrive, so a bench or an operator can see what a round
+    costs the server at scale."""
+
+    watch_events: int = 0
+    watch_bytes: int = 0
+
+
 @dataclass(frozen=True)
 class NodeRecord:
     """What a node publishes about itself under its lease."""
@@ -357,6 +367,7 @@ class Rendezvous:
         self._down_since: float | None = None  # monotonic; None while etcd answers
         self.fenced = threading.Event()
         self.etcd_lost = threading.Event()
+        self.load = EtcdLoad()
 
     # --- membership --------------------------------------------------------------------------
 
@@ -585,6 +596,8 @@ class Rendezvous:
             self._wake.set()
             return
         changed = False
+        self.load.watch_events += len(response.events)
+        self.load.watch_bytes += sum(len(ev.key) + len(ev.value) for ev in response.events)
         with self._cond:
             view = self._view
             nodes, rnd, round_rev, done = dict(view.nodes), view.round, view.round_rev, view.done
