@@ -78,6 +78,7 @@ from launcher.rendezvous import (
     ETCD_LOST_FIX,
     EtcdLost,
     JobView,
+    Member,
     NodeIdInUse,
     NodeRecord,
     Rendezvous,
@@ -140,6 +141,7 @@ class Agent:
         self.current: Round | None = None  # the round this node's workers were sent to
         self.crashes = 0
         self.lost_round = 0  # the newest round in which a local worker saw a collective fail
+        self.probing_since: float | None = None  # monotonic: when probing for lost_round began
         self.leave_reason = ""  # why the node leaves the job, when it leaves on its own
         self.draining_since: float | None = None  # a planned leave: when the workers were asked
         self.leave_answers: dict[int, int] = {}  # local rank: the step it can stop after
@@ -365,7 +367,7 @@ class Agent:
             if isinstance(exits, decide.Finish):  # the others finish the same last step
                 self._finish()
                 return 0
-            if view.done and self.current is None:
+            if decide.leaves_done_job(view.done, self.current, self.lost_round):
                 log.info("the job is done")
                 return 0
             if isinstance(exits, decide.GiveUp):
@@ -459,6 +461,7 @@ class Agent:
                 world_size=rnd.world_size,
                 first_rank=me.first_rank,
                 members=[m.node_id for m in rnd.members],
+                **self.rdzv.load.take(),  # what this node cost etcd since its previous round
             )
             self.current = rnd
 
@@ -467,8 +470,16 @@ class Agent:
         True while the round stands, so the loop probes again soon."""
         found = decide.on_peer_lost(self.current, self.lost_round, view, self.node_id)
         if found is None:
+            self.probing_since = None
             return False
         reach = self._probe(found.peers)
+        now = time.monotonic()
+        self.probing_since = self.probing_since or now
+        waited = now - self.probing_since
+        if not decide.evicts_now(
+            found, reach, self.node_id, waited, self.cfg.rendezvous.lease_ttl_s
+        ):
+            return True
         for member in decide.peers_to_evict(found, reach, self.node_id):
             why = {
                 decide.Reach.DEAD: "its agent refuses connections",
@@ -477,11 +488,11 @@ class Agent:
             self.rdzv.evict(member, why[reach[member.node_id]])
         return True
 
-    def _probe(self, peers: Sequence[NodeRecord]) -> dict[str, decide.Reach]:
+    def _probe(self, peers: Sequence[Member]) -> dict[str, decide.Reach]:
         """Each peer's agent port, probed in parallel: by node id."""
         timeout = self.cfg.rendezvous.probe_timeout_s
         with ThreadPoolExecutor(max_workers=max(1, min(32, len(peers)))) as pool:
-            found = list(pool.map(lambda p: probe(p.host, p.store_port, timeout), peers))
+            found = list(pool.map(lambda p: probe(p.host, p.port, timeout), peers))
         return {p.node_id: r for p, r in zip(peers, found, strict=True)}
 
     def _reaches_the_round(self, view: JobView) -> bool:
@@ -489,8 +500,7 @@ class Agent:
         round (:func:`decisions.reaches_the_round`); logged once while it does not."""
         if view.round is None:
             return True
-        peers = [view.nodes[m.node_id] for m in view.round.members if m.node_id in view.nodes]
-        reach = self._probe([p for p in peers if p.node_id != self.node_id])
+        reach = self._probe([m for m in view.round.members if m.node_id != self.node_id])
         ok = decide.reaches_the_round(view.round, reach, self.node_id)
         cut = sorted(n for n, r in reach.items() if r is decide.Reach.UNREACHABLE)
         if not ok and not self.cut_off:

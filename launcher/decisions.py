@@ -24,6 +24,17 @@ class Finish:
     job done."""
 
 
+def leaves_done_job(done: bool, current: Round | None, lost_round: int) -> bool:
+    """Whether this node leaves because the job is trained (``done``): when its workers are in
+    no round, or saw a collective of theirs fail (``lost_round``), which nothing will mend now. A
+    node placed in a new round at the very end, with nodes that then finished the last step of
+    the old round and left, would wait for them; workers still in the round that trained the job
+    finish its last step first."""
+    if not done:
+        return False
+    return current is None or lost_round == current.number
+
+
 @dataclass(frozen=True)
 class Restart:
     """Leave the round and start the workers of ``local_ranks`` again."""
@@ -162,10 +173,10 @@ def refusing_checks(failed: Sequence[str], in_running_job: bool) -> list[str]:
 
 @dataclass(frozen=True)
 class Probe:
-    """Probe the agents of ``peers`` (the other members of ``round`` still registered)."""
+    """Probe the agents of ``peers`` (the other members of ``round`` not known to be gone)."""
 
     round: Round
-    peers: tuple[NodeRecord, ...]
+    peers: tuple[Member, ...]
 
 
 def on_peer_lost(current: Round | None, lost_round: int, view: JobView, me: str) -> Probe | None:
@@ -177,9 +188,9 @@ def on_peer_lost(current: Round | None, lost_round: int, view: JobView, me: str)
     if current is None or lost_round != current.number:
         return None
     peers = tuple(
-        view.nodes[m.node_id]
+        m
         for m in current.members
-        if m.node_id != me and m.node_id in view.nodes
+        if m.node_id != me and (m.node_id in view.nodes or not view.complete)
     )
     return Probe(current, peers)
 
@@ -216,6 +227,22 @@ def peers_to_evict(probe: Probe, reach: Mapping[str, Reach], me: str) -> list[Me
         for peer in probe.peers
         if state[peer.node_id] in evict and (member := probe.round.member(peer.node_id))
     ]
+
+
+def evicts_now(
+    probe: Probe, reach: Mapping[str, Reach], me: str, waited_s: float, backup_s: float
+) -> bool:
+    """Whether this node sends the evictions :func:`peers_to_evict` names, now. One eviction per
+    dead node, not one per survivor: the first member of the round (in rank order) that this
+    node's probe found alive, itself included, evicts at once. The others evict only once they
+    have probed for ``backup_s`` (a lease TTL) with the round still standing: the first one may
+    be frozen, and its port still accepts."""
+    alive = [
+        m.node_id
+        for m in probe.round.members
+        if m.node_id == me or reach.get(m.node_id, Reach.ALIVE) is Reach.ALIVE
+    ]
+    return alive[0] == me or waited_s >= backup_s
 
 
 def reaches_the_round(round: Round | None, reach: Mapping[str, Reach], me: str) -> bool:
@@ -352,14 +379,22 @@ class Leave:
 
 def others_go_on(view: JobView, me: str, min_nodes: int) -> bool:
     """Whether the job can form a round without node ``me``: at least ``min_nodes`` other nodes
-    are ready, not leaving and not quarantined (what :func:`plan_round` would place)."""
+    are ready, not leaving and not quarantined (what :func:`plan_round` would place). A node
+    that does not lead follows only its own record: it counts the other members of the round,
+    which the leader keeps placeable."""
     if view.done:
         return False
-    others = [
-        n
+    others = {
+        n.node_id
         for n in view.nodes.values()
         if n.node_id != me and n.ready and not n.leaving_after and n.node_id not in view.quarantined
-    ]
+    }
+    if not view.complete and view.round is not None:
+        others |= {
+            m.node_id
+            for m in view.round.members
+            if m.node_id != me and m.node_id not in view.nodes and m.node_id not in view.quarantined
+        }
     return len(others) >= min_nodes
 
 

@@ -106,3 +106,21 @@ def etcd_errors() -> tuple[type[BaseException], ...]:
     from etcd3.exceptions import Etcd3Exception
 
     return (Etcd3Exception, grpc.RpcError)
+
+
+def allow_watch_filters(client: etcd3.Etcd3Client) -> None:
+    """Let ``client.add_watch_callback(..., filters=[...])`` work. The etcd3 client (0.12)
+    assigns the filters to a repeated protobuf field, which protobuf refuses; its request
+    builder is wrapped once per client to append them instead."""
+    watcher = client.watcher
+    build = watcher._create_watch_request
+    if getattr(build, "appends_filters", False):
+        return
+
+    def create_watch_request(*args: object, filters: list[int] | None = None, **kwargs: object):
+        request = build(*args, **kwargs)
+        request.create_request.filters.extend(filters or [])
+        return request
+
+    create_watch_request.appends_filters = True  # type: ignore[attr-defined]
+    watcher._create_watch_request = create_watch_request

@@ -55,7 +55,8 @@ from typing import Any
 
 from elastic.config import RendezvousConfig
 from elastic.events import EventLog
-from launcher.etcd import etcd_errors
+from launcher.etcd import allow_watch_filters, etcd_errors
+from launcher.lease import KeepAliveStream, NoAnswer
 
 log = logging.getLogger(__name__)
 
@@ -117,12 +118,21 @@ def backoff(attempt: int) -> float:
 
 @dataclass
 class EtcdLoad:
-    """What this node has cost etcd so far: watch events and their bytes (key and value)
-    delivered to it. Counted where they arrive, so a bench or an operator can see what a round
-    costs the server at scale."""
+    """What this node has cost etcd so far: its requests (a watch created counts as one), and
+    the watch events and their bytes (key and value) delivered to it. Counted where they happen,
+    so that the events can say what a round costs the server (:meth:`take`)."""
 
+    requests: int = 0
     watch_events: int = 0
     watch_bytes: int = 0
+    _taken: tuple[int, int, int] = (0, 0, 0)
+
+    def take(self) -> dict[str, int]:
+        """The load since the previous call, as event fields."""
+        now = (self.requests, self.watch_events, self.watch_bytes)
+        delta = [a - b for a, b in zip(now, self._taken, strict=True)]
+        self._taken = now
+        return dict(zip(("etcd_requests", "watch_events", "watch_bytes"), delta, strict=True))
 
 
 @dataclass(frozen=True)
@@ -158,11 +168,24 @@ class Member:
     host: str
     slots: int
     first_rank: int
+    port: int = 0  # the node's agent port (its store_port): what peers probe
+
+
+ROUND_LIMIT_BYTES = 1_400_000  # under etcd's default request limit (1.5 MiB) with room to spare
+
+
+class RoundTooLarge(ValueError):
+    """The round's value does not fit one etcd request."""
 
 
 @dataclass(frozen=True)
 class Round:
-    """A closed membership: who trains, with which global ranks, and where the c10d store is."""
+    """A closed membership: who trains, with which global ranks, and where the c10d store is.
+
+    Every node reads it, so its value is compact: each member is a list of its id,
+    registration, incarnation, host, agent port and slots (ranks follow from the order), about
+    50 bytes a member; 1024 nodes take about 50 KB.
+    """
 
     number: int
     members: tuple[Member, ...]
@@ -181,28 +204,65 @@ class Round:
         return next((m for m in self.members if m.node_id == node_id), None)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        raw = json.dumps(
+            {
+                "number": self.number,
+                "members": [
+                    [m.node_id, m.joined_rev, m.incarnation, m.host, m.port, m.slots]
+                    for m in self.members
+                ],
+                "store": [self.store_host, self.store_port],
+                "formed_at": round(self.formed_at, 3),
+                "after_step": self.after_step,
+            },
+            separators=(",", ":"),
+        )
+        if len(raw) > ROUND_LIMIT_BYTES:
+            raise RoundTooLarge(
+                f"round {self.number} of {len(self.members)} nodes takes {len(raw)} bytes, more "
+                f"than one etcd request carries ({ROUND_LIMIT_BYTES}). Fix: lower "
+                "cluster.max_nodes, or shorten the node ids and host names"
+            )
+        return raw
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> Round:
         data = json.loads(raw)
-        data["members"] = tuple(Member(**m) for m in data["members"])
-        return cls(**data)
+        members, rank = [], 0
+        for node_id, joined_rev, incarnation, host, port, slots in data["members"]:
+            members.append(Member(node_id, joined_rev, incarnation, host, slots, rank, port))
+            rank += slots
+        host, port = data["store"]
+        return cls(
+            data["number"], tuple(members), host, port, data["formed_at"], data["after_step"]
+        )
 
     @classmethod
     def build(cls, number: int, nodes: list[NodeRecord], after_step: int = 0) -> Round:
         members, rank = [], 0
         for n in nodes:
-            members.append(Member(n.node_id, n.joined_rev, n.incarnation, n.host, n.slots, rank))
+            members.append(
+                Member(n.node_id, n.joined_rev, n.incarnation, n.host, n.slots, rank, n.store_port)
+            )
             rank += n.slots
         return cls(
-            number, tuple(members), nodes[0].host, nodes[0].store_port, time.time(), after_step
+            number,
+            tuple(members),
+            nodes[0].host,
+            nodes[0].store_port,
+            round(time.time(), 3),
+            after_step,
         )
 
 
 @dataclass(frozen=True)
 class JobView:
-    """This process's picture of the job in etcd, as of ``revision``."""
+    """This process's picture of the job in etcd, as of ``revision``.
+
+    Only the leader follows the whole membership (``complete``): every other node knows its own
+    record, the round, the leader, ``done`` and its own quarantine key, which is what it acts on,
+    so a membership change costs one watch event at the leader, not one at every node.
+    """
 
     nodes: Mapping[str, NodeRecord] = field(default_factory=dict)
     round: Round | None = None
@@ -210,21 +270,26 @@ class JobView:
     done: bool = False
     revision: int = 0
     quarantined: frozenset[str] = frozenset()  # node ids kept out (launcher.quarantine)
+    leader: str = ""  # the ``leader`` key's value (:func:`leader_value`); "" while there is none
+    complete: bool = False  # ``nodes`` and ``quarantined`` hold the whole job (the leader's view)
 
     def round_intact(self) -> bool:
         """Every member of the current round is still live, as the registration and incarnation
-        it joined with, not quarantined and not leaving."""
+        it joined with, not quarantined and not leaving, as far as this view knows: a view that
+        is not complete trusts the leader for the members it does not follow."""
         if self.round is None:
             return False
-        return all(
-            m.node_id in self.nodes
-            and m.node_id not in self.quarantined
-            and (self.nodes[m.node_id].joined_rev, self.nodes[m.node_id].incarnation)
-            == (m.joined_rev, m.incarnation)
-            and self.nodes[m.node_id].ready
-            and not self.nodes[m.node_id].leaving_after
-            for m in self.round.members
-        )
+        for m in self.round.members:
+            n = self.nodes.get(m.node_id)
+            if m.node_id in self.quarantined or (n is None and self.complete):
+                return False
+            if n is not None and (
+                (n.joined_rev, n.incarnation) != (m.joined_rev, m.incarnation)
+                or not n.ready
+                or n.leaving_after
+            ):
+                return False
+        return True
 
     def is_member(self, node: NodeRecord) -> Member | None:
         """``node``'s place in the current round, if the round lists this very registration."""
@@ -232,6 +297,31 @@ class JobView:
         if m is None or (m.joined_rev, m.incarnation) != (node.joined_rev, node.incarnation):
             return None
         return m
+
+
+def _membership(nodes: Mapping[Any, NodeRecord | None]) -> dict[Any, tuple[int, int, bool]]:
+    """What of each node's record makes the leader wait for membership to settle."""
+    return {k: (n.joined_rev, n.incarnation, n.ready) for k, n in nodes.items() if n is not None}
+
+
+def only_deletes() -> list[int]:
+    """A watch filter that drops puts: a node watching its own key needs only its deletion.
+    (``etcd_errors`` has set the protobuf mode the etcd client needs before this import.)"""
+    etcd_errors()
+    from etcd3 import etcdrpc
+
+    return [etcdrpc.WatchCreateRequest.NOPUT]
+
+
+def _prefix_end(prefix: str) -> bytes:
+    """The end of etcd's key range for ``prefix`` (its last byte incremented)."""
+    raw = prefix.encode()
+    return raw[:-1] + bytes([raw[-1] + 1])
+
+
+def leader_value(node_id: str, joined_rev: int) -> str:
+    """The ``leader`` key's value: which registration of which node leads."""
+    return json.dumps([node_id, joined_rev])
 
 
 def plan_round(view: JobView, min_nodes: int, max_nodes: int) -> list[NodeRecord] | None:
@@ -337,6 +427,7 @@ class Rendezvous:
         """``on_change`` is called on the rendezvous's threads, after each change of the view and
         when this node is fenced; it must return at once (the agent posts to its inbox)."""
         self._client = client
+        allow_watch_filters(client)
         self._cfg = cfg
         self._min, self._max = min_nodes, max_nodes
         self._initial_settle = max(cfg.first_round_wait_s, cfg.settle_s)
@@ -350,20 +441,25 @@ class Rendezvous:
         self._node_key = self._nodes_prefix + node.node_id
         self._round_key = base + "/round"
         self._done_key = base + "/done"
+        self._leader_key = base + "/leader"
         self._quarantine_prefix = f"{base}/{QUARANTINE_DIR}"
+        self._own_quarantine_key = self._quarantine_prefix + node.node_id
 
         self._cond = threading.Condition()
         self._view = JobView()
-        self._membership: tuple[tuple[str, int, int, bool], ...] = ()
         self._last_change = time.monotonic()
         self._lease: Any = None
         self._registration = 0  # create revision of this node's key
         self._record_dirty = False  # self.node has changes etcd has not taken yet
+        self._written = (node, 0)  # this node's newest record written, and its revision
         self._record_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self._watch_id: int | None = None
+        self._watch_ids: list[int] = []  # empty: no watch (yet, or broken)
+        self._following_all = False  # the watches cover every node (this node leads)
+        self._applied: dict[str, int] = {}  # by key: the mod revision of the newest event applied
+        self._floor = 0  # the revision of the snapshot the watches started after
         self._down_since: float | None = None  # monotonic; None while etcd answers
         self.fenced = threading.Event()
         self.etcd_lost = threading.Event()
@@ -382,8 +478,8 @@ class Rendezvous:
         self.node = replace(self.node, incarnation=0, ready=False, leaving_after=0)
         self._record_dirty = False
         with self._cond:  # forget what an earlier registration saw; a fresh snapshot follows
+            self._written = (self.node, 0)
             self._view = JobView()
-            self._membership = ()
         lease, ok, responses = self.retry("register", self._register)
         if not ok:
             self._client.revoke_lease(lease.id)
@@ -405,6 +501,7 @@ class Rendezvous:
         self._emit("node_registered", lease=lease.id, ttl_s=self._cfg.lease_ttl_s)
 
     def _register(self) -> tuple[Any, bool, list[Any]]:
+        self.load.requests += 2
         lease = self._client.lease(self._cfg.lease_ttl_s)
         t = self._client.transactions
         ok, responses = self._client.transaction(
@@ -440,8 +537,7 @@ class Rendezvous:
         for t in self._threads:
             t.join(timeout=5)
         self._threads = []
-        if self._watch_id is not None:
-            self._cancel_watch()
+        self._cancel_watches()
         if self._lease is not None:
             try:
                 self._client.revoke_lease(self._lease.id)
@@ -488,18 +584,37 @@ class Rendezvous:
         t = self._client.transactions
         with self._record_lock:
             record = self.node
-            ok, _ = self._client.transaction(
+            self.load.requests += 1
+            ok, responses = self._client.transaction(
                 compare=[t.create(self._node_key) == self._registration],
                 success=[t.put(self._node_key, record.to_json(), self._lease)],
                 failure=[],
             )
             if self.node is record:  # else a newer record is on its way
                 self._record_dirty = False
+            if ok:
+                written = replace(record, joined_rev=self._registration)
+                self._saw_own(written, responses[0].response_put.header.revision)
         if not ok:
             with self._cond:
                 fenced = self._fence("this node's key is gone (evicted, or its lease expired)")
             if fenced:
                 self._changed()
+
+    def _saw_own(self, record: NodeRecord, revision: int) -> None:
+        """Put this node's own record, written at ``revision``, into the view: a node that does
+        not lead watches only its key's deletion, so it learns its writes from their success.
+        A snapshot read before the write completed is corrected with it (:meth:`_snapshot`)."""
+        with self._cond:
+            self._written = (record, revision)
+            view = self._view
+            if record.node_id not in view.nodes or revision <= self._applied.get(
+                self._node_key, self._floor
+            ):
+                return  # gone (fenced), not read yet, or the watch has it already
+            self._applied[self._node_key] = revision
+            self._publish(replace(view, nodes={**view.nodes, record.node_id: record}), True)
+        self._changed()
 
     def evict(self, member: Member | NodeRecord, reason: str) -> bool:
         """Delete a dead peer's key, if it is still the registration ``member`` names. False if
@@ -507,10 +622,23 @@ class Rendezvous:
         try again."""
         t = self._client.transactions
         key = self._nodes_prefix + member.node_id
+        held = leader_value(member.node_id, member.joined_rev)
         try:
-            ok, _ = self._client.transaction(
-                compare=[t.create(key) == member.joined_rev], success=[t.delete(key)], failure=[]
-            )
+            ok = False
+            self.load.requests += 1
+            if self.view.leader == held:  # it leads: the others need a new leader at once
+                ok, _ = self._client.transaction(
+                    compare=[t.create(key) == member.joined_rev, t.value(self._leader_key) == held],
+                    success=[t.delete(key), t.delete(self._leader_key)],
+                    failure=[],
+                )
+            if not ok:
+                self.load.requests += 1
+                ok, _ = self._client.transaction(
+                    compare=[t.create(key) == member.joined_rev],
+                    success=[t.delete(key)],
+                    failure=[],
+                )
         except etcd_errors() as exc:
             log.info("etcd unavailable (%s); evicting %s later", exc, member.node_id)
             return False
@@ -521,6 +649,7 @@ class Rendezvous:
     def mark_done(self) -> None:
         """Tell the others the job is trained (retried while etcd is away, see :meth:`join`)."""
         record = json.dumps({"node": self.node.node_id})
+        self.load.requests += 1
         self.retry(
             "mark the job done", lambda: self._client.put(self._done_key, record, self._lease)
         )
@@ -540,14 +669,11 @@ class Rendezvous:
             )
             return self._view if ok else None
 
-    def _publish(self, view: JobView) -> None:
+    def _publish(self, view: JobView, membership_changed: bool) -> None:
         """Install a newer view; called with ``self._cond`` held, and then :meth:`_changed`
-        once it is released."""
-        membership = tuple(
-            sorted((n.node_id, n.joined_rev, n.incarnation, n.ready) for n in view.nodes.values())
-        )
-        if membership != self._membership:
-            self._membership = membership
+        once it is released. ``membership_changed``: a node came, went, or changed its
+        registration, incarnation or readiness (the leader's settle time starts again)."""
+        if membership_changed:
             self._last_change = time.monotonic()
         # "done" is sticky: the key vanishes with its writer's lease once the job is over.
         self._view = replace(view, done=view.done or self._view.done)
@@ -562,37 +688,70 @@ class Rendezvous:
         except Exception:  # the watch and keep-alive threads must survive a faulty callback
             log.exception("rendezvous on_change callback failed")
 
-    def _snapshot(self) -> None:
-        resp = self._client.get_prefix_response(self._prefix)
+    def _snapshot(self, everyone: bool) -> int:
+        """Read, in one transaction, what this node follows: the round, the leader, ``done``, and
+        its own record and quarantine key; the whole membership and quarantine instead of its
+        own when ``everyone`` (the leader). Installs the view if it is not older than the one
+        held; returns the snapshot's revision (watches start after it), or 0 if this node's own
+        key is gone (it is fenced)."""
+        t = self._client.transactions
+        keys = [self._round_key, self._leader_key, self._done_key]
+        if everyone:
+            ranges = [self._nodes_prefix, self._quarantine_prefix]
+            gets = [t.get(k) for k in keys] + [t.get(r, range_end=_prefix_end(r)) for r in ranges]
+        else:
+            gets = [t.get(k) for k in [*keys, self._node_key, self._own_quarantine_key]]
+        self.load.requests += 1
+        _, responses = self._client.transaction(compare=[], success=gets, failure=[])
+        revision = 0
         nodes: dict[str, NodeRecord] = {}
-        rnd, round_rev, done, quarantined = None, 0, False, set()
-        for kv in resp.kvs:
-            key = kv.key.decode()
-            if key.startswith(self._nodes_prefix):
-                rec = NodeRecord.from_json(kv.value, kv.create_revision)
-                nodes[rec.node_id] = rec
-            elif key == self._round_key:
-                rnd, round_rev = Round.from_json(kv.value), kv.mod_revision
-            elif key == self._done_key:
-                done = True
-            elif key.startswith(self._quarantine_prefix):
-                quarantined.add(key[len(self._quarantine_prefix) :])
+        rnd, round_rev, leader, done, quarantined = None, 0, "", False, set()
+        for found in responses:
+            for value, meta in found:
+                revision = meta.response_header.revision
+                key = meta.key.decode()
+                if key.startswith(self._nodes_prefix):
+                    rec = NodeRecord.from_json(value, meta.create_revision)
+                    nodes[rec.node_id] = rec
+                elif key == self._round_key:
+                    rnd, round_rev = Round.from_json(value), meta.mod_revision
+                elif key == self._leader_key:
+                    leader = value.decode()
+                elif key == self._done_key:
+                    done = True
+                elif key.startswith(self._quarantine_prefix):
+                    quarantined.add(key[len(self._quarantine_prefix) :])
+        if self.node.node_id not in nodes:  # evicted, or the lease expired: no revision to read
+            with self._cond:
+                fenced = self._fence("this node's key is gone (evicted, or its lease expired)")
+            if fenced:
+                self._changed()
+            return 0
+        written, written_rev = self._written
+        if written_rev > revision:  # this node wrote its record after the snapshot was read
+            nodes[self.node.node_id] = written
+        view = JobView(
+            nodes, rnd, round_rev, done, revision, frozenset(quarantined), leader, everyone
+        )
         with self._cond:
-            newer = resp.header.revision >= self._view.revision
+            newer = revision >= self._view.revision
             if newer:
-                self._publish(
-                    JobView(
-                        nodes, rnd, round_rev, done, resp.header.revision, frozenset(quarantined)
-                    )
-                )
+                self._applied, self._floor = {}, revision
+                self._publish(view, _membership(view.nodes) != _membership(self._view.nodes))
         if newer:
             self._changed()
+        return revision
 
     def _on_watch(self, response: Any) -> None:
-        """Runs on the etcd client's watch thread: apply each event to the view."""
+        """Runs on the etcd client's watch thread: apply each event to the view.
+
+        The watches of one node are several (the round, the leader, ``done``, its own keys, or
+        every node's as leader), so events of different keys may arrive out of revision order:
+        an event is applied if it is newer than the snapshot and than the last one applied to
+        its key."""
         if isinstance(response, Exception):
             log.info("etcd watch broke (%s); re-reading the job", type(response).__name__)
-            self._watch_id = None
+            self._watch_ids = []
             self._wake.set()
             return
         changed = False
@@ -601,30 +760,46 @@ class Rendezvous:
         with self._cond:
             view = self._view
             nodes, rnd, round_rev, done = dict(view.nodes), view.round, view.round_rev, view.done
-            quarantined = set(view.quarantined)
-            rev = view.revision
+            quarantined, leader = set(view.quarantined), view.leader
+            rev, joined, applied = view.revision, False, False
             for ev in response.events:
-                if ev.mod_revision <= view.revision:
-                    continue  # already in the snapshot this watch started after
-                rev = max(rev, ev.mod_revision)
                 key, deleted = ev.key.decode(), type(ev).__name__ == "DeleteEvent"
+                if ev.mod_revision <= self._applied.get(key, self._floor):
+                    continue  # in the snapshot already, or delivered twice (two watches)
+                self._applied[key] = ev.mod_revision
+                rev, applied = max(rev, ev.mod_revision), True
                 if key.startswith(self._nodes_prefix):
                     node_id = key[len(self._nodes_prefix) :]
                     if deleted and node_id == self.node.node_id and not self._stop.is_set():
                         changed |= self._fence("this node was evicted by a peer")
-                    if deleted:
-                        nodes.pop(node_id, None)
-                    else:
+                    before = nodes.pop(node_id, None)
+                    if not deleted:
                         nodes[node_id] = NodeRecord.from_json(ev.value, ev.create_revision)
+                    after = nodes.get(node_id)
+                    joined |= _membership({0: before}) != _membership({0: after})
                 elif key == self._round_key and not deleted:
                     rnd, round_rev = Round.from_json(ev.value), ev.mod_revision
+                elif key == self._leader_key:
+                    leader = "" if deleted else ev.value.decode()
                 elif key == self._done_key and not deleted:
                     done = True
                 elif key.startswith(self._quarantine_prefix):
                     node_id = key[len(self._quarantine_prefix) :]
                     (quarantined.discard if deleted else quarantined.add)(node_id)
-            if rev > view.revision:
-                self._publish(JobView(nodes, rnd, round_rev, done, rev, frozenset(quarantined)))
+            if applied:
+                self._publish(
+                    replace(
+                        view,
+                        nodes=nodes,
+                        round=rnd,
+                        round_rev=round_rev,
+                        done=done,
+                        revision=rev,
+                        quarantined=frozenset(quarantined),
+                        leader=leader,
+                    ),
+                    joined,
+                )
                 changed = True
         if changed:
             self._changed()
@@ -635,14 +810,20 @@ class Rendezvous:
         """Refresh the lease every quarter TTL and act on :func:`lease_verdict`: fence this node
         when the server says the lease expired, ride out an etcd outage, give up past the grace
         period. Durations are on the monotonic clock, so a stepped wall clock changes nothing."""
-        lease = self._lease
+        stream = KeepAliveStream(self._client, self._lease.id)
+        try:
+            self._keep_alive(stream)
+        finally:
+            stream.close()
+
+    def _keep_alive(self, stream: KeepAliveStream) -> None:
         while not self._stop.wait(self._cfg.lease_ttl_s / 4):
             ttl: int | None = None
             error = ""
             try:
-                responses = lease.refresh()
-                ttl = responses[0].TTL if responses else 0
-            except etcd_errors() as exc:
+                self.load.requests += 1
+                ttl = stream.refresh(timeout_s=self._cfg.lease_ttl_s / 2)
+            except (*etcd_errors(), NoAnswer) as exc:
                 error = exc.__class__.__name__
             now = time.monotonic()
             verdict = lease_verdict(ttl, now - self._last_refresh, self._cfg.etcd_grace_s)
@@ -725,39 +906,97 @@ class Rendezvous:
         return True
 
     def _sync_loop(self) -> None:
-        """Keep the watch alive, re-read the job now and then, and propose rounds as leader."""
+        """Keep the watches alive, re-read the job now and then, claim the lead when nobody
+        holds it, and propose rounds as leader."""
         next_resync = 0.0
         failures = 0
         while not self._stop.is_set():
             deadline: float | None = None
             try:
                 now = time.monotonic()
-                if self._watch_id is None or now >= next_resync:
-                    self._snapshot()
+                leads = self._leads(self.view)
+                if not self._watch_ids or leads != self._following_all:
+                    self._subscribe(leads)
                     next_resync = now + self._cfg.resync_s
-                if self._watch_id is None:
-                    self._watch_id = self._client.add_watch_prefix_callback(
-                        self._prefix, self._on_watch, start_revision=self.view.revision + 1
-                    )
+                elif now >= next_resync:
+                    self._snapshot(self._following_all)
+                    next_resync = now + self._cfg.resync_s
                 if self._record_dirty:
                     self._put_record()
+                if not self.view.leader and self._watch_ids:
+                    self._claim_lead()
                 deadline = self._maybe_propose()
                 failures = 0
             except etcd_errors() as exc:  # the keep-alive says when etcd is away; no log spam
                 log.debug("rendezvous sync failed (%s); retrying", exc)
-                self._watch_id = None
+                self._cancel_watches()
                 deadline = time.monotonic() + backoff(failures)
                 failures += 1
             wait = min(deadline or next_resync, next_resync) - time.monotonic()
             self._wake.wait(timeout=max(0.01, wait))
             self._wake.clear()
 
-    def _cancel_watch(self) -> None:
-        try:
-            self._client.cancel_watch(self._watch_id)
-        except Exception as exc:
-            log.debug("cancel_watch: %s", exc)
-        self._watch_id = None
+    def _leads(self, view: JobView) -> bool:
+        """Whether this registration holds the ``leader`` key."""
+        return view.leader == leader_value(self.node.node_id, self._registration)
+
+    def _subscribe(self, everyone: bool) -> None:
+        """Watch what this node follows, from a fresh snapshot on: the round, the leader and
+        ``done``, then every node's key and the quarantine as leader (``everyone``), else its own
+        key's deletion (an eviction) and its own quarantine key."""
+        self._cancel_watches()
+        revision = self._snapshot(everyone)
+        if not revision:
+            return
+        add, start = self._client.add_watch_callback, revision + 1
+        ids = [add(k, self._on_watch, start_revision=start) for k in self._singles()]
+        if everyone:
+            ids += [
+                add(p, self._on_watch, range_end=_prefix_end(p), start_revision=start)
+                for p in (self._nodes_prefix, self._quarantine_prefix)
+            ]
+        else:
+            ids += [
+                add(self._node_key, self._on_watch, start_revision=start, filters=only_deletes()),
+                add(self._own_quarantine_key, self._on_watch, start_revision=start),
+            ]
+        self._watch_ids, self._following_all = ids, everyone
+        self.load.requests += len(ids)
+
+    def _singles(self) -> tuple[str, ...]:
+        return (self._round_key, self._leader_key, self._done_key)
+
+    def _claim_lead(self) -> None:
+        """Take the ``leader`` key (under this node's lease, so it goes with the node) if nobody
+        holds it and this registration is still live; of many claims, one wins."""
+        if self.fenced.is_set() or self._lease is None:
+            return
+        t = self._client.transactions
+        self.load.requests += 1
+        ok, _ = self._client.transaction(
+            compare=[
+                t.version(self._leader_key) == 0,
+                t.create(self._node_key) == self._registration,
+            ],
+            success=[
+                t.put(
+                    self._leader_key,
+                    leader_value(self.node.node_id, self._registration),
+                    self._lease,
+                )
+            ],
+            failure=[],
+        )
+        if ok:
+            self._emit("leader_elected", registration=self._registration)
+
+    def _cancel_watches(self) -> None:
+        ids, self._watch_ids = self._watch_ids, []
+        for watch_id in ids:
+            try:
+                self._client.cancel_watch(watch_id)
+            except Exception as exc:  # etcd away, or the stream already broke
+                log.debug("cancel_watch: %s", exc)
 
     def _maybe_propose(self) -> float | None:
         """As leader, replace the round when :func:`plan_round` says so and membership settled.
@@ -765,10 +1004,9 @@ class Rendezvous:
         Returns the monotonic time at which to look again (settle time still running), or None.
         """
         view = self.view
-        if self.fenced.is_set() or self.node.node_id not in view.nodes:
+        if self.fenced.is_set() or not view.complete or not self._leads(view):
             return None
-        leader = min(view.nodes.values(), key=lambda n: n.joined_rev)
-        if leader.node_id != self.node.node_id:
+        if self.node.node_id not in view.nodes:
             return None
         members = plan_round(view, self._min, self._max)
         if members is None:
@@ -805,6 +1043,7 @@ class Rendezvous:
             if view.round
             else (t.version(self._round_key) == 0)
         )
+        self.load.requests += 1
         ok, _ = self._client.transaction(
             compare=[fence], success=[t.put(self._round_key, new.to_json())], failure=[]
         )

@@ -28,9 +28,11 @@ from launcher.decisions import (
     answer_fault_request,
     assignments,
     away_for,
+    evicts_now,
     excluded_ranks,
     follow_round,
     join_timed_out,
+    leaves_done_job,
     on_membership,
     on_node_id_in_use,
     on_peer_lost,
@@ -51,7 +53,8 @@ from .test_rendezvous import leaving, node
 def job(
     rnd: Round | None, *nodes: NodeRecord, quarantined: frozenset[str] = frozenset()
 ) -> JobView:
-    return JobView({n.node_id: n for n in nodes}, rnd, quarantined=quarantined)
+    """The leader's view: it follows every node."""
+    return JobView({n.node_id: n for n in nodes}, rnd, quarantined=quarantined, complete=True)
 
 
 # --- worker exits -------------------------------------------------------------------------------
@@ -142,11 +145,29 @@ def test_a_node_in_a_running_job_is_not_refused_for_what_every_node_shares() -> 
 # --- peer lost ----------------------------------------------------------------------------------
 
 
-def test_peer_lost_probes_the_other_members_still_registered() -> None:
+def test_peer_lost_probes_the_other_members_not_known_to_be_gone() -> None:
     rnd = Round.build(5, [node("a", 1), node("b", 2), node("c", 3)])
     view = job(rnd, node("a", 1), node("c", 3), node("z", 9))  # b's key is gone already
     found = on_peer_lost(rnd, lost_round=5, view=view, me="a")
-    assert found == Probe(rnd, (node("c", 3),))
+    assert found == Probe(rnd, (rnd.member("c"),))
+    # A node that does not lead knows only its own record: it probes every other member.
+    own = JobView({"a": node("a", 1)}, rnd)
+    assert on_peer_lost(rnd, 5, own, "a") == Probe(rnd, (rnd.member("b"), rnd.member("c")))
+
+
+def test_one_survivor_evicts_the_first_alive_in_rank_order_the_others_after_a_lease() -> None:
+    rnd = Round.build(5, [node("a", 1), node("b", 2), node("c", 3), node("d", 4)])
+    found = Probe(rnd, ())
+    reach = {"a": DEAD, "b": ALIVE, "c": ALIVE, "d": ALIVE}  # a (rank 0) is gone
+    assert evicts_now(found, reach, "b", waited_s=0.0, backup_s=3.0)
+    assert not evicts_now(found, reach, "c", waited_s=0.0, backup_s=3.0)
+    assert not evicts_now(found, reach, "d", waited_s=2.9, backup_s=3.0)
+    # b may be frozen (its port accepts): after a lease the others evict too.
+    assert evicts_now(found, reach, "d", waited_s=3.0, backup_s=3.0)
+    # A partition: cut off from b and c, d's side is a and d, and a evicts; cut off from all
+    # (peers_to_evict then evicts no one: d is the minority), d comes first on its side.
+    assert evicts_now(found, {"a": ALIVE, "b": CUT, "c": CUT}, "d", 0.0, 3.0) is False
+    assert evicts_now(found, {"a": CUT, "b": CUT, "c": CUT}, "d", 0.0, 3.0)
 
 
 def test_no_report_or_a_stale_one_probes_nothing() -> None:
@@ -289,6 +310,11 @@ def test_others_go_on_counts_the_nodes_a_round_could_still_place() -> None:
     assert not others_go_on(job(rnd, node("a", 1), not_ready), "a", 1)
     done = JobView({"a": node("a", 1), "b": node("b", 2)}, rnd, done=True)
     assert not others_go_on(done, "a", 1)
+    # A node that does not lead counts the round's other members, which the leader keeps
+    # placeable, and its own quarantine.
+    own = JobView({"a": node("a", 1)}, rnd)
+    assert others_go_on(own, "a", min_nodes=2)
+    assert not others_go_on(own, "a", min_nodes=3)
 
 
 def test_a_stop_signal_drains_a_member_whose_job_goes_on_and_leaves_otherwise() -> None:
@@ -448,3 +474,13 @@ def test_every_requestable_kind_is_a_campaign_kind() -> None:
     from chaos.campaign import FaultKind
 
     assert set(REQUESTABLE_KINDS) <= {str(k) for k in FaultKind}
+
+
+def test_a_done_job_is_left_unless_the_workers_finish_its_last_step() -> None:
+    rnd = Round.build(9, [node("a", 1), node("b", 2)])
+    assert not leaves_done_job(False, None, lost_round=0)
+    assert leaves_done_job(True, None, lost_round=0)  # on standby
+    assert not leaves_done_job(True, rnd, lost_round=0)  # finishing the last step
+    assert not leaves_done_job(True, rnd, lost_round=8)  # an older round's report
+    # Placed at the very end with nodes that finished the old round and left: nothing mends it.
+    assert leaves_done_job(True, rnd, lost_round=9)
