@@ -18,7 +18,10 @@ def lr_violations(events: list[dict[str, Any]], cfg: Config, samples_per_epoch: 
     """Steps whose LR is not what the policy gives for that step's samples and world size.
 
     Replays the policy over rank 0's step events: a step whose world size differs from the
-    step before it starts a ramp (when the policy ramps), exactly as the trainer must.
+    step before it starts a ramp (when the policy ramps), exactly as the trainer must. A step
+    rank 0 did not log (its worker was interrupted after the all-reduce, and the next round took
+    that step's state from another rank) was trained in the world of the step before it, so it
+    is replayed in that world.
     """
     policy = LRPolicy.from_config(
         cfg.optim,
@@ -36,6 +39,18 @@ def lr_violations(events: list[dict[str, Any]], cfg: Config, samples_per_epoch: 
     for e in steps:
         before = e["samples"] - e["step_samples"]
         global_batch = policy.global_batch(e["world_size"], first_global)
+        known = [s for s in latest if s < e["step"]] if e["step"] - 1 not in latest else []
+        if known:  # steps rank 0 did not log, replayed in the world before them
+            last = latest[max(known)]
+            for step in range(last["step"] + 1, e["step"]):
+                lr = policy.lr(last["samples"], last["global_batch"], ramps[last["step"]])
+                latest[step] = {
+                    **last,
+                    "step": step,
+                    "samples": last["samples"] + last["global_batch"],
+                    "lr": lr,
+                }
+                ramps[step], last = ramps[last["step"]], latest[step]
         prev = latest.get(e["step"] - 1)
         if prev is not None and prev["world_size"] != e["world_size"]:
             ramp = policy.after_resize(before, prev["lr"], global_batch)
@@ -46,7 +61,8 @@ def lr_violations(events: list[dict[str, Any]], cfg: Config, samples_per_epoch: 
             bad.append(f"step {e['step']} (world {e['world_size']}): lr {e['lr']} != {want}")
         if e.get("global_batch", global_batch) != global_batch:
             bad.append(f"step {e['step']}: global batch {e['global_batch']} != {global_batch}")
-        latest[e["step"]], ramps[e["step"]] = e, ramp
+        latest[e["step"]] = {**e, "global_batch": global_batch}
+        ramps[e["step"]] = ramp
     return bad
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from chaos.invariants import history_violations
+from chaos.invariants import history_violations, lr_violations
+from elastic.config import Config
+from elastic.lr_policy import LRPolicy
 
 
 def samples(
@@ -60,3 +62,47 @@ def test_two_worlds_training_the_same_step_from_different_states_are_caught() ->
 def test_ranks_of_one_round_that_disagree_are_caught() -> None:
     events = [samples(1.0, 7, 2, 0, "a"), samples(1.0, 7, 2, 1, "b")]
     assert history_violations(events) == ["step 7: the ranks of round 2 trained it from 2 states"]
+
+
+def _steps_with_a_resize(per_epoch: int, skip: int) -> tuple[list[dict[str, Any]], Config]:
+    """Rank 0's step events of a world 2 -> 3 resize after step 4 (no warm-up, a one-step ramp),
+    LRs from the policy itself; step ``skip`` left out, as when rank 0 was interrupted after its
+    all-reduce and the next round took that step's state from another rank."""
+    cfg = Config()
+    cfg.optim.warmup_epochs = 0.0
+    batch = cfg.data.batch_size
+    policy = LRPolicy.from_config(cfg.optim, batch, per_epoch, total_samples=3 * per_epoch)
+    events: list[dict[str, Any]] = []
+    samples, lr, ramp = 0, 0.0, None
+    for step in range(1, 9):
+        world = 2 if step <= 4 else 3
+        if step == 5:
+            ramp = policy.after_resize(samples, lr, world * batch)
+        lr = policy.lr(samples, world * batch, ramp)
+        samples += world * batch
+        if step != skip:
+            events.append(
+                {
+                    "event": "step",
+                    "step": step,
+                    "samples": samples,
+                    "step_samples": world * batch,
+                    "world_size": world,
+                    "lr": lr,
+                    "global_batch": world * batch,
+                }
+            )
+    return events, cfg
+
+
+def test_a_step_rank_0_did_not_log_before_a_resize_is_replayed_in_its_own_world() -> None:
+    per_epoch = 10 * Config().data.batch_size
+    events, cfg = _steps_with_a_resize(per_epoch, skip=4)
+    resized, after = events[3], events[4]  # steps 5 and 6
+    assert resized["lr"] < after["lr"]  # the LR ramps in after the resize
+    assert lr_violations(events, cfg, per_epoch) == []
+    ramped = resized["lr"]
+    resized["lr"] = after["lr"]  # the first step of world 3 at the full LR: no ramp
+    assert lr_violations(events, cfg, per_epoch) == [
+        f"step 5 (world 3): lr {after['lr']} != {ramped}"
+    ]
