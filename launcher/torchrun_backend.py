@@ -1,0 +1,375 @@
+"""``torchrun --rdzv-backend=etcd-v3``: torch's own dynamic rendezvous, with its state in etcd v3.
+
+torch's etcd backends (``etcd``, ``etcd-v2``) speak only etcd's v2 API, which etcd 3.6 removed.
+This module gives torchrun users the etcd v3 cluster they already run for us. It is registered
+in torch's ``torchrun.handlers`` entry-point group through the small ``torchrun_etcd_v3`` module
+(``pyproject.toml``), so once this package is installed::
+
+    torchrun --nnodes=2:4 --nproc-per-node=8 --rdzv-backend=etcd-v3 \\
+        --rdzv-endpoint=10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379 --rdzv-id=JOB train.py
+
+It implements torch's ``RendezvousBackend`` contract and nothing else: torch's
+``DynamicRendezvousHandler`` (``create_handler``) does the rendezvous itself, as it does for the
+``c10d`` and ``etcd-v2`` backends. Keys, under ``<key_prefix>/<run_id>/``:
+
+``state``
+    torch's rendezvous state (opaque bytes). The fencing token is the key's mod revision:
+    ``set_state`` is one transaction that writes only if the mod revision is still the token's
+    (or, without a token, only if the key does not exist), and otherwise reads the current state.
+``store/<key>``
+    the c10d ``Store`` that torch's handler needs beside the backend (:class:`EtcdV3Store`):
+    the agents' few keys of each round (``MASTER_ADDR``/``MASTER_PORT``, the rank assignment,
+    the exit barrier). The transaction that creates ``state`` also deletes ``store/``, so a run
+    id that is used again never reads an earlier run's keys.
+
+Why a store in etcd, as torch's ``etcd-v2`` backend does (its ``EtcdStore``), rather than a
+TCPStore that torch provides: the handler needs its store before the first round, to learn who
+is rank 0, so a TCPStore would have to be at a fixed address (``c10d`` hosts it on the
+``--rdzv-endpoint`` node), and the job would die with that one node. etcd is the only part that
+every node can reach and that survives the loss of any node.
+
+The workers' process-group store: torch (2.4 and later) by default lets the rank-0 agent of the
+first round host a TCPStore for all later rounds. A node whose rank is not 0 keeps that address
+from its first round, so once the node of rank 0 is lost, the survivors' workers wait on a dead
+store and the job fails (torch fixed only the case of the node that becomes rank 0). Losing any
+node is what this backend is for, so the handler sets torch's own opt-out,
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, unless the user set it: each round's rank-0 agent then
+publishes a free port in ``store/``, and the round's rank-0 worker hosts the TCPStore there.
+
+Both expire between ``state_ttl``/2 and ``state_ttl`` seconds after the last write (default two
+hours, as torch's ``etcd-v2`` backend; 0: never). Reusing a run id whose state is still there
+joins a closed rendezvous and fails: give every job its own ``--rdzv-id``, or delete the prefix
+(``etcdctl del --prefix /torchrun/JOB/``).
+
+Settings (``--rdzv-conf key=value,...``), besides torch's own (``join_timeout``,
+``last_call_timeout``, ``close_timeout``, ``heartbeat_timeout``, ``keep_alive_interval``,
+``keep_alive_max_attempt``):
+
+``key_prefix``   etcd prefix of all runs (default ``/torchrun``)
+``etcd_timeout`` seconds one etcd request may take (default 5)
+``read_timeout`` seconds a store read waits for its key (default 60, as torch's ``c10d``)
+``state_ttl``    the keys' lease, in seconds: 0 (never expire) or at least 60 (default 7200)
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousParameters,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    RendezvousBackend,
+    Token,
+    create_handler,
+)
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+from launcher.etcd import EtcdUnavailable, connect, etcd_errors
+
+NAME = "etcd-v3"
+DEFAULT_PORT = 2379
+DEFAULT_KEY_PREFIX = "/torchrun"
+MIN_STATE_TTL_S = 60
+SHARED_STORE_OPT_OUT = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """torch's ``DynamicRendezvousHandler`` over etcd v3 (what ``--rdzv-backend=etcd-v3`` gets).
+
+    Unless the user chose otherwise, torch's opt-out of its shared TCPStore is set (see the
+    module's docstring): then every round's rank 0 publishes a fresh address, and losing the
+    node of rank 0 does not strand the others on its dead store.
+    """
+    backend, store = create_backend(params)
+    os.environ.setdefault(SHARED_STORE_OPT_OUT, "1")
+    return create_handler(store, backend, params)
+
+
+def create_backend(params: RendezvousParameters) -> tuple[EtcdV3Backend, EtcdV3Store]:
+    """The backend and the store of one run, as torch's ``etcd_rendezvous_backend`` returns
+    them; both share one etcd client."""
+    endpoints = _endpoints(params.endpoint)
+    if not params.run_id or "/" in params.run_id:
+        raise ValueError(
+            f"etcd-v3 rendezvous: --rdzv-id={params.run_id!r} must be non-empty and without '/' "
+            "(it is one segment of the etcd keys)"
+        )
+    key_prefix = str(params.get("key_prefix", DEFAULT_KEY_PREFIX)).rstrip("/")
+    if not key_prefix:
+        raise ValueError("etcd-v3 rendezvous: rdzv_conf key_prefix is empty. Fix: e.g. /torchrun")
+    etcd_timeout = _seconds(params, "etcd_timeout", 5.0)
+    read_timeout = _seconds(params, "read_timeout", 60.0)
+    state_ttl = _seconds(params, "state_ttl", 7200, allow_zero=True)
+    if 0 < state_ttl < MIN_STATE_TTL_S:
+        raise ValueError(
+            f"etcd-v3 rendezvous: rdzv_conf state_ttl={state_ttl:g} is too short for a round. "
+            f"Fix: 0 (never expire) or at least {MIN_STATE_TTL_S}"
+        )
+
+    client = _connect(endpoints, etcd_timeout)
+    run = f"{key_prefix}/{params.run_id}"
+    lease = _Lease(client, int(state_ttl))
+    store = EtcdV3Store(client, f"{run}/store/", lease, timedelta(seconds=read_timeout))
+    return EtcdV3Backend(client, f"{run}/state", store.prefix, lease), store
+
+
+class EtcdV3Backend(RendezvousBackend):
+    """torch's rendezvous state in one etcd key; the token is the key's mod revision."""
+
+    def __init__(self, client: Any, key: str, store_prefix: str, lease: _Lease) -> None:
+        self._client = client
+        self._key = key
+        self._store_prefix = store_prefix
+        self._lease = lease
+
+    @property
+    def name(self) -> str:
+        return NAME
+
+    @property
+    def key(self) -> str:
+        return self._key
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        with _connection_errors():
+            value, meta = self._client.get(self._key)
+        return None if value is None else (value, meta.mod_revision)
+
+    def set_state(
+        self, state: bytes, token: Token | None = None
+    ) -> tuple[bytes, Token, bool] | None:
+        if token is not None and not isinstance(token, int):  # not one of ours: cannot match
+            current = self.get_state()
+            return None if current is None else (*current, False)
+        t = self._client.transactions
+        if token is None:  # a new rendezvous: also clear the store of an earlier run of this id
+            compare = [t.version(self._key) == 0]
+            clear = [t.delete(self._store_prefix, range_end=_prefix_end(self._store_prefix))]
+        else:
+            compare = [t.mod(self._key) == token]
+            clear = []
+        with _connection_errors():
+            written, responses = self._lease.call(
+                lambda lease_id: self._client.transaction(
+                    compare=compare,
+                    success=[t.put(self._key, state, lease=lease_id), *clear],
+                    failure=[t.get(self._key)],
+                )
+            )
+        if written:  # every write of one transaction has the transaction's revision
+            return state, responses[0].response_put.header.revision, True
+        kvs = responses[0]
+        if not kvs:
+            return None
+        value, meta = kvs[0]
+        return value, meta.mod_revision, False
+
+
+class EtcdV3Store(dist.Store):
+    """A c10d ``Store`` in etcd v3 keys under ``prefix``, for the agents' few bootstrap keys.
+
+    Reads that wait for a key watch it from the revision they read at, so they wake when it is
+    written and never miss a write in between.
+    """
+
+    def __init__(self, client: Any, prefix: str, lease: _Lease, timeout: timedelta) -> None:
+        super().__init__()  # the pybind trampoline needs it
+        self._client = client
+        self.prefix = prefix
+        self._lease = lease
+        self.set_timeout(timeout)
+
+    def set(self, key: str, value: bytes | str) -> None:
+        with _connection_errors(dist.DistNetworkError):
+            self._lease.call(lambda lease: self._client.put(self._k(key), value, lease=lease))
+
+    def get(self, key: str) -> bytes:
+        return self._wait([key], self.timeout)[0]
+
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        self._wait(keys, self.timeout if timeout is None else timeout)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        with _connection_errors(dist.DistNetworkError):
+            return all(self._client.get(self._k(key))[0] is not None for key in keys)
+
+    def add(self, key: str, amount: int) -> int:
+        """Add ``amount`` to the decimal integer at ``key`` (0 if absent): a compare-and-set on
+        the key's mod revision, repeated while another writer comes first."""
+        k, t = self._k(key), self._client.transactions
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        with _connection_errors(dist.DistNetworkError):
+            while True:
+                value, meta = self._client.get(k)
+                new = (0 if value is None else int(value)) + amount
+                seen = t.version(k) == 0 if value is None else t.mod(k) == meta.mod_revision
+                written, _ = self._lease.call(
+                    lambda lease, new=new, seen=seen: self._client.transaction(
+                        compare=[seen], success=[t.put(k, str(new), lease=lease)], failure=[]
+                    )
+                )
+                if written:
+                    return new
+                if time.monotonic() > deadline:
+                    raise dist.DistStoreError(f"etcd-v3 store: add to {key!r} kept losing races")
+
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+        """c10d's semantics: ``desired`` is written if the value is ``expected`` (an empty
+        ``expected``: if the key is absent); returns the value the key then has (``expected``
+        if it is absent)."""
+        k, t = self._k(key), self._client.transactions
+        expected_b = expected.encode() if isinstance(expected, str) else expected
+        desired_b = desired.encode() if isinstance(desired, str) else desired
+        seen = t.version(k) == 0 if not expected_b else t.value(k) == expected_b
+        with _connection_errors(dist.DistNetworkError):
+            written, responses = self._lease.call(
+                lambda lease: self._client.transaction(
+                    compare=[seen], success=[t.put(k, desired_b, lease=lease)], failure=[t.get(k)]
+                )
+            )
+        if written:
+            return desired_b
+        kvs = responses[0]
+        return kvs[0][0] if kvs else expected_b
+
+    def delete_key(self, key: str) -> bool:
+        with _connection_errors(dist.DistNetworkError):
+            return bool(self._client.delete(self._k(key)))
+
+    def _k(self, key: str) -> str:
+        return self.prefix + key
+
+    def _wait(self, keys: Sequence[str], timeout: timedelta) -> list[bytes]:
+        deadline = time.monotonic() + timeout.total_seconds()
+        values = []
+        with _connection_errors(dist.DistNetworkError):
+            for key in keys:
+                while True:
+                    found = self._client.get_response(self._k(key))
+                    if found.kvs:
+                        values.append(found.kvs[0].value)
+                        break
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise dist.DistStoreError(
+                            f"etcd-v3 store: key {key!r} not set within {timeout.total_seconds():g}"
+                            " s (rdzv_conf read_timeout)"
+                        )
+                    try:  # any answer (the put, a compaction, an error) means: read again
+                        self._client.watch_once_response(
+                            self._k(key), timeout=left, start_revision=found.header.revision + 1
+                        )
+                    except etcd_errors():
+                        pass  # timed out: the loop reads once more, then gives up
+        return values
+
+
+class _Lease:
+    """The lease the keys of this agent's writes are attached to, so that they expire
+    ``ttl_s`` after the last write. A lease is used for half its TTL, then a new one is
+    granted (the old one expires with whatever no later write has moved off it); nothing
+    keeps it alive. ``ttl_s`` 0: no lease, the keys stay."""
+
+    def __init__(self, client: Any, ttl_s: int) -> None:
+        self._client = client
+        self._ttl_s = ttl_s
+        self._id = 0
+        self._granted = float("-inf")
+        self._lock = threading.Lock()
+
+    def call(self, write: Callable[[int], Any]) -> Any:
+        """``write(lease_id)``; once more with a new lease if etcd no longer has this one."""
+        import grpc
+
+        try:
+            return write(self._current(renew=False))
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:  # "requested lease not found"
+                raise
+            return write(self._current(renew=True))
+
+    def _current(self, renew: bool) -> int:
+        if not self._ttl_s:
+            return 0
+        with self._lock:
+            if renew or time.monotonic() - self._granted > self._ttl_s / 2:
+                self._granted = time.monotonic()
+                self._id = self._client.lease(self._ttl_s).id
+            return self._id
+
+
+def _endpoints(endpoint: str) -> list[str]:
+    """``--rdzv-endpoint``: one etcd member or several, comma-separated; port 2379 by default."""
+    parts = [part.strip() for part in (endpoint or "").split(",") if part.strip()]
+    if not parts:
+        raise ValueError(
+            "etcd-v3 rendezvous: --rdzv-endpoint is empty. Fix: host:port of an etcd member, or "
+            "several, comma-separated"
+        )
+    addresses = [parse_rendezvous_endpoint(part, DEFAULT_PORT) for part in parts]
+    return [f"{host}:{port}" for host, port in addresses]
+
+
+def _seconds(
+    params: RendezvousParameters, name: str, default: float, allow_zero: bool = False
+) -> float:
+    raw = params.get(name, default)
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not (value >= 0 if allow_zero else value > 0) or value == float("inf"):
+        need = "a number of seconds, 0 or more" if allow_zero else "a positive number of seconds"
+        raise ValueError(f"etcd-v3 rendezvous: rdzv_conf {name}={raw!r} is not {need}")
+    return value
+
+
+_PROTOBUF_MODE = "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"
+
+
+def _connect(endpoints: list[str], timeout_s: float) -> Any:
+    """``launcher.etcd.connect``, leaving the environment as it was: connect sets the protobuf
+    mode that the etcd client needs before its import, and torchrun's workers inherit the
+    agent's environment, where it would slow every protobuf user down."""
+    before = os.environ.get(_PROTOBUF_MODE)
+    try:
+        client = connect(endpoints, timeout_s=timeout_s)
+        etcd_errors()  # imports what the error handling needs while the mode is set
+    except EtcdUnavailable as exc:
+        raise RendezvousConnectionError(
+            f"etcd-v3 rendezvous: {exc}. Fix: --rdzv-endpoint must name etcd members "
+            f"(host:port[,host:port...]); rdzv_conf etcd_timeout is {timeout_s:g} s"
+        ) from exc
+    finally:
+        if before is None:
+            os.environ.pop(_PROTOBUF_MODE, None)
+        else:
+            os.environ[_PROTOBUF_MODE] = before
+    return client
+
+
+@contextmanager
+def _connection_errors(kind: type[Exception] = RendezvousConnectionError) -> Iterator[None]:
+    """etcd failures as torch expects them: ``RendezvousConnectionError`` from the backend, a
+    ``DistNetworkError`` from the store."""
+    try:
+        yield
+    except etcd_errors() as exc:
+        raise kind(f"etcd-v3 rendezvous: etcd request failed: {exc!r}") from exc
+
+
+def _prefix_end(prefix: str) -> bytes:
+    """The end of etcd's range of keys that start with ``prefix``."""
+    raw = bytearray(prefix.encode())
+    raw[-1] += 1
+    return bytes(raw)

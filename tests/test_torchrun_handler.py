@@ -1,0 +1,247 @@
+"""torchrun's ``--rdzv-backend=etcd-v3`` (``launcher/torchrun_backend.py``) against a real etcd.
+
+The backend's compare-and-set (a stale token loses), the store the handler gives the agents, and
+three real torchrun agents running a gloo job: one node is killed mid-run (its agent and its
+worker, as a machine failure kills both), and torch's own DynamicRendezvousHandler re-forms the
+round over etcd v3 with the other two, which finish the job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from launcher.torchrun_backend import create_backend
+
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+STEPS = 60
+
+# A job of STEPS all-reduces. Rank 0 keeps the step in a file, so that workers started again
+# after a membership change go on from it, and logs each step with the world size.
+TRAIN = """
+import json, os, sys, time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+run, total = Path(sys.argv[1]), int(sys.argv[2])
+dist.init_process_group("gloo", timeout=timedelta(seconds=20))
+rank, world = dist.get_rank(), dist.get_world_size()
+info = {"agent": os.getppid(), "rank": rank, "world": world}
+(run / f"worker-{os.getpid()}").write_text(json.dumps(info))
+saved = run / "step"
+step = torch.tensor([int(saved.read_text()) if saved.exists() else 0])
+dist.broadcast(step, 0)
+while step.item() < total:
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    assert x.item() == world, (x.item(), world)
+    step += 1
+    if rank == 0:
+        (run / "step.tmp").write_text(str(step.item()))
+        (run / "step.tmp").replace(saved)
+        with open(run / "progress", "a") as f:
+            f.write(f"{step.item()} {world}\\n")
+    time.sleep(0.05)
+dist.destroy_process_group()
+"""
+
+# Fast re-forming: a node whose heartbeat (every second) is 2 s old is dead; a round with the
+# minimum of nodes waits 1 s for more.
+RDZV_CONF = (
+    "join_timeout=40,last_call_timeout=1,close_timeout=5,heartbeat_timeout=5,"
+    "keep_alive_interval=1,keep_alive_max_attempt=2,read_timeout=30,etcd_timeout=5"
+)
+
+
+def params(endpoint: str, run_id: str, **conf: object) -> RendezvousParameters:
+    return RendezvousParameters("etcd-v3", endpoint, run_id, 1, 1, **conf)
+
+
+def test_a_stale_token_loses_and_the_winner_is_returned(etcd_endpoint: str, job_id: str) -> None:
+    backend, _ = create_backend(params(etcd_endpoint, job_id))
+    assert backend.name == "etcd-v3" and backend.key == f"/torchrun/{job_id}/state"
+    assert backend.get_state() is None
+
+    state, token, written = backend.set_state(b"first")
+    assert (state, written) == (b"first", True)
+    # Without a token, the state is created only if absent.
+    assert backend.set_state(b"other") == (b"first", token, False)
+
+    state, newer, written = backend.set_state(b"second", token)
+    assert (state, written) == (b"second", True) and newer > token
+    # The token of before that write is stale: the write loses, the current state comes back.
+    assert backend.set_state(b"third", token) == (b"second", newer, False)
+    assert backend.set_state(b"third", "not-a-revision") == (b"second", newer, False)
+    assert backend.get_state() == (b"second", newer)
+
+    # Two backends racing with the same token: exactly one wins.
+    rival, _ = create_backend(params(etcd_endpoint, job_id))
+    results = [backend.set_state(b"mine", newer), rival.set_state(b"theirs", newer)]
+    assert [r[2] for r in results] == [True, False]
+    assert results[1][:2] == (b"mine", results[0][1])
+
+
+def test_the_store_waits_for_keys_and_a_new_rendezvous_clears_it(
+    etcd_endpoint: str, job_id: str
+) -> None:
+    backend, store = create_backend(params(etcd_endpoint, job_id, read_timeout=10))
+    store.set("leftover", b"from an earlier run of this id")
+    backend.set_state(b"state")  # creating the state clears the store
+    assert not store.check(["leftover"])
+
+    prefixed = dist.PrefixStore("round.0", store)  # as DynamicRendezvousHandler wraps it
+    assert prefixed.add("n", 2) == 2 and prefixed.add("n", 3) == 5
+    prefixed.multi_set(["a", "b"], ["1", "2"])
+    assert prefixed.multi_get(["a", "b"]) == [b"1", b"2"]
+    assert prefixed.compare_set("a", "1", "9") == b"9"
+    assert prefixed.compare_set("a", "1", "7") == b"9"
+
+    late = threading.Timer(0.2, lambda: prefixed.set("late", "here"))
+    late.start()
+    assert prefixed.get("late") == b"here"  # woken by the write (watch), not by a timeout
+    late.join()
+    with pytest.raises(dist.DistStoreError, match="read_timeout"):
+        prefixed.wait(["never"], timedelta(seconds=0.3))
+
+
+@pytest.mark.parametrize(
+    ("conf", "endpoint", "message"),
+    [
+        ({"state_ttl": "5"}, None, "state_ttl=5"),
+        ({"etcd_timeout": "soon"}, None, "etcd_timeout='soon'"),
+        ({"key_prefix": "/"}, None, "key_prefix is empty"),
+        ({}, "", "--rdzv-endpoint is empty"),
+    ],
+)
+def test_settings_that_cannot_work_are_refused_by_name(
+    etcd_endpoint: str, conf: dict, endpoint: str | None, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        create_backend(params(etcd_endpoint if endpoint is None else endpoint, "job", **conf))
+
+
+def wait_until(what: str, done: Callable[[], bool], agents: list, logs: Path, timeout_s: float):
+    """Poll the files the workers write until ``done``; fail with the agents' logs."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline or all(a.poll() is not None for a in agents):
+            tails = "\n".join(p.read_text()[-3000:] for p in sorted(logs.glob("agent*.log")))
+            pytest.fail(f"not {what} within {timeout_s} s ({[a.poll() for a in agents]})\n{tails}")
+        time.sleep(0.05)
+
+
+def progress(run: Path) -> list[tuple[int, int]]:
+    """(step, world size) of every step rank 0 logged."""
+    if not (run / "progress").exists():
+        return []
+    fields = (line.split() for line in (run / "progress").read_text().split("\n"))
+    return [(int(f[0]), int(f[1])) for f in fields if len(f) == 2]  # a torn last line: not yet
+
+
+def workers(run: Path) -> dict[int, dict]:
+    """Every worker started so far: pid -> its agent, rank and world size."""
+    found = {}
+    for path in run.glob("worker-*"):
+        try:
+            found[int(path.name.split("-")[1])] = json.loads(path.read_text())
+        except ValueError:  # being written
+            continue
+    return found
+
+
+def kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(120)
+def test_torchrun_agents_lose_a_node_and_finish_over_etcd_v3(
+    tmp_path: Path, etcd_endpoint: str, etcd_client, job_id: str
+) -> None:
+    registered = {e.name for e in entry_points(group="torchrun.handlers")}
+    assert "etcd-v3" in registered, "entry point missing: pip install -e . (pyproject.toml)"
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    run = tmp_path / "run"
+    run.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", None)  # the agent needs none set
+    agents = []
+    for i in range(3):
+        log = open(tmp_path / f"agent{i}.log", "w")  # noqa: SIM115 - closed with the agent
+        command = [
+            str(TORCHRUN),
+            "--nnodes=2:3",
+            "--nproc-per-node=1",
+            "--max-restarts=3",
+            "--local-addr=127.0.0.1",
+            "--rdzv-backend=etcd-v3",
+            f"--rdzv-endpoint={etcd_endpoint}",
+            f"--rdzv-id={job_id}",
+            f"--rdzv-conf={RDZV_CONF}",
+            str(script),
+            str(run),
+            str(STEPS),
+        ]
+        # Its own process group, as a node; torchrun starts each worker in a session of its own.
+        agents.append(
+            subprocess.Popen(
+                command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        )
+        log.close()
+    started = time.monotonic()
+    try:
+        wait_until(
+            "training with all 3 nodes",
+            lambda: any(w == 3 and s >= 5 for s, w in progress(run)),
+            agents,
+            tmp_path,
+            60,
+        )
+        # The victim: the node of rank 0, whose worker hosts the round's TCPStore (the hardest
+        # loss: every survivor has to find the next round's store elsewhere).
+        victim = next(
+            w["agent"] for w in workers(run).values() if (w["world"], w["rank"]) == (3, 0)
+        )
+        killed_at = progress(run)[-1][0]
+        for pid in [victim] + [p for p, w in workers(run).items() if w["agent"] == victim]:
+            kill_group(pid)
+        survivors = [a for a in agents if a.pid != victim]
+        assert len(survivors) == 2
+        deadline = time.monotonic() + 60
+        for agent in survivors:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                agent.wait(timeout=max(1.0, deadline - time.monotonic()))
+        logs = "\n".join((tmp_path / f"agent{i}.log").read_text() for i in range(3))
+        assert all(a.poll() is not None for a in survivors), "not done in 60 s\n" + logs[-6000:]
+        assert [a.returncode for a in survivors] == [0, 0], logs[-6000:]
+        steps = progress(run)
+        assert steps[-1] == (STEPS, 2), logs[-6000:]
+        assert killed_at < STEPS  # the node died mid-run
+        assert any(w == 2 for s, w in steps if s > killed_at)
+        # The rendezvous went through etcd v3, under the documented key.
+        assert etcd_client.get(f"/torchrun/{job_id}/state")[0] is not None
+        print(f"job done in {time.monotonic() - started:.1f} s; node lost at step {killed_at}")
+    finally:
+        for pid in [a.pid for a in agents] + list(workers(run)):
+            kill_group(pid)
+        for agent in agents:
+            agent.wait(timeout=10)
