@@ -41,6 +41,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -62,8 +63,10 @@ class Result:
     evict_s: float | None = None
     events: int | None = None
     bytes: int | None = None
-    fencings: int = 0
+    fencings: Counter[str] = field(default_factory=Counter)  # false fencings, by reason
     crashed: int = 0  # simulated agents whose rendezvous call raised
+    first_cores: tuple[float, float] | None = None  # cores busy in the first round: nodes, etcd
+    idle_cores: tuple[float, float] | None = None  # the same for IDLE_S after it (keep-alives)
     why: str = ""
 
 
@@ -97,14 +100,14 @@ class Seen:
 
 
 class _Fencings:
-    """The simulated node's event sink: counts fencings, drops the rest."""
+    """The simulated node's event sink: counts fencings by reason, drops the rest."""
 
     def __init__(self) -> None:
-        self.fenced = 0
+        self.reasons: list[str] = []
 
-    def emit(self, event: str, message: str | None = None, /, **_: Any) -> None:
+    def emit(self, event: str, message: str | None = None, /, **fields: Any) -> None:
         if event == "fenced":
-            self.fenced += 1
+            self.reasons.append(fields.get("reason", "?"))
 
 
 def ours_process(
@@ -169,7 +172,7 @@ def ours_process(
                 (
                     sum(x.watch_events for x in load),
                     sum(x.watch_bytes for x in load),
-                    sum(s.fenced for s in sinks.values()),
+                    [r for s in sinks.values() for r in s.reasons],
                     crashed,
                 )
             )
@@ -223,7 +226,38 @@ class Hosts:
             p.join()
 
 
-def run_ours(endpoints: list[str], n: int, procs: int, ttl: int, timeout_s: float) -> Result:
+class Cores:
+    """Cores kept busy by the simulated nodes' processes and by etcd, since the last call: what
+    limits how many nodes one machine can simulate."""
+
+    def __init__(self, nodes: list[int], etcd: int) -> None:
+        import psutil
+
+        self._procs = [psutil.Process(p) for p in nodes], psutil.Process(etcd)
+        self._since = self._sample()
+
+    def _sample(self) -> tuple[float, float, float]:
+        def cpu(p: Any) -> float:
+            with contextlib.suppress(Exception):  # a host process killed by the bench
+                t = p.cpu_times()
+                return t.user + t.system
+            return 0.0
+
+        nodes, etcd = self._procs
+        return time.monotonic(), sum(cpu(p) for p in nodes), cpu(etcd)
+
+    def busy(self) -> tuple[float, float]:
+        (t0, n0, e0), (t1, n1, e1) = self._since, self._sample()
+        self._since = (t1, n1, e1)
+        return (n1 - n0) / (t1 - t0), (e1 - e0) / (t1 - t0)
+
+
+IDLE_S = 5.0  # how long the idle cost of a formed round is measured
+
+
+def run_ours(
+    endpoints: list[str], etcd_pid: int, n: int, procs: int, ttl: int, timeout_s: float
+) -> Result:
     res = Result()
     job_id = f"scale{n}-{uuid.uuid4().hex[:6]}"
     hosts = Hosts(ours_process, n, procs, (endpoints, job_id, ttl, n))
@@ -231,15 +265,24 @@ def run_ours(endpoints: list[str], n: int, procs: int, ttl: int, timeout_s: floa
         hosts.wait_ready(timeout_s)
         seen = Seen()
         pool, lone = hosts.conns[:-2], hosts.conns[-2:]
+        cores = Cores([p.pid for p in hosts.procs], etcd_pid)
         t0 = time.time()
         hosts.ask(pool, "join")  # the lone two join last: neither is the leader
         hosts.ask(lone, "join")
         res.first_s = seen.wait(hosts.seen, hosts.nodes, lambda r: r[1] == n, t0, timeout_s)
+        res.first_cores = cores.busy()
+        if res.first_s is not None:
+            seen.wait(hosts.seen, hosts.nodes, lambda r: False, time.time(), IDLE_S)
+            res.idle_cores = cores.busy()
         stats = [s for s in hosts.ask(hosts.conns, "stats", timeout=60) if s]
         res.events, res.bytes = sum(s[0] for s in stats), sum(s[1] for s in stats)
-        res.fencings, res.crashed = sum(s[2] for s in stats), sum(s[3] for s in stats)
+        res.fencings, res.crashed = fencings(stats), sum(s[3] for s in stats)
         if res.first_s is None:
-            res.why = f"no round of all {n} nodes in {timeout_s:.0f} s"
+            nodes, etcd = res.first_cores
+            res.why = (
+                f"no round of all {n} nodes in {timeout_s:.0f} s: the simulation kept "
+                f"{nodes + etcd:.1f} of this machine's {os.cpu_count()} cores busy"
+            )
             return res
 
         number = max(r[0] for r in seen.rounds.values())
@@ -260,7 +303,7 @@ def run_ours(endpoints: list[str], n: int, procs: int, ttl: int, timeout_s: floa
                 hosts.seen, survivors[:-1], lambda r: r[0] > number and r[1] == n - 2, t2, timeout_s
             )
         stats = [s for s in hosts.ask(pool, "stats", timeout=60) if s]
-        res.fencings = sum(s[2] for s in stats)
+        res.fencings = fencings(stats)
         res.crashed = max(res.crashed, sum(s[3] for s in stats))
         hosts.ask(pool, "stop", timeout=120)
         return res
@@ -369,6 +412,15 @@ def run_peer(n: int, procs: int, timeout_s: float) -> Result:
 # --- the table -------------------------------------------------------------------------------
 
 
+def fencings(stats: list[tuple[Any, ...]]) -> Counter[str]:
+    """The fencings the host processes reported, by reason."""
+    return Counter(reason for s in stats for reason in s[2])
+
+
+def busy(cores: tuple[float, float] | None) -> str:
+    return "-" if cores is None else f"{cores[0]:.2f} + {cores[1]:.2f}"
+
+
 def cell(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.2f} s"
 
@@ -376,9 +428,11 @@ def cell(seconds: float | None) -> str:
 def row(n: int, name: str, r: Result) -> str:
     events = "-" if r.events is None else f"{r.events:,} ({r.events / n:.1f}/node)"
     size = "-" if r.bytes is None else f"{r.bytes / 2**20:.1f} MiB"
+    fenced = f"{r.fencings.total()}" + "".join(f"; {k}: {v}" for k, v in r.fencings.items())
     return (
         f"| {n} | {name} | {cell(r.first_s)} | {cell(r.loss_s)} | {cell(r.evict_s)} | {events} "
-        f"| {size} | {r.fencings} | {r.crashed} | {r.why} |"
+        f"| {size} | {fenced} | {r.crashed} | {busy(r.first_cores)} | {busy(r.idle_cores)} "
+        f"| {r.why} |"
     )
 
 
@@ -401,9 +455,10 @@ def main() -> None:
     )
     print(
         "| N | runtime | first round | re-form, lost | re-form, evicted | watch events, "
-        "first round | watch bytes | fencings | crashed | stopped because |"
+        "first round | watch bytes | fencings | crashed | cores busy, first round (nodes + "
+        "etcd) | cores busy, idle round | stopped because |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     stopped = {"ours": args.skip_ours, "torch c10d": args.skip_peer}
     with tempfile.TemporaryDirectory() as tmp:
         etcd = EmbeddedEtcd(Path(tmp) / "etcd", Path(tmp) / "etcd.log").start()
@@ -414,7 +469,14 @@ def main() -> None:
                     if stopped[name]:
                         continue
                     r = (
-                        run_ours(etcd.endpoints, n, procs, args.lease_ttl_s, args.phase_timeout_s)
+                        run_ours(
+                            etcd.endpoints,
+                            etcd.members[0].proc.pid,
+                            n,
+                            procs,
+                            args.lease_ttl_s,
+                            args.phase_timeout_s,
+                        )
                         if name == "ours"
                         else run_peer(n, procs, args.phase_timeout_s)
                     )
