@@ -115,7 +115,7 @@ def ours_process(
 ) -> None:
     """Host the simulated nodes ``ids``; obey ``conn``'s commands."""
     from elastic.config import RendezvousConfig
-    from launcher.etcd import connect
+    from launcher.etcd import INSECURE, connect
     from launcher.rendezvous import NodeRecord, Rendezvous
 
     cfg = RendezvousConfig(lease_ttl_s=ttl)
@@ -137,7 +137,7 @@ def ours_process(
     for i, node_id in enumerate(ids):
         record = NodeRecord(node_id, "127.0.0.1", 1 + i, 1)
         nodes[node_id] = Rendezvous(
-            connect(endpoints),
+            connect(endpoints, security=INSECURE),  # the bench's own plaintext etcd
             job_id=job_id,
             node=record,
             cfg=cfg,

@@ -44,7 +44,7 @@ from elastic.config import ClusterMode, Config, ConfigError
 from elastic.events import EventFollower, read_events
 from launcher.compose import UsageError, compose, finalize
 from launcher.embedded_etcd import HOST, EmbeddedEtcd
-from launcher.etcd import EtcdUnavailable, connect
+from launcher.etcd import EtcdUnavailable, connect, etcd_security
 
 ConfigStore.instance().store(name="chaos_schema", node=ChaosCommandConfig)
 
@@ -280,7 +280,11 @@ def attach(cfg: Config, campaign: CampaignConfig) -> int:
     if found:
         return refuse(found)
     try:
-        client = connect(cfg.cluster.etcd_endpoints, timeout_s=cfg.health.etcd_timeout_s)
+        client = connect(
+            cfg.cluster.etcd_endpoints,
+            timeout_s=cfg.health.etcd_timeout_s,
+            security=etcd_security(cfg.cluster),
+        )
     except EtcdUnavailable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

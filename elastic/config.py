@@ -332,6 +332,22 @@ class CommConfig:
 
 
 @dataclass
+class EtcdTlsConfig:
+    """TLS to an external etcd (``cluster.etcd_endpoints``); the embedded etcd is plaintext.
+
+    ``ca`` alone: the servers are verified, the client shows no certificate. ``cert`` and ``key``
+    as well: the client shows its certificate (etcd ``--client-cert-auth``). Paths to PEM files.
+    """
+
+    ca: str = ""  # the CA that signed the etcd members' certificates; "" = plaintext
+    cert: str = ""  # this node's client certificate (with key)
+    key: str = ""  # its private key
+    # The name every member's certificate must carry (a SAN): gRPC checks one name for all the
+    # members of a channel. "" = the host of the first cluster.etcd_endpoints entry.
+    server_name: str = ""
+
+
+@dataclass
 class ClusterConfig:
     """Where the nodes come from: simulated on this machine, or one agent per bare-metal node."""
 
@@ -356,6 +372,11 @@ class ClusterConfig:
         0, ge=0, fix="use 0 (share this machine's cores) or a positive count"
     )
     etcd_endpoints: list[str] = field(default_factory=list)  # empty (local): embedded etcd
+    etcd_tls: EtcdTlsConfig = field(default_factory=EtcdTlsConfig)
+    # etcd user authentication: the user, and a file holding its password (else the password is
+    # read from the ELASTIC_ETCD_PASSWORD environment variable; never from the command line).
+    etcd_user: str = ""
+    etcd_password_file: str = ""
     # local, no etcd_endpoints: members of the embedded etcd; 3 survive the loss of one member.
     embedded_etcd_members: int = bounded(
         1, ge=1, le=3, fix="set cluster.embedded_etcd_members=1 or 3"
@@ -424,6 +445,9 @@ class HealthConfig:
     min_shm_mb: int = bounded(512, ge=0, fix=ANY_MINIMUM)
     # Free space where checkpoints go, at least this much and at least checkpoint.keep + 1
     # checkpoints of the model (a new one is written before the oldest is deleted).
+    # The etcd client certificate and CA (cluster.etcd_tls) warn this many days before they
+    # expire; an expired one fails.
+    cert_warn_days: int = bounded(14, ge=0, fix="set health.cert_warn_days=14 (0: no warning)")
     min_checkpoint_free_gb: float = bounded(
         1.0,
         ge=0,
@@ -558,6 +582,94 @@ def _bound_problems(node: Any, prefix: str = "") -> Iterator[str]:
             yield problem(key, value, bound.why, bound.fix.format(key=key))
 
 
+ETCD_PASSWORD_ENV = "ELASTIC_ETCD_PASSWORD"
+
+
+def etcd_security_problems(c: ClusterConfig) -> list[str]:
+    """What is wrong with ``cluster.etcd_tls`` and the etcd user settings, before any
+    connection: a file that cannot be read, a certificate without its key, TLS or a user for the
+    embedded etcd (which is plaintext and has no users), a user without a password source."""
+    problems: list[str] = []
+    tls, external = c.etcd_tls, bool(c.etcd_endpoints)
+    for name in ("ca", "cert", "key"):
+        path = getattr(tls, name)
+        if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+            problems.append(
+                problem(
+                    f"cluster.etcd_tls.{name}",
+                    path,
+                    "not a readable file",
+                    f"point cluster.etcd_tls.{name} at the PEM file (readable by this user)",
+                )
+            )
+    if bool(tls.cert) != bool(tls.key):
+        have, missing = ("cert", "key") if tls.cert else ("key", "cert")
+        problems.append(
+            problem(
+                f"cluster.etcd_tls.{have}",
+                getattr(tls, have),
+                f"a client certificate needs both cert and key, and cluster.etcd_tls.{missing} "
+                "is not set",
+                f"set cluster.etcd_tls.{missing} too, or neither (server-auth TLS with "
+                "cluster.etcd_tls.ca alone)",
+            )
+        )
+    if (tls.cert or tls.server_name) and not tls.ca:
+        problems.append(
+            problem(
+                "cluster.etcd_tls.ca",
+                "",
+                "TLS to etcd needs the CA that signed the etcd members' certificates",
+                "set cluster.etcd_tls.ca=/path/to/ca.pem",
+            )
+        )
+    if not external and (tls.ca or c.etcd_user):
+        key = "cluster.etcd_tls.ca" if tls.ca else "cluster.etcd_user"
+        problems.append(
+            problem(
+                key,
+                tls.ca or c.etcd_user,
+                "without cluster.etcd_endpoints the job runs an embedded etcd, which is plaintext "
+                "and has no users",
+                "set cluster.etcd_endpoints to the secured etcd cluster, or unset "
+                "cluster.etcd_tls.* and cluster.etcd_user",
+            )
+        )
+    if c.etcd_password_file and not c.etcd_user:
+        problems.append(
+            problem(
+                "cluster.etcd_password_file",
+                c.etcd_password_file,
+                "a password without cluster.etcd_user",
+                "set cluster.etcd_user=<the etcd user>",
+            )
+        )
+    if c.etcd_user and external:
+        path = c.etcd_password_file
+        if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+            problems.append(
+                problem(
+                    "cluster.etcd_password_file",
+                    path,
+                    "not a readable file",
+                    "point cluster.etcd_password_file at a file holding the etcd user's password "
+                    "(chmod 600), readable by this user",
+                )
+            )
+        elif not path and not os.environ.get(ETCD_PASSWORD_ENV):
+            problems.append(
+                problem(
+                    "cluster.etcd_password_file",
+                    "",
+                    f"cluster.etcd_user={c.etcd_user!r} needs a password, and neither this file "
+                    f"nor ${ETCD_PASSWORD_ENV} is set",
+                    "set cluster.etcd_password_file=/path/to/password (chmod 600), or export "
+                    f"{ETCD_PASSWORD_ENV} in the launcher's environment",
+                )
+            )
+    return problems
+
+
 def validate(cfg: Config) -> None:
     """Raise :class:`ConfigError` listing every value that cannot work, each with its fix.
 
@@ -603,6 +715,7 @@ def validate(cfg: Config) -> None:
             "bare_metal nodes need a shared etcd cluster",
             "pass cluster.etcd_endpoints=[host1:2379,host2:2379,host3:2379]",
         )
+    problems += etcd_security_problems(c)
     for ep in c.etcd_endpoints:
         host, _, port = ep.rpartition(":")
         need(

@@ -25,7 +25,7 @@ import sys
 
 from elastic.config import Config
 from launcher.compose import UsageError, compose, finalize
-from launcher.etcd import EtcdUnavailable, connect
+from launcher.etcd import EtcdUnavailable, connect, etcd_security
 from launcher.health import run_checks
 from launcher.health_report import CheckResult, Status
 from launcher.quarantine import Quarantine, clear_command
@@ -35,7 +35,11 @@ from launcher.slots import local_slots
 def quarantine_row(cfg: Config, node_id: str) -> CheckResult:
     """Whether ``node_id`` is quarantined in ``cfg``'s job, and how many strikes it has."""
     try:
-        client = connect(list(cfg.cluster.etcd_endpoints), timeout_s=cfg.health.etcd_timeout_s)
+        client = connect(
+            list(cfg.cluster.etcd_endpoints),
+            timeout_s=cfg.health.etcd_timeout_s,
+            security=etcd_security(cfg.cluster),
+        )
     except EtcdUnavailable as exc:
         return CheckResult("quarantine", Status.SKIP, f"not known: {exc}")
     try:

@@ -9,22 +9,123 @@ or restarts, the next call goes to another one (gRPC's ``pick_first`` over the a
 member that comes back is reconnected within a second (the reconnect backoff is capped), and the
 watch stream waits for a member instead of failing at once, so that an outage does not make
 the etcd client's watch thread spin.
+
+Security (:class:`EtcdSecurity`, built from ``cluster.etcd_tls`` and ``cluster.etcd_user`` by
+:func:`etcd_security`): TLS with the CA alone or with a client certificate, and user/password
+auth. The etcd3 client authenticates once, when it is built, and etcd forgets a simple token
+after ``--auth-token-ttl`` (300 s) without use, when a member restarts, and whenever users or
+roles change (the auth store's revision moves on). So a client with a user re-authenticates
+when a call is refused for its token (gRPC ``UNAUTHENTICATED``, or ``INVALID_ARGUMENT``, which
+etcd also uses for an old auth revision), retries that call once, and restarts its watch stream,
+whose token is fixed when it opens (:func:`_reauthenticate_on_refusal`). A node etcd refuses (a
+wrong password, an untrusted or missing certificate) gets :class:`EtcdRefused`, whose message
+names the setting and the fix.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import logging
 import os
 import socket
-from typing import TYPE_CHECKING
+import ssl
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from elastic.config import ETCD_PASSWORD_ENV, ClusterConfig, etcd_security_problems
 
 if TYPE_CHECKING:
     import etcd3
 
+log = logging.getLogger("launcher.etcd")
+
 
 class EtcdUnavailable(ConnectionError):
     """No endpoint of the etcd cluster answered."""
+
+
+class WatchRefused(ConnectionError):
+    """etcd refused to create a watch (the user's permission, or the stream's token); one of
+    :func:`etcd_errors`."""
+
+
+class EtcdRefused(EtcdUnavailable):
+    """etcd answered but refuses this node: its credentials, its certificate, or etcd's
+    certificate. The message names the ``cluster.etcd_*`` setting and the fix."""
+
+
+PASSWORD_FIX = (
+    "check cluster.etcd_user and the password in cluster.etcd_password_file (or "
+    f"${ETCD_PASSWORD_ENV}); the user must exist in etcd (etcdctl user get <user>)"
+)
+
+
+@dataclass(frozen=True)
+class EtcdSecurity:
+    """How a client proves itself to etcd and checks etcd: TLS files (PEM paths) and a user.
+    All empty (:data:`INSECURE`): plaintext, no user, as the embedded etcd runs."""
+
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+    server_name: str = ""  # "" = the host of the first endpoint
+    user: str = ""
+    password: str = field(default="", repr=False)
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.ca)
+
+    def target_name(self, endpoints: list[str]) -> str:
+        """The name gRPC checks every member's certificate against (one per channel)."""
+        return self.server_name or parse_endpoint(endpoints[0])[0]
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """For HTTP(S) to etcd's client port (the health check), verified as gRPC verifies."""
+        ctx = ssl.create_default_context(cafile=self.ca)
+        if self.cert:
+            ctx.load_cert_chain(self.cert, self.key)
+        return ctx
+
+
+INSECURE = EtcdSecurity()
+
+
+def etcd_security(cluster: ClusterConfig, *, with_password: bool = True) -> EtcdSecurity:
+    """The security settings of ``cluster`` (:data:`INSECURE` for the embedded etcd, which has
+    no endpoints configured). The password is read here, from ``cluster.etcd_password_file`` or
+    ``$ELASTIC_ETCD_PASSWORD``; ``with_password=False`` leaves it out (the health check needs
+    only the certificates). Raises :class:`EtcdRefused` for settings that cannot work."""
+    if not cluster.etcd_endpoints:
+        return INSECURE
+    problems = etcd_security_problems(cluster)
+    if problems:
+        raise EtcdRefused("; ".join(problems))
+    tls = cluster.etcd_tls
+    password = ""
+    if cluster.etcd_user and with_password:
+        if cluster.etcd_password_file:
+            try:
+                with open(cluster.etcd_password_file) as f:
+                    password = f.read().rstrip("\r\n")
+            except OSError as exc:
+                raise EtcdRefused(
+                    f"cluster.etcd_password_file={cluster.etcd_password_file!r}: cannot be read "
+                    f"({exc.strerror}). Fix: point it at a file holding the password"
+                ) from exc
+        else:
+            password = os.environ.get(ETCD_PASSWORD_ENV, "")
+    return EtcdSecurity(
+        ca=tls.ca,
+        cert=tls.cert,
+        key=tls.key,
+        server_name=tls.server_name,
+        user=cluster.etcd_user,
+        password=password,
+    )
 
 
 RECONNECT_BACKOFF_MS = 1000  # a restarted member is found again within about this long
@@ -73,28 +174,270 @@ def _resolve(endpoint: str) -> tuple[str, int]:
         ) from exc
 
 
-def connect(endpoints: list[str], timeout_s: float = 3.0) -> etcd3.Etcd3Client:
+def connect(
+    endpoints: list[str], timeout_s: float = 3.0, security: EtcdSecurity = INSECURE
+) -> etcd3.Etcd3Client:
     """A client over all of ``endpoints``, once one of them answers a status call.
 
     Production runs against a 3-member etcd cluster: one dead member neither keeps a node out of
-    the job nor breaks a running one.
+    the job nor breaks a running one. ``security``: TLS and the user (:func:`etcd_security`).
+    Raises :class:`EtcdUnavailable` when no endpoint answers, :class:`EtcdRefused` when etcd
+    refuses this node's credentials or certificates (or this node refuses etcd's).
     """
     os.environ["PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"] = "python"
     import etcd3
+    import grpc
 
     if not endpoints:
         raise EtcdUnavailable("no etcd endpoint given. Fix: set cluster.etcd_endpoints")
     host, _, port = grpc_target([_resolve(e) for e in endpoints]).rpartition(":")
-    client = etcd3.client(host=host, port=int(port), timeout=timeout_s, grpc_options=grpc_options())
+    options = grpc_options()
+    if security.tls:
+        options.append(("grpc.ssl_target_name_override", security.target_name(endpoints)))
+    try:
+        client = etcd3.client(
+            host=host,
+            port=int(port),
+            timeout=timeout_s,
+            grpc_options=options,
+            ca_cert=security.ca or None,
+            cert_cert=security.cert or None,
+            cert_key=security.key or None,
+            user=security.user or None,
+            password=security.password if security.user else None,
+        )
+    except OSError as exc:  # a TLS file went away after the config was checked
+        raise EtcdRefused(
+            f"cluster.etcd_tls: cannot read {exc.filename!r} ({exc.strerror}). Fix: point "
+            "cluster.etcd_tls.ca / cert / key at readable PEM files"
+        ) from exc
+    except grpc.RpcError as exc:  # the authentication the client makes when it is built
+        raise _refusal(endpoints, security, exc, timeout_s) from exc
     try:
         client.status()
     except etcd_errors() as exc:
         client.close()
-        raise EtcdUnavailable(
-            f"no etcd endpoint answered ({', '.join(endpoints)}: {exc.__class__.__name__}). "
-            "Fix: check cluster.etcd_endpoints and that etcd is running"
-        ) from exc
+        raise _refusal(endpoints, security, exc, timeout_s) from exc
+    if security.user:
+        _reauthenticate_on_refusal(client, security)
     return client
+
+
+def _refusal(
+    endpoints: list[str], security: EtcdSecurity, exc: BaseException, timeout_s: float
+) -> EtcdUnavailable:
+    """The error for a failed first call: a refused user (by the gRPC status code), a TLS
+    problem found by a handshake of our own (gRPC says only UNAVAILABLE), or no answer."""
+    import grpc
+
+    code = exc.code() if isinstance(exc, grpc.RpcError) else None
+    if code == grpc.StatusCode.INVALID_ARGUMENT and security.user:
+        return EtcdRefused(
+            f"etcd refused user {security.user!r}: wrong password or no such user. "
+            f"Fix: {PASSWORD_FIX}"
+        )
+    if code == grpc.StatusCode.FAILED_PRECONDITION and security.user:
+        return EtcdRefused(
+            f"cluster.etcd_user={security.user!r}, but etcd has authentication off. Fix: unset "
+            "cluster.etcd_user, or enable auth in etcd (etcdctl auth enable)"
+        )
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return EtcdRefused(
+            f"etcd refused this node ({code.name}). Fix: etcd has auth enabled: set "
+            f"cluster.etcd_user and its password (cluster.etcd_password_file or "
+            f"${ETCD_PASSWORD_ENV}), or a client certificate (cluster.etcd_tls.cert/key) "
+            "whose common name is an etcd user"
+        )
+    why = tls_problem(endpoints, security, timeout_s)
+    if why:
+        return EtcdRefused(why)
+    name = code.name if code is not None else exc.__class__.__name__
+    return EtcdUnavailable(
+        f"no etcd endpoint answered ({', '.join(endpoints)}: {name}). "
+        "Fix: check cluster.etcd_endpoints and that etcd is running"
+    )
+
+
+def tls_problem(endpoints: list[str], security: EtcdSecurity, timeout_s: float) -> str:
+    """Why a TLS connection to the first endpoint that accepts TCP fails, or "" (none accepts,
+    or TLS works). gRPC reports a failed handshake only as UNAVAILABLE, so this shakes hands
+    itself with the same settings and tells the cases apart by the exception's type and phase:
+    etcd's certificate not trusted (or not for ``server_name``), a handshake refused, a client
+    certificate refused after the handshake (TLS 1.3 says so on the first read), or a TLS etcd
+    reached without TLS."""
+    for endpoint in endpoints:
+        try:
+            sock = socket.create_connection(parse_endpoint(endpoint), timeout=timeout_s)
+        except OSError:
+            continue
+        with sock:
+            return _handshake_problem(sock, endpoint, endpoints, security)
+    return ""
+
+
+def _handshake_problem(
+    sock: socket.socket, endpoint: str, endpoints: list[str], security: EtcdSecurity
+) -> str:
+    if not security.tls:
+        if not _speaks_tls(sock):
+            return ""  # plain unreachable, or not etcd
+        return (
+            f"etcd at {endpoint} speaks TLS, and cluster.etcd_tls.ca is not set. Fix: set "
+            "cluster.etcd_tls.ca to the CA of its certificates (and cluster.etcd_tls.cert / key "
+            "if it asks for client certificates)"
+        )
+    name = security.target_name(endpoints)
+    try:
+        ctx = security.ssl_context()
+    except (ssl.SSLError, OSError) as exc:
+        return (
+            f"cluster.etcd_tls: the files cannot be loaded ({exc}). Fix: point "
+            "cluster.etcd_tls.ca at the CA's PEM certificate and cert / key at this node's "
+            "PEM certificate and its matching private key"
+        )
+    try:
+        with ctx.wrap_socket(sock, server_hostname=name) as tls:
+            tls.sendall(f"GET /health HTTP/1.1\r\nHost: {name}\r\n\r\n".encode())
+            tls.recv(1)  # TLS 1.3 refuses a client certificate after the handshake
+    except ssl.SSLCertVerificationError as exc:
+        return (
+            f"etcd's certificate at {endpoint} is not trusted for {name!r} ({exc.verify_message})."
+            " Fix: set cluster.etcd_tls.ca to the CA that signed the etcd members' certificates, "
+            "and cluster.etcd_tls.server_name to a name every member's certificate carries"
+        )
+    except ssl.SSLError as exc:
+        if not security.cert:
+            return (
+                f"etcd at {endpoint} refused the TLS connection ({exc.reason}): it requires a "
+                "client certificate, and this node showed none (or it serves no TLS on this "
+                "port). Fix: set cluster.etcd_tls.cert and cluster.etcd_tls.key to this node's "
+                "certificate, signed by a CA etcd trusts (its --trusted-ca-file)"
+            )
+        return (
+            f"etcd at {endpoint} refused this node's client certificate ({exc.reason}; or it "
+            "serves no TLS on this port). Fix: use a cluster.etcd_tls.cert signed by a CA etcd "
+            "trusts (its --trusted-ca-file), not expired, with its cluster.etcd_tls.key"
+        )
+    except OSError:
+        return ""
+    return ""
+
+
+def _speaks_tls(sock: socket.socket) -> bool:
+    """Whether the server answers a TLS ClientHello with a TLS handshake record (type 22)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    hello = ctx.wrap_bio(incoming, outgoing)
+    with contextlib.suppress(ssl.SSLWantReadError):  # it waits for the server's answer
+        hello.do_handshake()
+    try:
+        sock.sendall(outgoing.read())
+        return sock.recv(1) == b"\x16"
+    except OSError:
+        return False
+
+
+def _reauthenticate_on_refusal(client: Any, security: EtcdSecurity) -> None:
+    """Make ``client`` authenticate again when etcd refuses its token.
+
+    Every unary call goes through its stub: a call refused with ``UNAUTHENTICATED`` (a token
+    expired or unknown to the member) or ``INVALID_ARGUMENT`` (also etcd's code for "auth store
+    revision is old") authenticates once more and is sent again, once, with the new token; a
+    second refusal is raised. The new token also goes to the calls made afterwards (the etcd3
+    client reads ``metadata`` and ``call_credentials`` per call) and to the streams opened
+    afterwards; the open watch stream is cancelled, so that its watchers learn it broke and
+    watch again on a stream with the new token. A watch creation that etcd refuses is an error
+    (:class:`WatchRefused`), not a watch that never fires."""
+    import grpc
+    from etcd3 import etcdrpc
+    from etcd3.client import EtcdTokenCallCredentials
+
+    lock = threading.Lock()
+    watch_calls: list[Any] = []
+    retry_codes = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT)
+
+    def reauthenticate(stale: Any) -> None:
+        with lock:
+            if client.metadata is not stale:
+                return  # another thread did it while this call failed
+            response = client.auth_stub.Authenticate(
+                etcdrpc.AuthenticateRequest(name=security.user, password=security.password),
+                client.timeout,
+            )
+            token = response.token
+            client.metadata = (("token", token),)
+            client.call_credentials = grpc.metadata_call_credentials(
+                EtcdTokenCallCredentials(token)
+            )
+            client.watcher._metadata = client.metadata
+            client.watcher._credentials = client.call_credentials
+            calls, watch_calls[:] = list(watch_calls), []
+        for call in calls:
+            call.cancel()
+
+    class Stub:
+        def __init__(self, stub: Any, streams: tuple[str, ...]) -> None:
+            self._stub, self._streams = stub, streams
+
+        def __getattr__(self, name: str) -> Any:
+            method = getattr(self._stub, name)
+            if name in self._streams:
+                return method
+
+            def call(*args: Any, **kwargs: Any) -> Any:
+                stale = client.metadata
+                try:
+                    return method(*args, **kwargs)
+                except grpc.RpcError as exc:
+                    if exc.code() not in retry_codes:
+                        raise
+                try:
+                    reauthenticate(stale)
+                except grpc.RpcError as exc:
+                    if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                        log.error(
+                            "etcd no longer accepts user %r (changed password, or removed). "
+                            "Fix: %s",
+                            security.user,
+                            PASSWORD_FIX,
+                        )
+                    raise
+                kwargs.update(credentials=client.call_credentials, metadata=client.metadata)
+                return method(*args, **kwargs)
+
+            return call
+
+    class WatchStub:
+        def __init__(self, stub: Any) -> None:
+            self._stub = stub
+
+        def Watch(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - gRPC's name
+            call = self._stub.Watch(*args, **kwargs)
+            with lock:
+                watch_calls.append(call)
+                watch_calls[:] = [c for c in watch_calls if c.is_active()]
+            return call
+
+    client.kvstub = Stub(client.kvstub, ())
+    client.leasestub = Stub(client.leasestub, ("LeaseKeepAlive",))
+    client.clusterstub = Stub(client.clusterstub, ())
+    client.maintenancestub = Stub(client.maintenancestub, ("Snapshot",))
+    watcher = client.watcher
+    watcher._watch_stub = WatchStub(watcher._watch_stub)
+    handle = watcher._handle_response
+
+    def handle_response(rs: Any) -> None:
+        if rs.created and rs.canceled:
+            with watcher._lock:
+                if watcher._new_watch is not None:
+                    why = rs.cancel_reason or "no reason given"
+                    watcher._new_watch.err = WatchRefused(f"etcd refused a watch: {why}")
+                    watcher._new_watch_cond.notify_all()
+                    return
+        handle(rs)
+
+    watcher._handle_response = handle_response
 
 
 @functools.cache
@@ -105,7 +448,7 @@ def etcd_errors() -> tuple[type[BaseException], ...]:
     import grpc
     from etcd3.exceptions import Etcd3Exception
 
-    return (Etcd3Exception, grpc.RpcError)
+    return (Etcd3Exception, grpc.RpcError, WatchRefused)
 
 
 def allow_watch_filters(client: etcd3.Etcd3Client) -> None:

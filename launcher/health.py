@@ -21,19 +21,24 @@ from __future__ import annotations
 
 import contextlib
 import email.utils
+import http.client
 import json
 import os
 import resource
 import shutil
 import socket
+import ssl
 import subprocess
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from elastic.config import Config, HealthConfig
 from elastic.manifest import committed, manifest_bytes, newest_manifest
 from launcher.embedded_etcd import etcd_binary
+from launcher.etcd import INSECURE, EtcdRefused, EtcdSecurity, etcd_security
 from launcher.gpu_health import gpu_checks
 from launcher.health_report import CheckResult, HealthReport, Status
 
@@ -286,8 +291,13 @@ def _checkpoint_disk_unsized(cfg: Config, existing: Path, free: int) -> CheckRes
 # --- etcd and the clock -----------------------------------------------------------------------
 
 
-def check_etcd_and_clock(cfg: HealthConfig, endpoints: list[str]) -> list[CheckResult]:
+def check_etcd_and_clock(
+    cfg: HealthConfig, endpoints: list[str], security: EtcdSecurity = INSECURE
+) -> list[CheckResult]:
     """Each etcd endpoint's /health, and this node's wall clock against the server's.
+
+    With TLS (``security``) /health is read over HTTPS, with the CA, the client certificate and
+    the server name the gRPC client uses, so a certificate problem shows here too.
 
     The server's clock comes from the HTTP ``Date`` header, whole seconds: the true offset lies
     in ``[sent - date - 1, received - date]``, and the clock fails only when that whole interval
@@ -296,11 +306,32 @@ def check_etcd_and_clock(cfg: HealthConfig, endpoints: list[str]) -> list[CheckR
     if not endpoints:
         return [_embedded_etcd(cfg), _clock_alone()]
     healthy, problems, offsets = [], [], []
+    context = None
+    if security.tls:
+        try:
+            context = security.ssl_context()
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            return [
+                CheckResult(
+                    "etcd",
+                    Status.FAIL,
+                    f"cluster.etcd_tls: cannot load the CA or the client certificate ({exc}). "
+                    "Fix: point cluster.etcd_tls.ca / cert / key at readable PEM files, the key "
+                    "matching the certificate",
+                ),
+                _clock_against(cfg, []),
+            ]
     for endpoint in endpoints:
-        url = "http://" + endpoint.removeprefix("http://") + "/health"
+        host, port = endpoint.removeprefix("http://").rsplit(":", 1)
+        if context is None:
+            url = f"http://{host}:{port}/health"
+            opener = urllib.request.urlopen
+        else:  # the address as configured, the certificate checked for the gRPC client's name
+            url = f"https://{security.target_name(endpoints)}:{port}/health"
+            opener = _opener_to(host, context)
         sent = time.time()
         try:
-            with urllib.request.urlopen(url, timeout=cfg.etcd_timeout_s) as resp:
+            with opener(url, timeout=cfg.etcd_timeout_s) as resp:
                 body = json.loads(resp.read())
                 received = time.time()
                 date = resp.headers.get("Date")
@@ -332,6 +363,71 @@ def check_etcd_and_clock(cfg: HealthConfig, endpoints: list[str]) -> list[CheckR
     else:
         etcd = CheckResult("etcd", Status.PASS, "healthy: " + ", ".join(healthy))
     return [etcd, _clock_against(cfg, offsets)]
+
+
+def _opener_to(host: str, context: ssl.SSLContext) -> Callable[..., Any]:
+    """``urlopen`` over HTTPS that connects to ``host`` whatever the URL's host: the URL
+    names the server as its certificate must (the gRPC client's target name), the socket goes
+    to the endpoint's address."""
+
+    class Connection(http.client.HTTPSConnection):
+        def connect(self) -> None:
+            sock = socket.create_connection((host, self.port), self.timeout)
+            self.sock = context.wrap_socket(sock, server_hostname=self.host)
+
+    class Handler(urllib.request.HTTPSHandler):
+        def https_open(self, req: urllib.request.Request) -> Any:
+            return self.do_open(Connection, req)
+
+    return urllib.request.build_opener(Handler(context=context)).open
+
+
+def check_etcd_certificates(cfg: HealthConfig, security: EtcdSecurity) -> list[CheckResult]:
+    """Days left on the etcd CA and this node's client certificate (``cluster.etcd_tls``):
+    a warning under ``health.cert_warn_days``, a failure once one has expired (or is not yet
+    valid). Nothing without TLS."""
+    if not security.tls:
+        return []
+    from cryptography import x509
+
+    now = time.time()
+    worst, parts, fixes = Status.PASS, [], []
+    for key, path in (("ca", security.ca), ("cert", security.cert)):
+        if not path:
+            continue
+        setting = f"cluster.etcd_tls.{key}"
+        try:
+            with open(path, "rb") as f:
+                certs = x509.load_pem_x509_certificates(f.read())
+        except (OSError, ValueError) as exc:
+            return [
+                CheckResult(
+                    "etcd_certs",
+                    Status.FAIL,
+                    f"{setting}={path!r}: not a readable PEM certificate ({exc}). Fix: point "
+                    f"{setting} at the PEM file",
+                )
+            ]
+        for cert in certs[:1]:  # the certificate itself; a chain's CAs are the CA's business
+            ends = cert.not_valid_after_utc.timestamp()
+            starts = cert.not_valid_before_utc.timestamp()
+            days = (ends - now) / 86400
+            subject = cert.subject.rfc4514_string()
+            parts.append(f"{setting} ({subject}) expires {_utc(ends)}, in {days:.0f} days")
+            if ends <= now or starts > now:
+                worst = Status.FAIL
+                when = "expired" if ends <= now else f"is not valid before {_utc(starts)}"
+                fixes.append(f"{setting} {when}: renew it")
+            elif days < cfg.cert_warn_days:
+                worst = worst if worst is Status.FAIL else Status.WARN
+                fixes.append(
+                    f"{setting} expires within health.cert_warn_days={cfg.cert_warn_days}: renew "
+                    "it before then"
+                )
+    message = "; ".join(parts)
+    if fixes:
+        message += ". Fix: " + "; ".join(fixes) + " (the new files take effect at the next start)"
+    return [CheckResult("etcd_certs", worst, message)]
 
 
 def _embedded_etcd(cfg: HealthConfig) -> CheckResult:
@@ -421,12 +517,20 @@ def run_checks(
     """
     started = time.monotonic()
     h = cfg.health
+    try:  # the certificates; the password is the etcd client's business
+        security = etcd_security(cfg.cluster, with_password=False)
+    except EtcdRefused as exc:
+        security = INSECURE
+        tls_results = [CheckResult("etcd_certs", Status.FAIL, str(exc))]
+    else:
+        tls_results = check_etcd_certificates(h, security)
     results = [
         check_open_files(h),
         check_stack(h),
         check_shm(h, required=device == "cuda" or cfg.data.loader_workers > 0),
         check_checkpoint_disk(cfg, size_model),
-        *check_etcd_and_clock(h, endpoints),
+        *check_etcd_and_clock(h, endpoints, security),
+        *tls_results,
         *gpu_checks(cfg, slots, device),
     ]
     return HealthReport(

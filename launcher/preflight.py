@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from elastic.config import Config, problem
-from launcher.etcd import EtcdUnavailable, connect
+from launcher.etcd import EtcdRefused, EtcdUnavailable, connect, etcd_security
 from launcher.health import local_path, writable_dir_problem
 
 
@@ -28,7 +28,11 @@ def _etcd(cfg: Config) -> str:
     if not endpoints:
         return ""  # the launcher starts an embedded etcd
     try:
-        client = connect(endpoints, timeout_s=cfg.health.etcd_timeout_s)
+        client = connect(
+            endpoints, timeout_s=cfg.health.etcd_timeout_s, security=etcd_security(cfg.cluster)
+        )
+    except EtcdRefused as exc:  # it answered: the message names the setting and the fix
+        return f"etcd refuses this node: {exc}"
     except EtcdUnavailable as exc:
         return problem(
             "cluster.etcd_endpoints",

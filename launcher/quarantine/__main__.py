@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict
 
 from launcher.compose import UsageError, compose
-from launcher.etcd import EtcdUnavailable, connect
+from launcher.etcd import EtcdUnavailable, connect, etcd_security
 from launcher.quarantine import Entry, Quarantine
 
 
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        client = connect(list(cfg.cluster.etcd_endpoints))
+        client = connect(list(cfg.cluster.etcd_endpoints), security=etcd_security(cfg.cluster))
     except EtcdUnavailable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
