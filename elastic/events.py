@@ -91,18 +91,22 @@ class EventFollower:
 
     With ``only_new``, what the files hold already is skipped: a launcher started again on the
     same run directory shows this run's events, not the earlier runs' replayed as new.
+    ``pattern`` picks the files (``<node>.jsonl``: one node's).
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str], only_new: bool = False) -> None:
+    def __init__(
+        self, run_dir: str | os.PathLike[str], only_new: bool = False, pattern: str = "*.jsonl"
+    ) -> None:
         self._dir = events_dir(run_dir)
+        self._pattern = pattern
         self._offsets: dict[Path, int] = {}
         self._partial: dict[Path, str] = {}
         if only_new:
-            self._offsets = {p: p.stat().st_size for p in self._dir.glob("*.jsonl")}
+            self._offsets = {p: p.stat().st_size for p in self._dir.glob(pattern)}
 
     def poll(self) -> list[dict[str, Any]]:
         new: list[dict[str, Any]] = []
-        for path in sorted(self._dir.glob("*.jsonl")):
+        for path in sorted(self._dir.glob(self._pattern)):
             with open(path, encoding="utf-8", errors="replace") as f:
                 f.seek(self._offsets.get(path, 0))
                 chunk = f.read()

@@ -22,6 +22,10 @@ One agent runs on every node (``cluster=bare_metal``), or one per simulated node
    The health checks run again before every rejoin and every worker restart.
 5. When the workers finish the job, mark it done; when another node did, leave too.
 
+The node that holds global rank 0 also writes the job's ``progress`` key, at most once a second,
+from its rank-0 worker's step events (:mod:`launcher.progress_key`), for ``python -m
+launcher.status``.
+
 SIGTERM or SIGINT stops a node cleanly. A node in a round that goes on without it leaves as
 planned: it asks its workers after which step they can stop (the step in flight and the next),
 publishes that step, and the others form the next round without it and switch to it between two
@@ -60,7 +64,7 @@ from elastic import config
 from elastic.control import WorkerEnv
 from elastic.events import EventLog
 from launcher import decisions as decide
-from launcher.etcd import EtcdUnavailable, connect, etcd_errors
+from launcher.etcd import EtcdUnavailable, connect, etcd_errors, etcd_security
 from launcher.fault_requests import FaultRequests
 from launcher.health import run_checks
 from launcher.health_report import Status
@@ -73,6 +77,7 @@ from launcher.inbox import (
     WorkerLeaving,
     WorkerPeerLost,
 )
+from launcher.progress_key import PROGRESS_KEY, ProgressPublisher
 from launcher.quarantine import Entry, Quarantine, clear_command
 from launcher.rendezvous import (
     ETCD_LOST_FIX,
@@ -160,7 +165,11 @@ class Agent:
             timeout=timedelta(seconds=self.cfg.rendezvous.pg_timeout_s),
         )
         try:
-            client = connect(self.endpoints, timeout_s=self.cfg.health.etcd_timeout_s)
+            client = connect(
+                self.endpoints,
+                timeout_s=self.cfg.health.etcd_timeout_s,
+                security=etcd_security(self.cfg.cluster),
+            )
         except EtcdUnavailable as exc:
             self.events.emit(
                 "node_left",
@@ -235,10 +244,17 @@ class Agent:
             self.slots,
             self.device,
         )
+        self.progress = ProgressPublisher(
+            str(self.run_dir),
+            self.node_id,
+            self.cfg.checkpoint.url,
+            put=lambda value: self.rdzv.put_under_lease(PROGRESS_KEY, value),
+        )
         code = 1
         try:
             code = self._loop()
         finally:
+            self.progress.close()
             self.workers.stop(STOP_GRACE_S)
             self.rdzv.leave()
             self.events.emit(
@@ -388,6 +404,7 @@ class Agent:
                 self.rdzv.set_ready()
             probing = self._probe_peers(view)
             self._follow_round(view)
+            self.progress.tick(self.current)  # rank 0's node: the progress key, once a second
             now = time.monotonic()
             if self.current is not None:
                 waiting_since = now

@@ -422,6 +422,31 @@ def join_timed_out(waiting_since: float, now: float, limit_s: float) -> bool:
     return now - waiting_since > limit_s
 
 
+# --- the job's progress in etcd (python -m launcher.status) --------------------------------------
+
+PROGRESS_EVERY_S = 1.0  # the ``progress`` key is written at most this often
+
+
+def publishes_progress(
+    current: Round | None,
+    me: str,
+    step: int,
+    published: int,
+    since_s: float,
+    every_s: float = PROGRESS_EVERY_S,
+) -> bool:
+    """Whether this node's agent writes the job's ``progress`` key now: only while its workers
+    hold global rank 0 of the round they are in (``current``; rank 0 logs the steps), only for a
+    step other than the one written last (``step``: the newest its rank 0 logged, 0 before any;
+    ``published``: the step written last), and at most once every ``every_s`` (``since_s``: since
+    the last write, monotonic). A write that fails is skipped, never retried: the next step's
+    replaces it."""
+    if current is None or step <= 0 or step == published or since_s < every_s:
+        return False
+    member = current.member(me)
+    return member is not None and member.first_rank == 0
+
+
 # --- fault requests (python -m chaos campaign.attach=true) ------------------------------------
 
 REQUESTABLE_KINDS = ("kill_node", "kill_worker", "freeze_node", "leave_node")

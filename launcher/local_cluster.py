@@ -26,6 +26,7 @@ from launcher.progress import ProgressDisplay
 
 log = logging.getLogger("launcher.local")
 
+ENDPOINTS_FILE = "etcd.endpoints"  # in the run directory while the embedded etcd runs
 SHUTDOWN_GRACE_S = 20.0
 FINISHED_GRACE_S = 15.0  # once a node finished the job, how long the others may take to end
 DISPLAY_INTERVAL_S = 0.25
@@ -47,6 +48,8 @@ def run_local(cfg: Config, config_path: Path) -> int:
         etcd = EmbeddedEtcd(run_dir / "etcd", logs / "etcd.log", members).start()
         endpoints = etcd.endpoints
         log.info("embedded etcd (%d member(s)) at %s", members, ", ".join(endpoints))
+        # How the commands beside a running job find it (python -m launcher.status job_id=...).
+        (run_dir / ENDPOINTS_FILE).write_text(",".join(endpoints) + "\n")
 
     stop: list[int] = []
 
@@ -108,6 +111,7 @@ def run_local(cfg: Config, config_path: Path) -> int:
         display.close()
         _shutdown(agents)
         if etcd is not None:
+            (run_dir / ENDPOINTS_FILE).unlink(missing_ok=True)
             etcd.stop()
         for s, handler in previous.items():
             signal.signal(s, handler)

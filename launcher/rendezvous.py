@@ -654,6 +654,15 @@ class Rendezvous:
             "mark the job done", lambda: self._client.put(self._done_key, record, self._lease)
         )
 
+    def put_under_lease(self, name: str, value: str) -> None:
+        """Put ``<job>/<name>`` (the ``progress`` key) under this node's lease, so it goes with
+        the node; once, not retried: raises what etcd raises, and nothing while unregistered."""
+        lease = self._lease
+        if lease is None or self.fenced.is_set():
+            return
+        self.load.requests += 1
+        self._client.put(self._prefix + name, value, lease)
+
     # --- the view ----------------------------------------------------------------------------
 
     @property

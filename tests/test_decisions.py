@@ -40,6 +40,7 @@ from launcher.decisions import (
     on_worker_exits,
     others_go_on,
     peers_to_evict,
+    publishes_progress,
     reaches_the_round,
     refusing_checks,
 )
@@ -484,3 +485,17 @@ def test_a_done_job_is_left_unless_the_workers_finish_its_last_step() -> None:
     assert not leaves_done_job(True, rnd, lost_round=8)  # an older round's report
     # Placed at the very end with nodes that finished the old round and left: nothing mends it.
     assert leaves_done_job(True, rnd, lost_round=9)
+
+
+def test_progress_is_published_by_rank_0s_node_for_a_new_step_at_most_once_a_second() -> None:
+    rnd = Round.build(4, [node("a", 1, slots=2), node("b", 2, slots=2)])
+    assert publishes_progress(rnd, "a", step=7, published=0, since_s=5.0)
+    assert not publishes_progress(rnd, "b", step=7, published=0, since_s=5.0)  # ranks 2-3
+    assert not publishes_progress(None, "a", step=7, published=0, since_s=5.0)  # on standby
+    assert not publishes_progress(rnd, "c", step=7, published=0, since_s=5.0)  # not a member
+    assert not publishes_progress(rnd, "a", step=0, published=0, since_s=5.0)  # no step yet
+    assert not publishes_progress(rnd, "a", step=7, published=7, since_s=5.0)  # written already
+    assert not publishes_progress(rnd, "a", step=8, published=7, since_s=0.9)  # within a second
+    assert publishes_progress(rnd, "a", step=8, published=7, since_s=1.0)
+    # A job resumed from an older checkpoint logs lower steps: they are news too.
+    assert publishes_progress(rnd, "a", step=3, published=7, since_s=1.0)

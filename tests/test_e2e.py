@@ -115,6 +115,20 @@ def start_agent(
         )
 
 
+def job_status(run_dir: Path, job_id: str, etcd_endpoint: str) -> dict:
+    """``python -m launcher.status --json`` of a running job, asked again (at most 5 times)
+    until rank 0's progress and a checkpoint are there."""
+    argv = [sys.executable, "-m", "launcher.status", "--json", f"job_id={job_id}"]
+    argv += [f"run_dir={run_dir}", f"cluster.etcd_endpoints=[{etcd_endpoint}]"]
+    for _ in range(5):
+        shown = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True)
+        data = json.loads(shown.stdout)
+        if data["progress"] and data["checkpoint"]:
+            break
+        time.sleep(0.5)
+    return data
+
+
 def other_node(run_dir: Path, nodes: int) -> str:
     rank0 = node_with_rank(run_dir, 0)
     return next(f"node{i}" for i in range(nodes) if f"node{i}" != rank0)
@@ -275,6 +289,21 @@ def test_a_planned_leave_and_a_drain_hand_over_between_two_steps(
     endpoints = f"cluster.etcd_endpoints=[{etcd_endpoint}]"
     proc = launch(run_dir, "cluster.nodes=3", "trainer.epochs=6", RECORD, endpoints, job_id=job_id)
     wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["step"] >= 8)
+    # The operator's screen (python -m launcher.status) of the running job, checkpoint 5 saved.
+    shown = job_status(run_dir, job_id, etcd_endpoint)
+    members = shown["members"]
+    assert [m["node"] for m in members] == shown["round"]["members"]
+    assert sorted(shown["round"]["members"]) == ["node0", "node1", "node2"]
+    assert [m["ranks"] for m in members] == [[0, 0], [1, 1], [2, 2]]
+    assert all(m["ready"] and m["incarnation"] == 0 and m["health"]["ok"] for m in members)
+    assert not any(m["quarantine"] for m in members)
+    assert shown["round"]["world_size"] == 3 and shown["leader"] in shown["round"]["members"]
+    progress = shown["progress"]
+    assert progress["step"] >= 8 and progress["lr"] > 0 and progress["samples_per_s"] > 0
+    assert progress["world_size"] == 3 and progress["round"] == shown["round"]["number"]
+    checkpoint = shown["checkpoint"]
+    assert checkpoint["step"] >= 5 and checkpoint["step"] % 5 == 0
+    assert 0 <= checkpoint["age_s"] < 60 and str(run_dir / "checkpoints") in checkpoint["url"]
     preempted = other_node(run_dir, 3)
     fault = kill_node(run_dir, preempted, signal.SIGTERM)
     left = wait_event(
@@ -311,6 +340,8 @@ def test_a_planned_leave_and_a_drain_hand_over_between_two_steps(
     assert recovery(events, fault).redone_steps == 0
     done = next(e for e in after if e["event"] == "training_done")
     assert done["world_size"] == 1 and done["samples_seen"] == 6 * SAMPLES_PER_EPOCH
+    # The progress key went with its writer's lease.
+    assert etcd_client.get(f"/elastic/{job_id}/progress")[0] is None
 
 
 def test_killed_worker_is_restarted_and_rejoins_in_place_and_requests_are_refused_by_default(

@@ -1,0 +1,445 @@
+"""``python -m launcher.status``: one screen for an operator of a running job.
+
+It shows the job's members (host, ranks, ready, incarnation, health report, quarantine), the
+current round and its leader, the newest step (samples, LR, samples/s) that rank 0's agent
+published in the ``progress`` key (:mod:`launcher.progress_key`), and the newest committed
+checkpoint with its age. ``--json`` prints the same data as JSON; ``--watch [seconds]`` refreshes
+until Ctrl-C.
+
+The job and its etcd come from the launch's Hydra overrides (:mod:`launcher.compose`), as for
+``python -m launcher.quarantine``: ``job_id=... cluster.etcd_endpoints=[...]``. A local run's
+embedded etcd is found in its run directory (``etcd.endpoints``, written while it runs), so
+``job_id=<id>`` (or ``run_dir=<dir>``) is enough, and with neither the newest running local job
+under ``runs/`` is shown.
+
+The job's keys are read in one range read: ``<prefix>/<job_id>/`` (nodes, round, leader, done,
+quarantine, progress) and the health reports and strikes beside it (``<job_id>.health/``). The
+checkpoint is found from its manifests (:mod:`elastic.manifest`): the newest one whose files are
+all there with the sizes it lists; it is not loaded or hashed. Everything shown is computed by
+:func:`gather` and :func:`render`, pure functions of that data and the time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from elastic import config
+from launcher.compose import UsageError, compose, finalize
+from launcher.health_report import HealthReport
+from launcher.local_cluster import ENDPOINTS_FILE
+from launcher.progress_key import PROGRESS_KEY
+from launcher.rendezvous import QUARANTINE_DIR, NodeRecord, Round, job_prefix, leader_value
+
+# One key of the range read: its value and create revision (a node's registration).
+Keys = Mapping[str, tuple[bytes, int]]
+
+
+class StatusError(RuntimeError):
+    """What keeps the status from being read; the message names the setting and the fix."""
+
+
+# --- the data ----------------------------------------------------------------------------------
+
+
+def key_range(prefix: str, job_id: str) -> tuple[str, str]:
+    """The one range holding ``<job>/...``, ``<job>.health/...`` and ``<job>.chaos/...``: from
+    ``<job>.`` up to ``<job>0`` ('.' < '/' < '0'). A job id has only letters, digits, ``-``
+    and ``_``, so no other job's keys fall in it."""
+    base = job_prefix(prefix, job_id)
+    return base + ".", base + "0"
+
+
+def newest_checkpoint(url: str, now: float) -> dict[str, Any] | None:
+    """The newest committed checkpoint at ``url`` whose files are all there with the sizes its
+    manifest lists (the loader also checks their sha256), without loading it; None if none."""
+    import fsspec
+
+    from elastic.manifest import PREFIX, committed, manifest_bytes
+
+    fs, root = fsspec.core.url_to_fs(url.rstrip("/"))
+    for manifest in committed(url):
+        folder = f"{PREFIX}{manifest['step']:09d}"
+        try:
+            sizes = {n: fs.size(f"{root}/{folder}/{n}") for n in manifest["files"]}
+        except (OSError, ValueError):
+            continue
+        if any(sizes[n] != f["size"] for n, f in manifest["files"].items()):
+            continue
+        saved_at = float(manifest.get("saved_at", 0.0))
+        return {
+            "step": manifest["step"],
+            "url": f"{url.rstrip('/')}/{folder}",
+            "saved_at": saved_at,
+            "age_s": round(now - saved_at, 1),
+            "world_size": manifest.get("world_size"),
+            "samples_seen": manifest.get("progress", {}).get("samples_seen"),
+            "bytes": manifest_bytes(manifest),
+        }
+    return None
+
+
+def gather(
+    keys: Keys,
+    prefix: str,
+    job_id: str,
+    now: float,
+    checkpoint: dict[str, Any] | None = None,
+    endpoints: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """The status of a job from its keys (:func:`key_range`, by full key) at wall time ``now``,
+    with the newest checkpoint (:func:`newest_checkpoint`): the data that ``--json`` prints."""
+    base = job_prefix(prefix, job_id)
+    nodes_dir, q_dir = f"{base}/nodes/", f"{base}/{QUARANTINE_DIR}"
+    reports_dir, strikes_dir = f"{base}.health/reports/", f"{base}.health/strikes/"
+
+    def under(folder: str) -> dict[str, tuple[bytes, int]]:
+        return {k[len(folder) :]: v for k, v in keys.items() if k.startswith(folder)}
+
+    nodes = {n: NodeRecord.from_json(v, rev) for n, (v, rev) in under(nodes_dir).items()}
+    reports = {n: HealthReport.from_json(v) for n, (v, _) in under(reports_dir).items()}
+    strikes = {n: json.loads(v) for n, (v, _) in under(strikes_dir).items()}
+    quarantine = {n: json.loads(v) for n, (v, _) in under(q_dir).items()}
+    raw_round = keys.get(f"{base}/round")
+    rnd = Round.from_json(raw_round[0]) if raw_round else None
+    raw_leader = keys.get(f"{base}/leader")
+    leader = json.loads(raw_leader[0])[0] if raw_leader else ""
+    leads = raw_leader[0].decode() if raw_leader else ""
+    raw_progress = keys.get(f"{base}/{PROGRESS_KEY}")
+    progress = json.loads(raw_progress[0]) if raw_progress else None
+    if progress is not None:
+        progress["age_s"] = round(now - progress["logged_at"], 1)
+
+    in_round = [m.node_id for m in rnd.members] if rnd else []
+    others = sorted((set(nodes) | set(reports) | set(quarantine)) - set(in_round))
+    members = []
+    for node_id in in_round + others:
+        record, report = nodes.get(node_id), reports.get(node_id)
+        m = rnd.member(node_id) if rnd else None
+        current = (
+            m is not None
+            and record is not None
+            and (record.joined_rev, record.incarnation) == (m.joined_rev, m.incarnation)
+        )
+        entry = quarantine.get(node_id)
+        recent = [s for s in strikes.get(node_id, []) if isinstance(s, dict)]
+        members.append(
+            {
+                "node": node_id,
+                "host": record.host if record else (report.host if report else ""),
+                "registered": record is not None,
+                "in_round": current,
+                "ranks": [m.first_rank, m.first_rank + m.slots - 1] if current and m else None,
+                "slots": record.slots if record else None,
+                "ready": record.ready if record else False,
+                "incarnation": record.incarnation if record else None,
+                "leaving_after": record.leaving_after if record else 0,
+                "leader": record is not None and leads == leader_value(node_id, record.joined_rev),
+                "health": None
+                if report is None
+                else {
+                    "ok": report.ok,
+                    "counts": {s: n for s, n in report.counts.items() if n},
+                    "failures": [f"{r.name}: {r.message}" for r in report.failures],
+                    "checked_at": report.checked_at,
+                    "age_s": round(now - report.checked_at, 1),
+                },
+                "quarantine": None
+                if entry is None
+                else {
+                    "until": entry["until"],
+                    "left_s": round(max(0.0, entry["until"] - now), 1),
+                    "by": entry["by"],
+                    "reasons": entry["reasons"],
+                },
+                "strikes": len(recent),
+            }
+        )
+    return {
+        "job_id": job_id,
+        "prefix": prefix,
+        "endpoints": list(endpoints),
+        "at": now,
+        "done": f"{base}/done" in keys,
+        "leader": leader,
+        "round": None
+        if rnd is None
+        else {
+            "number": rnd.number,
+            "world_size": rnd.world_size,
+            "members": in_round,
+            "formed_at": rnd.formed_at,
+            "age_s": round(now - rnd.formed_at, 1),
+            "after_step": rnd.after_step,
+            "store": f"{rnd.store_host}:{rnd.store_port}",
+        },
+        "members": members,
+        "progress": progress,
+        "checkpoint": checkpoint,
+    }
+
+
+# --- the screen --------------------------------------------------------------------------------
+
+
+def age(seconds: float) -> str:
+    """A duration as an operator reads it: ``4.2 s``, ``75 s``, ``12 min``, ``3.5 h``."""
+    seconds = max(0.0, seconds)
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _size(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1000:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size:.1f} TB"
+
+
+def _health(h: dict[str, Any] | None) -> str:
+    if h is None:
+        return "-"
+    counts = ", ".join(f"{n} {s}" for s, n in h["counts"].items())
+    if h["ok"]:
+        return f"ok ({counts}), {age(h['age_s'])} ago"
+    failed = ", ".join(f.split(":", 1)[0] for f in h["failures"])
+    return f"FAIL {failed}, {age(h['age_s'])} ago"
+
+
+def _quarantine(m: dict[str, Any]) -> str:
+    q = m["quarantine"]
+    if q is None:
+        return f"{m['strikes']} strike(s)" if m["strikes"] else "-"
+    until = time.strftime("%H:%M:%S", time.localtime(q["until"]))
+    return f"until {until} ({age(q['left_s'])} left, by {q['by']}: {'; '.join(q['reasons'])})"
+
+
+def _state(m: dict[str, Any]) -> tuple[str, str]:
+    """The ranks column and the ready column."""
+    if not m["registered"]:
+        return "-", "not registered"
+    ranks = m["ranks"]
+    if ranks is None:
+        where = "-"
+    else:
+        where = str(ranks[0]) if ranks[0] == ranks[1] else f"{ranks[0]}-{ranks[1]}"
+    ready = "yes" if m["ready"] else "no"
+    if m["leaving_after"]:
+        ready += f", leaving after step {m['leaving_after']}"
+    return where, ready
+
+
+def render(data: dict[str, Any]) -> str:
+    """The screen for :func:`gather`'s data: a few summary lines, then one row per node."""
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(data["at"]))
+    etcd = ",".join(data["endpoints"]) or "?"
+    lines = [f"job {data['job_id']}  (etcd {etcd}, {data['prefix']})  {when}"]
+    if data["done"]:
+        lines.append("the job is DONE")
+    rnd = data["round"]
+    if rnd is None:
+        lines.append("round      none yet (waiting for cluster.min_nodes ready nodes)")
+    else:
+        switch = f", members switch after step {rnd['after_step']}" if rnd["after_step"] else ""
+        lines.append(
+            f"round      {rnd['number']}: world size {rnd['world_size']} on "
+            f"{len(rnd['members'])} node(s), formed {age(rnd['age_s'])} ago{switch}; "
+            f"leader {data['leader'] or 'none'}"
+        )
+    p = data["progress"]
+    if p is None:
+        lines.append("progress   none published yet (rank 0's agent writes it once it trains)")
+    else:
+        total = f"/{p['total_samples']}" if p.get("total_samples") else ""
+        lines.append(
+            f"progress   step {p['step']}, epoch {p['epoch']}, samples {p['samples']}{total}, "
+            f"lr {p['lr']:.6g}, loss {p['loss']:.4f}, {p['samples_per_s']:.1f} samples/s, "
+            f"world size {p['world_size']} (round {p['round']}), {age(p['age_s'])} ago"
+        )
+    c = data["checkpoint"]
+    if c is None:
+        lines.append("checkpoint none committed yet")
+    else:
+        lines.append(
+            f"checkpoint step {c['step']}, saved {age(c['age_s'])} ago, {_size(c['bytes'])}, "
+            f"world size {c['world_size']}: {c['url']}"
+        )
+    rows = [("node", "host", "ranks", "ready", "inc", "health", "quarantine")]
+    for m in data["members"]:
+        ranks, ready = _state(m)
+        inc = "-" if m["incarnation"] is None else str(m["incarnation"])
+        name = m["node"] + (" *" if m["leader"] else "")
+        rows.append((name, m["host"], ranks, ready, inc, _health(m["health"]), _quarantine(m)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    lines.append("")
+    for r in rows:
+        lines.append(
+            "  ".join([*(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)), r[-1]]).rstrip()
+        )
+    if len(rows) == 1:
+        lines.append("(no node is registered)")
+    if any(m["leader"] for m in data["members"]):
+        lines.append("* leader (proposes the rounds)")
+    return "\n".join(lines)
+
+
+# --- reading it --------------------------------------------------------------------------------
+
+
+def job_and_endpoints(overrides: list[str], cwd: Path) -> tuple[config.Config, list[str]]:
+    """The job's configuration and its etcd: from the overrides, else from a local run's
+    directory (``run_dir=``, ``job_id=``'s ``runs/<job_id>``, or the newest running local job
+    under ``runs/``). Raises :class:`UsageError` or :class:`StatusError`."""
+    cfg = compose(overrides)
+    if not cfg.job_id:
+        run_dir = Path(cfg.run_dir) if cfg.run_dir else None
+        if run_dir is None:
+            running = sorted(
+                (cwd / "runs").glob(f"*/{ENDPOINTS_FILE}"), key=lambda p: p.stat().st_mtime
+            )
+            if not running:
+                raise UsageError(
+                    "job_id is empty and no local job is running under runs/. Fix: pass "
+                    "job_id=<the job's id> (and cluster.etcd_endpoints=[host:port] for a job "
+                    "on an etcd cluster)"
+                )
+            run_dir = running[-1].parent
+        saved = run_dir / "config.yaml"
+        if not saved.exists():
+            raise UsageError(f"{saved} does not exist. Fix: pass job_id=<the job's id>")
+        cfg = dataclasses.replace(cfg, job_id=config.load(saved).job_id, run_dir=str(run_dir))
+    cfg = finalize(cfg)
+    saved = Path(cfg.run_dir) / "config.yaml"
+    if saved.exists():  # this machine launched it: its checkpoint URL and prefix are known
+        job = config.load(saved)
+        if job.job_id == cfg.job_id:
+            cfg = dataclasses.replace(cfg, checkpoint=job.checkpoint, rendezvous=job.rendezvous)
+    endpoints = list(cfg.cluster.etcd_endpoints)
+    if not endpoints:
+        found = Path(cfg.run_dir) / ENDPOINTS_FILE
+        if not found.exists():
+            raise StatusError(
+                f"cluster.etcd_endpoints is empty and {found} does not exist (a local run "
+                "writes it while its embedded etcd runs). Fix: pass the job's etcd, e.g. "
+                "cluster.etcd_endpoints=[10.0.0.1:2379], or run_dir=<the local run's "
+                "directory> while it runs"
+            )
+        endpoints = found.read_text().split()[0].split(",")
+    return cfg, endpoints
+
+
+class Reader:
+    """Reads a job's status; connects (again) to etcd when it must."""
+
+    def __init__(self, cfg: config.Config, endpoints: list[str]) -> None:
+        self.cfg, self.endpoints = cfg, endpoints
+        self._client: Any = None
+
+    def read(self) -> dict[str, Any]:
+        from launcher.etcd import EtcdUnavailable, connect, etcd_errors, etcd_security
+
+        cfg, prefix = self.cfg, self.cfg.rendezvous.prefix
+        where = f"cluster.etcd_endpoints=[{','.join(self.endpoints)}]"
+        try:
+            if self._client is None:
+                self._client = connect(
+                    self.endpoints,
+                    timeout_s=cfg.health.etcd_timeout_s,
+                    security=etcd_security(cfg.cluster),
+                )
+            start, end = key_range(prefix, cfg.job_id)
+            keys = {
+                meta.key.decode(): (value, meta.create_revision)
+                for value, meta in self._client.get_range(start, end)
+            }
+        except EtcdUnavailable as exc:
+            raise StatusError(f"cannot read job {cfg.job_id} from etcd ({where}): {exc}") from exc
+        except etcd_errors() as exc:
+            self._client = None
+            raise StatusError(
+                f"etcd did not answer ({where}: {exc.__class__.__name__}). Fix: check "
+                "cluster.etcd_endpoints and that etcd is running"
+            ) from exc
+        if not keys:
+            raise StatusError(
+                f"etcd ({where}) holds no keys of job {cfg.job_id} under "
+                f"{job_prefix(prefix, cfg.job_id)}/: the job is not running there. Fix: check "
+                "job_id, cluster.etcd_endpoints and rendezvous.prefix (they must be the "
+                "launch's)"
+            )
+        now = time.time()
+        base = job_prefix(prefix, cfg.job_id)
+        raw = keys.get(f"{base}/{PROGRESS_KEY}")
+        url = (json.loads(raw[0]).get("checkpoint_url") if raw else "") or cfg.checkpoint.url
+        try:
+            checkpoint = newest_checkpoint(url, now)
+        except (OSError, ValueError, ImportError):  # a store this machine cannot reach
+            checkpoint = None
+        return gather(keys, prefix, cfg.job_id, now, checkpoint, tuple(self.endpoints))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m launcher.status",
+        description="One screen on a running job: members, round, progress, checkpoint. The "
+        "job and its etcd come from the launch's Hydra overrides, e.g. job_id=resnet50-run1 "
+        "cluster.etcd_endpoints=[10.0.0.1:2379]; a local run needs only job_id= (or nothing: "
+        "the newest running local job).",
+    )
+    parser.add_argument("--json", action="store_true", help="the same data as JSON")
+    parser.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=2.0,
+        default=None,
+        metavar="SECONDS",
+        help="refresh every SECONDS (default 2) until Ctrl-C",
+    )
+    argv = sys.argv[1:] if argv is None else argv
+    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
+    args = parser.parse_args([a for a in argv if a not in overrides])
+    try:
+        cfg, endpoints = job_and_endpoints(overrides, Path.cwd())
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except StatusError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    reader = Reader(cfg, endpoints)
+    clear = args.watch is not None and not args.json and sys.stdout.isatty()
+    try:
+        while True:
+            try:
+                data = reader.read()
+                text = json.dumps(data) if args.json else render(data)
+                code = 0
+            except StatusError as exc:
+                if args.watch is None:
+                    print(f"error: {exc}", file=sys.stderr)
+                    return 1
+                text, code = f"error: {exc}", 1
+            print(("\x1b[H\x1b[2J" if clear else "") + text, flush=True)
+            if args.watch is None:
+                return code
+            time.sleep(max(0.2, args.watch))
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
