@@ -1,22 +1,24 @@
 """Goodput under one seeded campaign: this project next to the torchrun peer, in one run, with the
 same faults at the same moments.
 
-The campaign (chaos/campaign.py, drawn from ``--seed``): faults at random moments ``--mtbf-s``
-apart on average, each a SIGKILL or a SIGSTOP of a node other than rank 0's (for the peer: other
-than the node whose agent hosts the c10d store); a killed node is started again after
+The campaign (chaos/campaign.py, drawn from ``--seed``; the default, 6, draws two kills and two
+freezes in the 8 minutes, where seed 0 draws three freezes and no kill): faults at random moments
+``--mtbf-s`` apart on average, each a SIGKILL or a SIGSTOP of a node other than rank 0's (for the
+peer: other than the node whose agent hosts the c10d store); a killed node is started again after
 ``--restart-after-s``, a frozen one thawed after ``--freeze-s``. Ours runs as ``python -m chaos``
 on a 3-node job; the peer is ``shared/bench/peer_torchrun/train.py`` under three torchrun agents
 (``--nnodes=1:3``, c10d rendezvous), driven here with the same schedule, node picks and ends of
 faults, for as many steps as ours trained, each padded to our step time (so the same faults fall
-within both jobs). A frozen torchrun node holds its peers in their all-reduce until it is thawed;
-a killed one restarts every worker from the last checkpoint: that is the peer's own behaviour.
+within both jobs). A frozen torchrun node holds its peers in their all-reduce until it is thawed; a
+killed one restarts every worker from the last checkpoint: that is the peer's own behaviour.
 
 Goodput has one definition for both (README, chaos/verdict.py): samples trained and kept per
 second, divided by what a fault-free run of the same job trains per second at the same world
 sizes, each step's time counted at the fault-free rate of the world that trained it. Both
 fault-free rates are measured in the same run.
 
-    .venv/bin/python bench/goodput.py                         # a fault every 2 minutes, ~25 min
+    .venv/bin/python bench/goodput.py                         # a fault every 2 minutes, ~30 min
+    .venv/bin/python bench/goodput.py --work-dir /tmp/gp      # keep both jobs' logs
     .venv/bin/python bench/goodput.py --mtbf-s 30 --minutes 3 # a quick look
 """
 
@@ -82,6 +84,7 @@ def run_ours(work: Path, args: argparse.Namespace) -> tuple[dict, float, int]:
         f"cluster.nodes={NODES}",
         f"data.batch_size={BATCH}",
         f"trainer.epochs={steps * NODES * BATCH / DATASET:.2f}",
+        f"campaign.baseline_steps={args.baseline_steps}",
     ]
     done = subprocess.run(
         [sys.executable, "-m", "chaos", *overrides], cwd=work, capture_output=True, text=True
@@ -167,9 +170,9 @@ class Peer:
             self.signal(node, signal.SIGKILL)
 
 
-def peer_rate(work: Path, train: Path, world: int, step_sleep: float) -> float:
-    """The peer's fault-free samples/s at ``world`` nodes."""
-    peer = Peer(work / f"peer-baseline-{world}", 60, step_sleep, str(world))
+def peer_rate(work: Path, train: Path, world: int, step_sleep: float, steps: int) -> float:
+    """The peer's fault-free samples/s at ``world`` nodes, over ``steps`` steps."""
+    peer = Peer(work / f"peer-baseline-{world}", steps, step_sleep, str(world))
     for node in PEER_NODES[:world]:
         peer.start(node, train)
     deadline = time.monotonic() + 300
@@ -202,7 +205,7 @@ def run_peer(work: Path, args: argparse.Namespace, step_s: float, steps: int) ->
     faults fall in it."""
     train = args.peer / "train.py"
     sleep = max(0.0, step_s - 0.01)  # ~10 ms of MLP compute, padded to our step
-    rates = {w: peer_rate(work, train, w, sleep) for w in (3, 2, 1)}
+    rates = {w: peer_rate(work, train, w, sleep, args.baseline_steps) for w in (3, 2, 1)}
     peer = Peer(work / "peer", steps, sleep, f"1:{NODES}")
     for node in PEER_NODES:
         peer.start(node, train)
@@ -254,10 +257,19 @@ def run_peer(work: Path, args: argparse.Namespace, step_s: float, steps: int) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed", type=int, default=6, help="6 draws two kills and two freezes in 8 minutes"
+    )
     parser.add_argument("--mtbf-s", type=float, default=120.0, help="mean time between faults")
     parser.add_argument("--minutes", type=float, default=8.0, help="fault-free job length")
     parser.add_argument("--freeze-s", type=float, default=10.0)
+    parser.add_argument(
+        "--baseline-steps",
+        type=int,
+        default=150,
+        help="steps of each fault-free run (both runtimes); on shared cores the rate is noisy, "
+        "and a short run misjudges it by several %%",
+    )
     parser.add_argument("--restart-after-s", type=float, default=10.0)
     parser.add_argument(
         "--step-guess-s", type=float, default=0.27, help="our step time, to size the job"
@@ -265,11 +277,22 @@ def main() -> None:
     parser.add_argument(
         "--peer", type=Path, default=REPO.parent / "shared" / "bench" / "peer_torchrun"
     )
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        help="keep both jobs' run directories and logs here (default: a temporary directory)",
+    )
     args = parser.parse_args()
     if not (args.peer / "train.py").exists():
         parser.error(f"--peer: {args.peer}/train.py not found")
-    with tempfile.TemporaryDirectory(prefix="bench-goodput-") as tmp:
-        work = Path(tmp)
+    if args.work_dir is not None and args.work_dir.exists() and any(args.work_dir.iterdir()):
+        parser.error(f"--work-dir: {args.work_dir} is not empty; name a new or empty directory")
+    with contextlib.ExitStack() as stack:
+        if args.work_dir is None:
+            work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-goodput-")))
+        else:
+            work = args.work_dir.resolve()
+            work.mkdir(parents=True, exist_ok=True)
         ours, step_s, steps = run_ours(work, args)
         peer = run_peer(work, args, step_s, steps)
     print(

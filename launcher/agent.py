@@ -16,9 +16,11 @@ One agent runs on every node (``cluster=bare_metal``), or one per simulated node
    agents, and a peer that refuses the connection is dead: its key is deleted at once, and the
    leader forms a smaller round. A local worker that crashes, or that the watchdog finds frozen,
    makes this node leave the round at once (the incarnation goes up) and is started again; the
-   node comes back in a later round. A node that lost its lease (fenced) stops its workers and
-   registers again as a new member. Each crash or fencing is a strike (:mod:`launcher.quarantine`);
-   too many and the node is quarantined: it leaves, waits out the cooldown and starts over at 1.
+   node comes back in a later round. A node that lost its lease (fenced) puts its workers on
+   standby and registers again as a new member; its workers enter the next round with the
+   survivors' state (a quarantined node stops them instead). Each crash or fencing is a strike
+   (:mod:`launcher.quarantine`); too many and the node is quarantined: it leaves, waits out the
+   cooldown and starts over at 1.
    The health checks run again before every rejoin and every worker restart.
 5. When the workers finish the job, mark it done; when another node did, leave too.
 
@@ -556,10 +558,19 @@ class Agent:
     def _rejoin(self, rejoin: decide.Rejoin) -> int:
         """Fenced or quarantined: this node's rounds go on without it. Leave, wait out any
         quarantine, check the node again and join as a new member; 0, or the exit code."""
-        if rejoin.strike:
-            self._strike(rejoin.reason)
-        log.warning("%s %s; leaving, to join again as a new member", self.node_id, rejoin.reason)
-        self.workers.stop(STOP_GRACE_S)
+        sentenced = self._strike(rejoin.reason) if rejoin.strike else None
+        quarantined = sentenced is not None or self.node_id in self.rdzv.view.quarantined
+        keep = decide.keeps_workers(rejoin, quarantined, self.workers.exit_codes())
+        log.warning(
+            "%s %s; leaving, to join again as a new member (its workers %s)",
+            self.node_id,
+            rejoin.reason,
+            "stand by" if keep else "stop",
+        )
+        if keep:
+            self.workers.standby()
+        else:
+            self.workers.stop(STOP_GRACE_S)
         self.current = None
         self.draining_since, self.leave_answers = None, {}
         self.rdzv.leave()
@@ -569,8 +580,9 @@ class Agent:
         code = self._register()
         if code:
             return code
-        for s in self.workers.slots:
-            s.start()
+        if not keep:
+            for s in self.workers.slots:
+                s.start()
         return 0
 
     def _register(self) -> int:

@@ -97,7 +97,8 @@ def on_worker_exits(
 
 @dataclass(frozen=True)
 class Rejoin:
-    """The job goes on without this node: stop the workers, leave, join again as a new member."""
+    """The job goes on without this node: leave, join again as a new member (the workers stop,
+    or stand by: :func:`keeps_workers`)."""
 
     reason: str
     strike: bool  # whether it counts against the node (fencing does; quarantine is the sentence)
@@ -121,6 +122,19 @@ def on_membership(fenced: bool, quarantined: bool, etcd_lost: bool) -> StopNode 
     if quarantined:
         return Rejoin("was quarantined", strike=False)
     return None
+
+
+def keeps_workers(rejoin: Rejoin, quarantined: bool, exit_codes: Sequence[int | None]) -> bool:
+    """Whether the workers stand by through a rejoin instead of being stopped and started again.
+
+    A fenced node (frozen past its lease, cut off etcd) has workers that did nothing wrong: new
+    ones would cost seconds of start-up (torch, the model, the loader) before the node trains
+    again, on cores a local job shares with the nodes training meanwhile. Standing by, they leave
+    their round at once as stopped ones would, and the next round gives them the survivors'
+    state, as it gives a restarted worker. A quarantined node waits out its sentence, which may
+    be long: its workers stop and free the devices. So do all of them if one has exited.
+    """
+    return rejoin.strike and not quarantined and all(code is None for code in exit_codes)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from launcher.decisions import (
     excluded_ranks,
     follow_round,
     join_timed_out,
+    keeps_workers,
     leaves_done_job,
     on_membership,
     on_node_id_in_use,
@@ -117,6 +118,14 @@ def test_fencing_rejoins_with_a_strike_and_quarantine_without() -> None:
     )
     fenced_and_quarantined = on_membership(fenced=True, quarantined=True, etcd_lost=False)
     assert isinstance(fenced_and_quarantined, Rejoin) and fenced_and_quarantined.strike
+
+
+def test_a_fenced_node_keeps_live_workers_and_a_quarantined_one_stops_them() -> None:
+    fenced = Rejoin("lost its place in the job (fenced)", strike=True)
+    assert keeps_workers(fenced, quarantined=False, exit_codes=[None, None])
+    assert not keeps_workers(fenced, quarantined=True, exit_codes=[None, None])
+    assert not keeps_workers(fenced, quarantined=False, exit_codes=[None, 1])
+    assert not keeps_workers(Rejoin("was quarantined", strike=False), False, [None])
 
 
 def test_etcd_lost_beyond_the_grace_period_stops_the_node_whatever_else_holds() -> None:

@@ -271,6 +271,14 @@ def test_a_frozen_node_and_a_frozen_agent_are_evicted_and_rejoin_when_thawed(
         assert synced and synced[0]["step"] > 0  # its state came from the survivors' memory
         strikes = [e for e in events if e["event"] == "strike" and fault < e["ts"] < back["ts"]]
         assert [e["node"] for e in strikes] == [target], strikes  # the fencing, once
+        # Its workers stood by through the rejoin: none was stopped or started again.
+        replaced = ("worker_exited", "worker_started")
+        restarted = [
+            e
+            for e in events
+            if e["event"] in replaced and e["node"] == target and fault < e["ts"] < back["ts"]
+        ]
+        assert not restarted, restarted
     assert not any(e["event"] == "checkpoint_loaded" for e in events if e["ts"] > rejoined[0][1])
     assert not any(e["event"] == "worker_frozen" for e in events)
     # The thawed agent saw it had been away (a whole node frozen over 2 s may say so too).
