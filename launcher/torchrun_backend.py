@@ -49,6 +49,12 @@ Settings (``--rdzv-conf key=value,...``), besides torch's own (``join_timeout``,
 ``etcd_timeout`` seconds one etcd request may take (default 5)
 ``read_timeout`` seconds a store read waits for its key (default 60, as torch's ``c10d``)
 ``state_ttl``    the keys' lease, in seconds: 0 (never expire) or at least 60 (default 7200)
+``ca``           TLS: the CA file (PEM) that signed the etcd members' certificates
+``cert``, ``key`` TLS: this node's client certificate and key, for ``--client-cert-auth``
+``server_name``  the name the members' certificates are checked against (default: the first
+                 endpoint's host)
+``user``         an etcd user; its password is read from ``password_file``, or else from
+                 ``$ELASTIC_ETCD_PASSWORD``, never from the command line (where ``ps`` shows it)
 """
 
 from __future__ import annotations
@@ -74,7 +80,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from launcher.etcd import EtcdUnavailable, connect, etcd_errors
+from elastic.config import ETCD_PASSWORD_ENV
+from launcher.etcd import EtcdRefused, EtcdSecurity, EtcdUnavailable, connect, etcd_errors
 
 NAME = "etcd-v3"
 DEFAULT_PORT = 2379
@@ -116,7 +123,7 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdV3Backend, EtcdV3S
             f"Fix: 0 (never expire) or at least {MIN_STATE_TTL_S}"
         )
 
-    client = _connect(endpoints, etcd_timeout)
+    client = _connect(endpoints, etcd_timeout, _security(params))
     run = f"{key_prefix}/{params.run_id}"
     lease = _Lease(client, int(state_ttl))
     store = EtcdV3Store(client, f"{run}/store/", lease, timedelta(seconds=read_timeout))
@@ -337,18 +344,74 @@ def _seconds(
 _PROTOBUF_MODE = "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"
 
 
-def _connect(endpoints: list[str], timeout_s: float) -> Any:
+def _security(params: RendezvousParameters) -> EtcdSecurity:
+    """TLS files and the etcd user from ``--rdzv-conf``, checked before any connection; the
+    password from ``password_file`` or the environment."""
+    conf = {name: str(params.get(name, "") or "") for name in ("ca", "cert", "key", "user")}
+    if params.get("password") is not None:
+        raise ValueError(
+            "etcd-v3 rendezvous: rdzv_conf password would show in the process list. Fix: put "
+            f"it in a file named by rdzv_conf password_file, or in ${ETCD_PASSWORD_ENV}"
+        )
+    for name in ("ca", "cert", "key"):
+        path = conf[name]
+        if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+            raise ValueError(
+                f"etcd-v3 rendezvous: rdzv_conf {name}={path!r} is not a readable file. "
+                "Fix: point it at the PEM file"
+            )
+    if bool(conf["cert"]) != bool(conf["key"]) or (conf["cert"] and not conf["ca"]):
+        raise ValueError(
+            "etcd-v3 rendezvous: a client certificate needs rdzv_conf cert, key and ca together "
+            "(ca alone is TLS without a client certificate)"
+        )
+    password = ""
+    if conf["user"]:
+        source = str(params.get("password_file", "") or "")
+        if source:
+            try:
+                with open(source) as f:
+                    password = f.read().rstrip("\r\n")
+            except OSError as exc:
+                raise ValueError(
+                    f"etcd-v3 rendezvous: rdzv_conf password_file={source!r} cannot be read "
+                    f"({exc.strerror}). Fix: point it at a file holding the password"
+                ) from exc
+        else:
+            password = os.environ.get(ETCD_PASSWORD_ENV, "")
+        if not password:
+            raise ValueError(
+                f"etcd-v3 rendezvous: rdzv_conf user={conf['user']!r} has no password. Fix: set "
+                f"rdzv_conf password_file, or ${ETCD_PASSWORD_ENV}"
+            )
+    return EtcdSecurity(
+        ca=conf["ca"],
+        cert=conf["cert"],
+        key=conf["key"],
+        server_name=str(params.get("server_name", "") or ""),
+        user=conf["user"],
+        password=password,
+    )
+
+
+def _connect(endpoints: list[str], timeout_s: float, security: EtcdSecurity) -> Any:
     """``launcher.etcd.connect``, leaving the environment as it was: connect sets the protobuf
     mode that the etcd client needs before its import, and torchrun's workers inherit the
     agent's environment, where it would slow every protobuf user down."""
     before = os.environ.get(_PROTOBUF_MODE)
     try:
-        client = connect(endpoints, timeout_s=timeout_s)
+        client = connect(endpoints, timeout_s=timeout_s, security=security)
         etcd_errors()  # imports what the error handling needs while the mode is set
     except EtcdUnavailable as exc:
         raise RendezvousConnectionError(
             f"etcd-v3 rendezvous: {exc}. Fix: --rdzv-endpoint must name etcd members "
             f"(host:port[,host:port...]); rdzv_conf etcd_timeout is {timeout_s:g} s"
+        ) from exc
+    except EtcdRefused as exc:
+        raise RendezvousConnectionError(
+            f"etcd-v3 rendezvous: {exc} (under torchrun, cluster.etcd_tls.ca/cert/key/"
+            "server_name, cluster.etcd_user and cluster.etcd_password_file are rdzv_conf ca, "
+            "cert, key, server_name, user and password_file)"
         ) from exc
     finally:
         if before is None:

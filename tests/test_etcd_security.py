@@ -397,6 +397,49 @@ def test_the_health_check_reads_etcd_over_tls_and_reports_certificate_expiry(
     assert check_etcd_certificates(health, EtcdSecurity()) == []
 
 
+def test_the_torchrun_backend_speaks_tls_and_auth_and_refuses_without(
+    secure_etcd: SecureEtcd, tmp_path: Path, job: str
+) -> None:
+    """``torchrun --rdzv-backend=etcd-v3 --rdzv-conf ca=...,cert=...,key=...,user=job,
+    password_file=...``: the rendezvous state is written and read back over TLS as the user; no
+    wrong password is refused, naming the settings; a password on the command line and a missing
+    key file are refused before connecting."""
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousConnectionError,
+        RendezvousParameters,
+    )
+
+    from launcher.torchrun_backend import create_backend
+
+    secret = tmp_path / "password"
+    secret.write_text(PASSWORD + "\n")
+    tls = {
+        "ca": str(secure_etcd.pki.ca),
+        "cert": str(secure_etcd.pki.client),
+        "key": str(secure_etcd.pki.client.with_suffix(".key")),
+    }
+
+    def params(**conf: str) -> RendezvousParameters:
+        return RendezvousParameters(
+            "etcd-v3", secure_etcd.endpoint, job, 1, 1, key_prefix=PREFIX, **conf
+        )
+
+    backend, _ = create_backend(params(**tls, user="job", password_file=str(secret)))
+    assert backend.get_state() is None
+    state, token, written = backend.set_state(b"round 0", None)
+    assert written and state == b"round 0" and backend.get_state() == (state, token)
+    assert secure_etcd.keys(f"{PREFIX}/{job}/") == [f"{PREFIX}/{job}/state"]
+
+    wrong = tmp_path / "wrong"
+    wrong.write_text("wrong\n")
+    with pytest.raises(RendezvousConnectionError, match="refused user 'job'.*rdzv_conf"):
+        create_backend(params(**tls, user="job", password_file=str(wrong)))
+    with pytest.raises(ValueError, match="process list.*password_file"):
+        create_backend(params(**tls, user="job", password=PASSWORD))
+    with pytest.raises(ValueError, match="rdzv_conf key="):
+        create_backend(params(**tls | {"key": str(tmp_path / "missing.key")}))
+
+
 def test_health_over_plain_http_still_works_without_tls() -> None:
     # No etcd at all: the check fails as before, by address, without TLS.
     port = free_port()
