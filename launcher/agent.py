@@ -647,7 +647,7 @@ class Agent:
                 "quarantine_wait",
                 f"{self.node_id} is quarantined for {left:.0f} s more "
                 f"({'; '.join(entry.reasons)}); waiting. To end it sooner: "
-                + clear_command(self.node_id, self.cfg.job_id, self.endpoints),
+                + clear_command(self.node_id, self.cfg.job_id, self.endpoints, self.cfg.cluster),
                 level=logging.WARNING,
                 left_s=left,
                 reasons=list(entry.reasons),

@@ -52,7 +52,7 @@ def quarantine_row(cfg: Config, node_id: str) -> CheckResult:
                 Status.FAIL,
                 f"{node_id} is quarantined in job {cfg.job_id} for {left:.0f} s more "
                 f"({'; '.join(entry.reasons)}). Fix: repair the cause, then wait, or clear it: "
-                + clear_command(node_id, cfg.job_id, list(cfg.cluster.etcd_endpoints)),
+                + clear_command(node_id, cfg.job_id, list(cfg.cluster.etcd_endpoints), cfg.cluster),
             )
         strikes = len(q.strikes(node_id))
         return CheckResult(

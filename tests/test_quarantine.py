@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from elastic.config import HealthConfig
+from elastic.config import ClusterConfig, EtcdTlsConfig, HealthConfig
 from launcher.etcd import connect
-from launcher.quarantine import Quarantine
+from launcher.quarantine import Quarantine, clear_command
 from launcher.rendezvous import JobView, Round, plan_round
 
 from .test_rendezvous import node, round_number
@@ -129,3 +129,24 @@ def test_leader_drops_a_member_put_in_quarantine(make, etcd_endpoint: str, job_i
         assert b.wait(lambda v: "b" in v.quarantined, timeout=30) is not None
     finally:
         client.close()
+
+
+def test_the_printed_clear_command_carries_the_etcd_security_settings_but_no_password() -> None:
+    plain = clear_command("n3", "job1", ["10.0.0.1:2379"], ClusterConfig())
+    assert plain == (
+        "python -m launcher.quarantine clear n3 job_id=job1 cluster.etcd_endpoints=[10.0.0.1:2379]"
+    )
+    secured = ClusterConfig(
+        etcd_tls=EtcdTlsConfig(ca="/pki/ca.pem", cert="/pki/n.pem", key="/pki/n.key"),
+        etcd_user="train",
+        etcd_password_file="/run/secrets/etcd",
+    )
+    words = clear_command("n3", "job1", ["a:2379", "b:2379"], secured).split()
+    assert words[-6:] == [
+        "cluster.etcd_endpoints=[a:2379,b:2379]",
+        "cluster.etcd_tls.ca=/pki/ca.pem",
+        "cluster.etcd_tls.cert=/pki/n.pem",
+        "cluster.etcd_tls.key=/pki/n.key",
+        "cluster.etcd_user=train",
+        "cluster.etcd_password_file=/run/secrets/etcd",
+    ]

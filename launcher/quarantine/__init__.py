@@ -29,7 +29,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from elastic.config import HealthConfig
+from elastic.config import ClusterConfig, HealthConfig
 from elastic.events import EventLog
 from launcher.health_report import HealthReport
 from launcher.rendezvous import QUARANTINE_DIR, job_prefix
@@ -170,9 +170,22 @@ class Quarantine:
             self._events.emit(event, **fields)
 
 
-def clear_command(node_id: str, job_id: str, endpoints: list[str]) -> str:
-    """The command line an operator runs to end ``node_id``'s quarantine now."""
-    return (
-        f"python -m launcher.quarantine clear {node_id} job_id={job_id} "
-        f"cluster.etcd_endpoints=[{','.join(endpoints)}]"
-    )
+def clear_command(node_id: str, job_id: str, endpoints: list[str], cluster: ClusterConfig) -> str:
+    """The command line an operator runs to end ``node_id``'s quarantine now: with the job's
+    etcd security settings, so that it works against a secured etcd as printed (the password
+    stays in its file or the environment)."""
+    words = [
+        f"python -m launcher.quarantine clear {node_id} job_id={job_id}",
+        f"cluster.etcd_endpoints=[{','.join(endpoints)}]",
+    ]
+    tls = cluster.etcd_tls
+    words += [
+        f"cluster.etcd_tls.{name}={getattr(tls, name)}"
+        for name in ("ca", "cert", "key", "server_name")
+        if getattr(tls, name)
+    ]
+    if cluster.etcd_user:
+        words.append(f"cluster.etcd_user={cluster.etcd_user}")
+    if cluster.etcd_user and cluster.etcd_password_file:
+        words.append(f"cluster.etcd_password_file={cluster.etcd_password_file}")
+    return " ".join(words)
