@@ -83,6 +83,7 @@ from launcher.progress_key import PROGRESS_KEY, ProgressPublisher
 from launcher.quarantine import Entry, Quarantine, clear_command
 from launcher.rendezvous import (
     ETCD_LOST_FIX,
+    EtcdDenied,
     EtcdLost,
     JobView,
     Member,
@@ -204,16 +205,11 @@ class Agent:
         )
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
-        code = self._admit(in_running_job=False)
-        if code:
-            self.events.emit("node_left", code=code, signal=self.stop_signal)
-            client.close()
-            return code
-        code = self._register()
-        if code:
+        code = self._admit(in_running_job=False) or self._register()
+        if code:  # an unfit node's checks said why already; etcd's refusal is said here
             self.events.emit(
                 "node_left",
-                f"{self.node_id}: {self.leave_reason}",
+                f"{self.node_id}: {self.leave_reason}" if self.leave_reason else None,
                 level=logging.ERROR,
                 code=code,
                 signal=self.stop_signal,
@@ -596,8 +592,7 @@ class Agent:
                 self.rdzv.join()
                 return 0
             except EtcdLost as exc:
-                self.leave_reason = f"{exc}; {ETCD_LOST_FIX}"
-                return EXIT_ETCD_LOST
+                return self._gave_up(exc)
             except NodeIdInUse as exc:
                 holder = exc.holder
                 timeout = self.cfg.rendezvous.probe_timeout_s
@@ -615,6 +610,15 @@ class Agent:
             if self.stop_signal is not None:
                 self.leave_reason = "stopped by a signal before it could register"
                 return 128 + self.stop_signal
+
+    def _gave_up(self, exc: EtcdLost) -> int:
+        """etcd stayed away past the grace period, or refused this node the job's keys: the
+        exit code, with :attr:`leave_reason` naming the fix."""
+        if isinstance(exc, EtcdDenied):
+            self.leave_reason = str(exc)
+            return EXIT_UNHEALTHY
+        self.leave_reason = f"{exc}; {ETCD_LOST_FIX}"
+        return EXIT_ETCD_LOST
 
     def _finish(self) -> None:
         """A local worker finished the job: let the others finish, then mark the job done."""
@@ -639,8 +643,7 @@ class Agent:
         try:
             found = self.rdzv.retry("read the quarantine", lambda: self.guard.get(self.node_id))
         except EtcdLost as exc:
-            self.leave_reason = f"{exc}; {ETCD_LOST_FIX}"
-            return EXIT_ETCD_LOST
+            return self._gave_up(exc)
         if found is not None:
             entry, left = found
             self.events.emit(
@@ -662,8 +665,7 @@ class Agent:
                     if self.stop_signal is not None:
                         return 128 + self.stop_signal
             except EtcdLost as exc:
-                self.leave_reason = f"{exc}; {ETCD_LOST_FIX}"
-                return EXIT_ETCD_LOST
+                return self._gave_up(exc)
             self.events.emit("quarantine_over")
         return self._check(in_running_job)
 

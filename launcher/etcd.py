@@ -451,6 +451,14 @@ def etcd_errors() -> tuple[type[BaseException], ...]:
     return (Etcd3Exception, grpc.RpcError, WatchRefused)
 
 
+def denied(exc: BaseException) -> bool:
+    """Whether etcd answered and refused the call for lack of permission (the user's role does
+    not cover the key): a fact about the settings, which no retry changes."""
+    import grpc
+
+    return isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
 def allow_watch_filters(client: etcd3.Etcd3Client) -> None:
     """Let ``client.add_watch_callback(..., filters=[...])`` work. The etcd3 client (0.12)
     assigns the filters to a repeated protobuf field, which protobuf refuses; its request

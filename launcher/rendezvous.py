@@ -55,7 +55,7 @@ from typing import Any
 
 from elastic.config import RendezvousConfig
 from elastic.events import EventLog
-from launcher.etcd import allow_watch_filters, etcd_errors
+from launcher.etcd import allow_watch_filters, denied, etcd_errors
 from launcher.lease import KeepAliveStream, NoAnswer
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,11 @@ class NodeIdInUse(RuntimeError):
 
 class EtcdLost(ConnectionError):
     """etcd did not answer for longer than ``rendezvous.etcd_grace_s``."""
+
+
+class EtcdDenied(EtcdLost):
+    """etcd answered and refused: the user may not use the job's keys. Raised at once, since
+    waiting out the grace period cannot change a role."""
 
 
 ETCD_LOST_FIX = (
@@ -519,6 +524,14 @@ class Rendezvous:
             try:
                 return call()
             except etcd_errors() as exc:
+                if denied(exc):
+                    raise EtcdDenied(
+                        f"etcd denied {self.node.node_id} the job's keys ({self._prefix}) while "
+                        f"trying to {what}. Fix: grant cluster.etcd_user's role readwrite on "
+                        f"them (etcdctl role grant-permission ROLE readwrite --prefix=true "
+                        f"{self._prefix}), or run the job under a prefix the role covers "
+                        "(rendezvous.prefix, job_id)"
+                    ) from exc
                 waited = time.monotonic() - started
                 if waited > self._cfg.etcd_grace_s:
                     raise EtcdLost(

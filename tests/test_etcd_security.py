@@ -28,7 +28,7 @@ from launcher.embedded_etcd import etcd_binary, free_port
 from launcher.etcd import EtcdRefused, EtcdSecurity, connect
 from launcher.health import check_etcd_and_clock, check_etcd_certificates
 from launcher.health_report import Status
-from launcher.rendezvous import NodeRecord, Rendezvous
+from launcher.rendezvous import EtcdDenied, NodeRecord, Rendezvous
 from tests.conftest import FAST, REPO
 
 x509 = pytest.importorskip("cryptography.x509")
@@ -352,6 +352,38 @@ def test_a_node_without_a_client_certificate_is_refused_and_does_not_join(
     log = next((tmp_path / "run").rglob("*.jsonl")).read_text()
     assert "requires a client certificate" in log and "cluster.etcd_tls.cert" in log
     assert not secure_etcd.keys(f"{PREFIX}/{job}")
+
+
+def test_a_job_outside_the_users_role_is_refused_at_once_not_after_the_grace_period(
+    secure_etcd: SecureEtcd, tmp_path: Path
+) -> None:
+    """Valid credentials, but the role covers other jobs' keys: etcd answers PERMISSION_DENIED,
+    which no retry changes, so the agent leaves unhealthy with the fix instead of waiting out
+    ``rendezvous.etcd_grace_s`` as if etcd were away."""
+    from elastic import config
+    from launcher.agent import EXIT_UNHEALTHY, Agent
+
+    outside = "other-" + uuid.uuid4().hex[:8]
+    with pytest.raises(EtcdDenied, match="grant-permission ROLE readwrite"):
+        _node(secure_etcd, outside, "n1", 1001).join()
+
+    cfg = config.Config(job_id=outside, run_dir=str(tmp_path / "run"))
+    cfg.cluster.etcd_endpoints = [secure_etcd.endpoint]
+    cfg.cluster.etcd_tls = EtcdTlsConfig(
+        ca=str(secure_etcd.pki.ca),
+        cert=str(secure_etcd.pki.client),
+        key=str(secure_etcd.pki.client.with_suffix(".key")),
+    )
+    cfg.cluster.etcd_user = "job"
+    cfg.rendezvous.etcd_grace_s = 30.0  # a denial taken for an outage would exit 4 after this
+    os.environ["ELASTIC_ETCD_PASSWORD"] = PASSWORD
+    try:
+        agent = Agent(cfg, str(tmp_path / "config.yaml"), "n9", "127.0.0.1", [secure_etcd.endpoint])
+        assert agent.run() == EXIT_UNHEALTHY
+    finally:
+        del os.environ["ELASTIC_ETCD_PASSWORD"]
+    log = next((tmp_path / "run").rglob("*.jsonl")).read_text()
+    assert "etcd denied n9" in log and "rendezvous.prefix" in log
 
 
 def test_untrusted_certificates_are_refused_with_the_setting_to_fix(
