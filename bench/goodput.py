@@ -184,9 +184,13 @@ def peer_rate(work: Path, train: Path, world: int, step_sleep: float, steps: int
     return (last[1] - first[1]) * PEER_BATCH * world / (last[0] - first[0])
 
 
-def peer_goodput(steps: list[tuple[float, int, int]], rates: dict[int, float]) -> tuple[float, int]:
+def peer_goodput(
+    steps: list[tuple[float, int, int]], rates: dict[int, float], until: float
+) -> tuple[float, int]:
     """The same goodput as ours: the kept samples (the last attempt of each step up to the last
-    one) over the fault-free samples at each step's world size and time."""
+    one) over the fault-free samples at each step's world size and time. A job that died before
+    its last step is charged from its last step ``until`` the campaign's end at the full
+    world's rate: the time it was meant to train, and did not."""
     last_attempt: dict[int, int] = {}
     distinct: list[tuple[float, int, int]] = []
     for t, step, world in steps:
@@ -196,13 +200,18 @@ def peer_goodput(steps: list[tuple[float, int, int]], rates: dict[int, float]) -
     final = distinct[-1][1]
     kept = sum(PEER_BATCH * last_attempt[s] for s in range(distinct[0][1] + 1, final + 1))
     segments = [(a[0], b[0], b[2]) for a, b in zip(distinct, distinct[1:], strict=False)]
+    if until > distinct[-1][0]:
+        segments.append((distinct[-1][0], until, NODES))
     return goodput(kept, segments, rates, min_nodes=MIN_NODES)[1], kept
 
 
-def run_peer(work: Path, args: argparse.Namespace, step_s: float, steps: int) -> dict:
+def run_peer(
+    work: Path, args: argparse.Namespace, step_s: float, steps: int, seconds: float
+) -> dict:
     """The peer under the same schedule, node picks and ends of faults as ours, for as many
     steps as ours trained, each padded to our step time: the same length of job, so the same
-    faults fall in it."""
+    faults fall in it. A peer that dies is charged to the end of our campaign (``seconds``
+    after its first step) or to its own last step, whichever is later."""
     train = args.peer / "train.py"
     sleep = max(0.0, step_s - 0.01)  # ~10 ms of MLP compute, padded to our step
     rates = {w: peer_rate(work, train, w, sleep, args.baseline_steps) for w in (3, 2, 1)}
@@ -244,12 +253,20 @@ def run_peer(work: Path, args: argparse.Namespace, step_s: float, steps: int) ->
     finally:
         peer.stop()
     logged = peer.steps()
-    ratio, kept = peer_goodput(logged, rates)
+    finished = logged[-1][1] >= steps
+    until = logged[-1][0] if finished else logged[0][0] + seconds
+    ratio, kept = peer_goodput(logged, rates, until)
+    if not finished:
+        print(
+            f"peer: the job died at step {logged[-1][1]} of {steps}, "
+            f"{logged[-1][0] - logged[0][0]:.0f} s in (logs: {peer.work})",
+            flush=True,
+        )
     return {
         "goodput": ratio,
         "kept": kept,
         "faults": number,
-        "finished": logged[-1][1] >= steps,
+        "finished": finished,
         "rates": rates,
         "seconds": logged[-1][0] - logged[0][0],
     }
@@ -294,7 +311,7 @@ def main() -> None:
             work = args.work_dir.resolve()
             work.mkdir(parents=True, exist_ok=True)
         ours, step_s, steps = run_ours(work, args)
-        peer = run_peer(work, args, step_s, steps)
+        peer = run_peer(work, args, step_s, steps, ours["seconds"])
     print(
         f"\n3 nodes x 1 CPU worker, seed {args.seed}, a fault every {args.mtbf_s:.0f} s on "
         f"average (SIGKILL or SIGSTOP of a node other than rank 0's; back after "
