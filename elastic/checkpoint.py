@@ -53,15 +53,6 @@ def _no_guard(what: str) -> AbstractContextManager[None]:
     return contextlib.nullcontext()
 
 
-# Runs blocking collectives of the current round on the group it is given, abortably
-# (``Communicator.run_abortable``).
-Abortable = Callable[[str, Callable[[dist.ProcessGroup], Any]], Any]
-
-
-def _in_place(what: str, call: Callable[[dist.ProcessGroup], Any]) -> Any:
-    return call(dist.distributed_c10d._get_default_group())
-
-
 class SaveFailed(Exception):
     """A checkpoint could not be written here; the round and the older checkpoints are intact."""
 
@@ -93,9 +84,8 @@ class CheckpointInfo:
 
 
 class CheckpointManager:
-    """The checkpoints under one URL. ``collective`` guards the collectives of a load, and
-    ``abortable`` runs a save's, so that a new round ends a save stuck on a frozen peer (the
-    worker passes ``Communicator.collective`` and ``Communicator.run_abortable``)."""
+    """The checkpoints under one URL. ``collective`` guards the collectives of a save or a load
+    (the worker passes ``Communicator.collective``)."""
 
     def __init__(
         self,
@@ -103,13 +93,11 @@ class CheckpointManager:
         keep: int,
         events: EventLog | None = None,
         collective: Collective = _no_guard,
-        abortable: Abortable = _in_place,
     ) -> None:
         self.url = url.rstrip("/")
         self.keep = keep
         self.events = events
         self._collective = collective
-        self._abortable = abortable
         self.fs, self.root = fsspec.core.url_to_fs(self.url)
         self.fs.makedirs(self.root, exist_ok=True)
 
@@ -123,12 +111,9 @@ class CheckpointManager:
         """
         t0 = time.perf_counter()
         path = f"{self.root}/step_{step:09d}"
-        url = self._url(path)
-        try:  # left at once if the round is: a save abandoned is never committed
-            self._abortable(
-                "checkpoint save",
-                lambda group: dcp.save(tensors, checkpoint_id=url, process_group=group),
-            )
+        try:
+            with self._collective("checkpoint save"):
+                dcp.save(tensors, checkpoint_id=self._url(path))
         except CheckpointException as exc:
             errors = [error for error, _ in exc.failures.values()]
             reason = "; ".join(

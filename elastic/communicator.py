@@ -30,11 +30,11 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,6 @@ from torch.nn.parallel import DistributedDataParallel
 from elastic.control import Assignment
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 MEET_FIRST_PAUSE_S = 0.005  # a rank waiting for its round's peers looks again after this,
 MEET_POLL_S = 0.1  # doubling up to this: how soon it sees an abort
@@ -86,17 +85,6 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-class _Background:
-    """Collectives running on a thread of their own, seen as one in-flight ``Work``: a group is
-    retired, not destroyed, until they end (:meth:`Communicator.close`)."""
-
-    def __init__(self, done: threading.Event) -> None:
-        self._done = done
-
-    def is_completed(self) -> bool:
-        return self._done.is_set()
-
-
 class Communicator:
     """Owns the default process group of the current round, and the DDP comm hook over it."""
 
@@ -111,9 +99,8 @@ class Communicator:
         self._lock = threading.Lock()
         self._aborted = threading.Event()
         self._pending: list[torch.futures.Future[torch.Tensor]] = []
-        self._works: list[dist.Work | _Background] = []  # this round's collectives in flight
-        self._retired: list[tuple[dist.ProcessGroup, list[dist.Work | _Background]]] = []
-        self._wakers: list[threading.Event] = []  # run_abortable calls waiting: abort() wakes
+        self._works: list[dist.Work] = []  # this round's hook all-reduces
+        self._retired: list[tuple[dist.ProcessGroup, list[dist.Work]]] = []
         self._announced = 0  # the newest round the agent has announced
         self._failure: CollectiveFailure | None = None
         self.buckets_this_step = 0  # hook calls since begin_step(): how far backward got
@@ -239,9 +226,6 @@ class Communicator:
                 return
             self._aborted.set()
             pending, self._pending = self._pending, []
-            wakers, self._wakers = self._wakers, []
-        for wake in wakers:
-            wake.set()
         for fut in pending:
             if not fut.done():
                 fut.set_exception(RoundAborted(reason))
@@ -275,48 +259,6 @@ class Communicator:
             with self._lock:
                 self._record(what, exc)
             raise
-
-    def run_abortable(self, what: str, call: Callable[[dist.ProcessGroup], T]) -> T:
-        """``call(group)``: blocking collectives of the current round (a checkpoint save), run
-        on a thread of their own so that :meth:`abort` ends the wait at once, as it ends a
-        stuck all-reduce. gloo cannot abort a collective: without this, a peer frozen in the
-        middle of a save held every rank until it was thawed or the group timed out.
-
-        ``call`` must use ``group`` (given, never the default group): once abandoned, its
-        collectives must stay on this round's group, which the next round's set-up replaces
-        and :meth:`close` retires until they end. An exception is raised on, and recorded as
-        the round's failure as in :meth:`collective`; an abort raises :class:`RoundAborted`,
-        and nothing ``call`` returns afterwards is used (a save abandoned is never committed).
-        """
-        group = dist.distributed_c10d._get_default_group()
-        wake, done = threading.Event(), threading.Event()
-        outcome: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                outcome["value"] = call(group)
-            except BaseException as exc:  # DCP's CheckpointException is a BaseException
-                outcome["error"] = exc
-            finally:
-                done.set()
-                wake.set()
-
-        with self._lock:
-            if self._aborted.is_set():
-                raise RoundAborted(f"the round was left before the {what}")
-            self._wakers.append(wake)
-            self._works.append(_Background(done))
-        threading.Thread(target=run, name=what, daemon=True).start()
-        wake.wait()  # bounded: the collectives end by the group's timeout, an abort sooner
-        with self._lock:
-            if wake in self._wakers:
-                self._wakers.remove(wake)
-        if not done.is_set():
-            raise RoundAborted(f"the round was left during the {what}")
-        if "error" in outcome:
-            with self.collective(what):
-                raise outcome["error"]
-        return outcome["value"]
 
     def _record(self, what: str, exc: BaseException) -> None:
         """Keep the round's first failure; called with ``self._lock`` held."""

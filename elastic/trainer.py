@@ -296,9 +296,7 @@ class RoundStart:
 def train_round(w: Worker, a: Assignment) -> None:
     """Enter round ``a``, then train step by step until the job is trained; a collective."""
     cfg, events, rank, world = w.cfg, w.events, a.rank, a.world_size
-    ckpt = CheckpointManager(
-        cfg.checkpoint.url, cfg.checkpoint.keep, events, w.comm.collective, w.comm.run_abortable
-    )
+    ckpt = CheckpointManager(cfg.checkpoint.url, cfg.checkpoint.keep, events, w.comm.collective)
     start = enter_round(w, a, ckpt)
     global_batch = start.global_batch
     # An evaluation the previous round broke off, or the end's when nothing is left to train.
