@@ -398,7 +398,12 @@ class Agent:
                 if code:
                     return code
                 continue
-            if not self.rdzv.node.ready and self.workers.ready and self._reaches_the_round(view):
+            if (
+                not self.rdzv.node.ready
+                and self.workers.ready
+                and self.rdzv.synced
+                and self._reaches_the_round(self.rdzv.view)
+            ):
                 self.rdzv.set_ready()
             probing = self._probe_peers(view)
             self._follow_round(view)

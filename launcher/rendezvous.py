@@ -683,6 +683,14 @@ class Rendezvous:
         with self._cond:
             return self._view
 
+    @property
+    def synced(self) -> bool:
+        """Whether the view is of etcd as of this node's registration or later. Before that it
+        is empty (a rejoin starts afresh), and an empty view says nothing about the round: a
+        node that rejoins with its workers still loaded must not say it is ready on it."""
+        with self._cond:
+            return self._registration > 0 and self._view.revision >= self._registration
+
     def wait(self, predicate: Callable[[JobView], bool], timeout: float) -> JobView | None:
         """Block until the view satisfies ``predicate`` or this node is fenced; None on timeout."""
         with self._cond:
