@@ -107,17 +107,13 @@ def etcd_security(cluster: ClusterConfig, *, with_password: bool = True) -> Etcd
     tls = cluster.etcd_tls
     password = ""
     if cluster.etcd_user and with_password:
-        if cluster.etcd_password_file:
-            try:
-                with open(cluster.etcd_password_file) as f:
-                    password = f.read().rstrip("\r\n")
-            except OSError as exc:
-                raise EtcdRefused(
-                    f"cluster.etcd_password_file={cluster.etcd_password_file!r}: cannot be read "
-                    f"({exc.strerror}). Fix: point it at a file holding the password"
-                ) from exc
-        else:
-            password = os.environ.get(ETCD_PASSWORD_ENV, "")
+        try:
+            password = read_password(cluster.etcd_password_file)
+        except OSError as exc:
+            raise EtcdRefused(
+                f"cluster.etcd_password_file={cluster.etcd_password_file!r}: cannot be read "
+                f"({exc.strerror}). Fix: point it at a file holding the password"
+            ) from exc
     return EtcdSecurity(
         ca=tls.ca,
         cert=tls.cert,
@@ -126,6 +122,16 @@ def etcd_security(cluster: ClusterConfig, *, with_password: bool = True) -> Etcd
         user=cluster.etcd_user,
         password=password,
     )
+
+
+def read_password(password_file: str) -> str:
+    """The etcd user's password: the content of ``password_file`` without its trailing line
+    end, or, with no file named, ``$ELASTIC_ETCD_PASSWORD`` ("" when unset); never a command-line
+    argument, which the process list shows. Raises OSError when the file cannot be read."""
+    if not password_file:
+        return os.environ.get(ETCD_PASSWORD_ENV, "")
+    with open(password_file) as f:
+        return f.read().rstrip("\r\n")
 
 
 RECONNECT_BACKOFF_MS = 1000  # a restarted member is found again within about this long

@@ -81,7 +81,14 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from elastic.config import ETCD_PASSWORD_ENV
-from launcher.etcd import EtcdRefused, EtcdSecurity, EtcdUnavailable, connect, etcd_errors
+from launcher.etcd import (
+    EtcdRefused,
+    EtcdSecurity,
+    EtcdUnavailable,
+    connect,
+    etcd_errors,
+    read_password,
+)
 
 NAME = "etcd-v3"
 DEFAULT_PORT = 2379
@@ -368,17 +375,13 @@ def _security(params: RendezvousParameters) -> EtcdSecurity:
     password = ""
     if conf["user"]:
         source = str(params.get("password_file", "") or "")
-        if source:
-            try:
-                with open(source) as f:
-                    password = f.read().rstrip("\r\n")
-            except OSError as exc:
-                raise ValueError(
-                    f"etcd-v3 rendezvous: rdzv_conf password_file={source!r} cannot be read "
-                    f"({exc.strerror}). Fix: point it at a file holding the password"
-                ) from exc
-        else:
-            password = os.environ.get(ETCD_PASSWORD_ENV, "")
+        try:
+            password = read_password(source)
+        except OSError as exc:
+            raise ValueError(
+                f"etcd-v3 rendezvous: rdzv_conf password_file={source!r} cannot be read "
+                f"({exc.strerror}). Fix: point it at a file holding the password"
+            ) from exc
         if not password:
             raise ValueError(
                 f"etcd-v3 rendezvous: rdzv_conf user={conf['user']!r} has no password. Fix: set "

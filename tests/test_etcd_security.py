@@ -23,7 +23,13 @@ from pathlib import Path
 
 import pytest
 
-from elastic.config import ClusterConfig, EtcdTlsConfig, HealthConfig, etcd_security_problems
+from elastic.config import (
+    ClusterConfig,
+    Config,
+    EtcdTlsConfig,
+    HealthConfig,
+    etcd_security_problems,
+)
 from launcher.embedded_etcd import etcd_binary, free_port
 from launcher.etcd import EtcdRefused, EtcdSecurity, connect
 from launcher.health import check_etcd_and_clock, check_etcd_certificates
@@ -332,24 +338,31 @@ def test_a_wrong_password_is_refused_and_nothing_joins(
     assert not secure_etcd.keys(f"{PREFIX}/{job}")
 
 
+def _agent_refused(etcd: SecureEtcd, cfg: Config, tmp_path: Path) -> str:
+    """Run an agent of ``cfg`` (user ``job``, its password in the environment): it must leave
+    unhealthy; its event log."""
+    from launcher.agent import EXIT_UNHEALTHY, Agent
+
+    os.environ["ELASTIC_ETCD_PASSWORD"] = PASSWORD
+    try:
+        agent = Agent(cfg, str(tmp_path / "config.yaml"), "n9", "127.0.0.1", [etcd.endpoint])
+        assert agent.run() == EXIT_UNHEALTHY
+    finally:
+        del os.environ["ELASTIC_ETCD_PASSWORD"]
+    return next((tmp_path / "run").rglob("*.jsonl")).read_text()
+
+
 def test_a_node_without_a_client_certificate_is_refused_and_does_not_join(
     secure_etcd: SecureEtcd, tmp_path: Path, job: str
 ) -> None:
     """The agent itself: it exits with EXIT_UNHEALTHY, says why, and writes nothing."""
     from elastic import config
-    from launcher.agent import EXIT_UNHEALTHY, Agent
 
     cfg = config.Config(job_id=job, run_dir=str(tmp_path / "run"))
     cfg.cluster.etcd_endpoints = [secure_etcd.endpoint]
     cfg.cluster.etcd_tls = EtcdTlsConfig(ca=str(secure_etcd.pki.ca))
     cfg.cluster.etcd_user = "job"
-    os.environ["ELASTIC_ETCD_PASSWORD"] = PASSWORD
-    try:
-        agent = Agent(cfg, str(tmp_path / "config.yaml"), "n9", "127.0.0.1", [secure_etcd.endpoint])
-        assert agent.run() == EXIT_UNHEALTHY
-    finally:
-        del os.environ["ELASTIC_ETCD_PASSWORD"]
-    log = next((tmp_path / "run").rglob("*.jsonl")).read_text()
+    log = _agent_refused(secure_etcd, cfg, tmp_path)
     assert "requires a client certificate" in log and "cluster.etcd_tls.cert" in log
     assert not secure_etcd.keys(f"{PREFIX}/{job}")
 
@@ -361,7 +374,6 @@ def test_a_job_outside_the_users_role_is_refused_at_once_not_after_the_grace_per
     which no retry changes, so the agent leaves unhealthy with the fix instead of waiting out
     ``rendezvous.etcd_grace_s`` as if etcd were away."""
     from elastic import config
-    from launcher.agent import EXIT_UNHEALTHY, Agent
 
     outside = "other-" + uuid.uuid4().hex[:8]
     with pytest.raises(EtcdDenied, match="grant-permission ROLE readwrite"):
@@ -376,13 +388,7 @@ def test_a_job_outside_the_users_role_is_refused_at_once_not_after_the_grace_per
     )
     cfg.cluster.etcd_user = "job"
     cfg.rendezvous.etcd_grace_s = 30.0  # a denial taken for an outage would exit 4 after this
-    os.environ["ELASTIC_ETCD_PASSWORD"] = PASSWORD
-    try:
-        agent = Agent(cfg, str(tmp_path / "config.yaml"), "n9", "127.0.0.1", [secure_etcd.endpoint])
-        assert agent.run() == EXIT_UNHEALTHY
-    finally:
-        del os.environ["ELASTIC_ETCD_PASSWORD"]
-    log = next((tmp_path / "run").rglob("*.jsonl")).read_text()
+    log = _agent_refused(secure_etcd, cfg, tmp_path)
     assert "etcd denied n9" in log and "rendezvous.prefix" in log
 
 
