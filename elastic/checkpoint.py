@@ -2,22 +2,28 @@
 
 Layout: ``<url>/step_<step>/`` holds DCP's shard files (each rank writes its own; replicated DDP
 tensors are de-duplicated across ranks by DCP's planner), DCP's ``.metadata``, and our
-``manifest.json``. Rank 0 writes the manifest last, after DCP reports every rank's shard written:
-it is the commit record. It lists every file with its size and sha256 and carries the training
-progress as JSON.
+``manifest.json``, the commit record, written last by rank 0. It lists every file with its size
+and sha256 and carries the training progress as JSON.
 
-Loading takes the newest checkpoint whose manifest exists and whose files all match it; a folder
-without a manifest is an interrupted save and is removed, one whose files do not match is moved
-aside as ``*.corrupt``. DCP's ``.metadata`` is a pickle, so verifying it against our own manifest
-before DCP reads it is what keeps resume from unpickling anything we did not write. DCP reshards
-on load, so a checkpoint written at one world size loads at any other.
+Each rank hashes the shard files it wrote right after writing them, while they are still in its
+page cache, and the save's last collective gathers the hashes to rank 0: no rank reads another's
+shards over the network. On a local file system the commit is durable: DCP fsyncs the shards and
+``.metadata``, and the folder is fsynced before the manifest (itself fsynced) is renamed into it
+and after. A remote store gets the manifest in one put, which object stores make atomic.
+
+Loading takes the newest checkpoint whose manifest exists and whose files all match it, each
+rank verifying its share of the files; a folder without a manifest is an interrupted save and is
+removed, one whose files do not match is moved aside as ``*.corrupt``. DCP's ``.metadata`` is a
+pickle, so verifying it against our own manifest before DCP reads it is what keeps resume from
+unpickling anything we did not write. DCP reshards on load, so a checkpoint written at one world
+size loads at any other.
 
 A save that fails on this side of the network (disk full, permission lost, the store down) is
 :class:`SaveFailed`: the half-written folder is removed, the newest good checkpoint stays, and
 the caller trains on and tries again at the next interval. DCP reports such a failure on every
-rank through a collective that completed, so the ranks agree on it. The collectives themselves run
-under the communicator's ``collective`` guard, which records a broken round: a peer that dies
-during a save is a peer failure, not a failed save.
+rank through a collective that completed, so the ranks agree on it. A save whose round was left
+before it was written is :class:`SaveAbandoned` (see :mod:`elastic.async_checkpoint`, which runs
+saves in the background): it writes nothing and is never committed.
 """
 
 from __future__ import annotations
@@ -27,17 +33,24 @@ import errno
 import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import fsspec
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from fsspec.implementations.local import LocalFileSystem
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+from torch.utils.serialization import config as serialization_config
 
 from elastic.events import EventLog
 from elastic.manifest import FORMAT, MANIFEST, candidates
@@ -53,12 +66,46 @@ def _no_guard(what: str) -> AbstractContextManager[None]:
     return contextlib.nullcontext()
 
 
+def _fsync_dir(path: str) -> None:
+    """Make a local folder's entries durable (its files' names, a rename into it)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class SaveFailed(Exception):
     """A checkpoint could not be written here; the round and the older checkpoints are intact."""
 
     def __init__(self, step: int, reason: str, fix: str) -> None:
         super().__init__(f"checkpoint of step {step} failed: {reason}. Fix: {fix}")
         self.step, self.reason, self.fix = step, reason, fix
+
+
+class SaveAbandoned(Exception):
+    """The round a save belonged to was left before every rank wrote its shard: nothing of it
+    is committed (its folder, if any, has no manifest, and the next load removes it)."""
+
+
+class SaveGuard(Protocol):
+    """What a save consults while it runs: whether its round was left, and a lock held while
+    the state handed to it is read (the staged copy, which the next save refills)."""
+
+    @property
+    def abandoned(self) -> bool: ...
+
+    def reading(self) -> AbstractContextManager[None]: ...
+
+
+class _Unguarded:
+    abandoned = False
+
+    def reading(self) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
+UNGUARDED = _Unguarded()  # a save called in the foreground: nothing else reads its state
 
 
 def save_failure_fix(errors: list[BaseException]) -> str:
@@ -83,9 +130,63 @@ class CheckpointInfo:
     manifest: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class Written:
+    """A checkpoint every rank has written and hashed, not committed yet."""
+
+    step: int
+    path: str
+    tensors: list[str]  # the names saved
+    gathered: list[dict[str, Any]]  # each rank's file hashes and ``shared``, in rank order
+    started: float  # perf_counter() when the save began
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A committed checkpoint."""
+
+    url: str
+    bytes: int
+    seconds: float  # from the save's start until the manifest was in place
+
+
+def file_record(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, Any]:
+    """A manifest entry: the file's size and sha256."""
+    digest = hashlib.sha256()
+    with fs.open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return {"size": fs.size(path), "sha256": digest.hexdigest()}
+
+
+class _ShardWriter(FsspecWriter):
+    """DCP's fsspec writer (the one ``dcp.save`` picks for a URL), which also hashes each file it
+    wrote right after DCP's fsync of it, and writes nothing for a save whose round was left."""
+
+    def __init__(self, url: str, guard: SaveGuard) -> None:
+        super().__init__(url)
+        self.guard = guard
+        self.written: dict[str, dict[str, Any]] = {}
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        with self.guard.reading():
+            if self.guard.abandoned:
+                raise SaveAbandoned("the round was left before this rank wrote its shard")
+            # torch.save's per-record CRC32 would be a second checksum of every byte: the
+            # sha256 below is what verifies the files (and costs the same as the CRC saves).
+            with serialization_config.patch({"save.compute_crc32": False}):
+                future = super().write_data(plan, planner)  # done when it returns
+        fs = self.fs.fs
+        for name in sorted({result.storage_data.relative_path for result in future.value()}):
+            self.written[name] = file_record(fs, f"{self.path}/{name}")
+        return future
+
+
 class CheckpointManager:
-    """The checkpoints under one URL. ``collective`` guards the collectives of a save or a load
-    (the worker passes ``Communicator.collective``)."""
+    """The checkpoints under one URL. ``collective`` guards the collectives of a load (the
+    worker passes ``Communicator.collective``); a save runs on a group of its own, in the
+    background (:class:`elastic.async_checkpoint.BackgroundSaver`), and its failures are the
+    save's, never the round's."""
 
     def __init__(
         self,
@@ -103,94 +204,135 @@ class CheckpointManager:
 
     # --- saving --------------------------------------------------------------------------------
 
-    def save(self, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> str:
-        """Write a checkpoint; a collective, called by every rank with its state.
+    def save(
+        self,
+        step: int,
+        tensors: dict[str, torch.Tensor],
+        meta: dict[str, Any],
+        group: dist.ProcessGroup | None = None,
+    ) -> Saved | None:
+        """:meth:`write` then :meth:`commit`, in the foreground; a collective of ``group`` (the
+        default group when None). Returns what was committed on rank 0, None on the others."""
+        written = self.write(step, tensors, group)
+        return self.commit(written, meta) if dist.get_rank(group) == 0 else None
 
-        Raises :class:`SaveFailed` when the bytes could not be written or committed (on every
-        rank when DCP's write failed, on rank 0 alone when the manifest could not be written).
+    def write(
+        self,
+        step: int,
+        tensors: dict[str, torch.Tensor],
+        group: dist.ProcessGroup | None = None,
+        guard: SaveGuard = UNGUARDED,
+        shared: dict[str, Any] | None = None,
+    ) -> Written:
+        """Write the checkpoint of ``step``; a collective of ``group``, called by every rank with
+        its state. Each rank hashes the files it wrote; the last collective gathers the hashes,
+        with ``shared`` and the seconds each rank took (``write_s``), to every rank.
+
+        Raises :class:`SaveFailed` on every rank when a rank could not write, and
+        :class:`SaveAbandoned` when ``guard`` says the round was left before every rank wrote.
         """
         t0 = time.perf_counter()
         path = f"{self.root}/step_{step:09d}"
+        writer = _ShardWriter(self._url(path), guard)
         try:
-            with self._collective("checkpoint save"):
-                dcp.save(tensors, checkpoint_id=self._url(path))
+            dcp.save(tensors, storage_writer=writer, process_group=group)
         except CheckpointException as exc:
-            errors = [error for error, _ in exc.failures.values()]
+            failures = {rank: error for rank, (error, _) in exc.failures.items()}
+            if any(isinstance(error, SaveAbandoned) for error in failures.values()):
+                raise SaveAbandoned(f"the save of step {step} was abandoned") from None
             reason = "; ".join(
                 f"rank {rank}: {type(error).__name__}: {error}"
-                for rank, (error, _) in sorted(exc.failures.items())
+                for rank, error in sorted(failures.items())
             )
-            self._discard(path)
-            raise SaveFailed(step, reason, save_failure_fix(errors)) from None
-        if dist.get_rank() == 0:
-            try:
-                files = {
-                    name: {
-                        "size": self.fs.size(f"{path}/{name}"),
-                        "sha256": self._sha256(f"{path}/{name}"),
-                    }
-                    for name in self._files(path)
-                }
-                manifest = {
-                    "format": FORMAT,
-                    "step": step,
-                    "saved_at": time.time(),
-                    "files": files,
-                    "world_size": dist.get_world_size(),
-                    "tensors": sorted(tensors),
-                    **meta,
-                }
-                self._write_json(f"{path}/{MANIFEST}", manifest)
-            except Exception as exc:  # local I/O of any fsspec backend: the commit did not happen
+            if dist.get_rank(group) == 0:  # every rank is past its writes by now
                 self._discard(path)
-                reason = f"{type(exc).__name__}: {exc}"
-                raise SaveFailed(step, reason, save_failure_fix([exc])) from exc
-            try:
-                self._prune()
-            except Exception as exc:  # committed; an old folder stays until the next prune
-                log.warning("could not remove old checkpoints under %s: %s", self.url, exc)
-            if self.events:
-                self.events.emit(
-                    "checkpoint_saved",
-                    step=step,
-                    url=self._url(path),
-                    seconds=time.perf_counter() - t0,
-                    bytes=sum(f["size"] for f in files.values()),
-                )
-        return self._url(path)
+            raise SaveFailed(step, reason, save_failure_fix(list(failures.values()))) from None
+        mine = {"files": writer.written, "write_s": time.perf_counter() - t0, **(shared or {})}
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, mine, group=group)
+        return Written(step, path, sorted(tensors), gathered, t0)
 
-    def _write_json(self, path: str, data: dict[str, Any]) -> None:
-        tmp = path + ".tmp"
-        with self.fs.open(tmp, "w") as f:
-            json.dump(data, f, indent=1)
-        self.fs.mv(tmp, path)
+    def commit(self, written: Written, meta: dict[str, Any], guard: SaveGuard = UNGUARDED) -> Saved:
+        """Rank 0: hash DCP's ``.metadata``, write the manifest (the commit), prune.
+
+        Raises :class:`SaveFailed` when the manifest could not be written (the folder is then
+        removed), and :class:`SaveAbandoned` when ``guard`` says the round was left.
+        """
+        path, step = written.path, written.step
+        try:
+            files = {name: f for g in written.gathered for name, f in g["files"].items()}
+            for name in self._files(path):  # DCP's .metadata, written by this rank
+                if name not in files:
+                    files[name] = file_record(self.fs, f"{path}/{name}")
+            manifest = {
+                "format": FORMAT,
+                "step": step,
+                "saved_at": time.time(),
+                "files": files,
+                "world_size": len(written.gathered),
+                "tensors": written.tensors,
+                **meta,
+            }
+            if guard.abandoned:
+                raise SaveAbandoned(f"the round was left before the commit of step {step}")
+            self._commit(path, manifest)
+        except SaveAbandoned:
+            raise
+        except Exception as exc:  # local I/O of any fsspec backend: the commit did not happen
+            self._discard(path)
+            raise SaveFailed(step, f"{type(exc).__name__}: {exc}", save_failure_fix([exc])) from exc
+        try:
+            self._prune(step)
+        except Exception as exc:  # committed; an old folder stays until the next prune
+            log.warning("could not remove old checkpoints under %s: %s", self.url, exc)
+        size = sum(f["size"] for f in files.values())
+        return Saved(self._url(path), size, time.perf_counter() - written.started)
+
+    def _commit(self, path: str, manifest: dict[str, Any]) -> None:
+        """Put the manifest in place: durably on a local file system, in one put elsewhere."""
+        data = json.dumps(manifest, indent=1).encode()
+        target = f"{path}/{MANIFEST}"
+        if not isinstance(self.fs, LocalFileSystem):
+            self.fs.pipe_file(target, data)  # object stores make a single put atomic
+            return
+        _fsync_dir(self.root)  # the folder's entry, then the shards' and .metadata's
+        _fsync_dir(path)
+        tmp = f"{target}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+        _fsync_dir(path)
 
     def _discard(self, path: str) -> None:
-        """Remove what a failed save left (rank 0; every rank is past its writes by then)."""
-        if dist.get_rank() == 0:
-            with contextlib.suppress(Exception):  # the store may be what failed
-                self.fs.rm(path, recursive=True)
+        """Remove what a failed save left (rank 0)."""
+        with contextlib.suppress(Exception):  # the store may be what failed
+            self.fs.rm(path, recursive=True)
 
-    def _prune(self) -> None:
-        committed = [c for c in self._candidates() if self.fs.exists(f"{c}/{MANIFEST}")]
-        for old in committed[self.keep :]:
-            self.fs.rm(old, recursive=True)
+    def _prune(self, step: int) -> None:
+        """Keep the newest ``keep`` committed checkpoints; remove older folders that were never
+        committed (saves abandoned by a round change), which no load would take."""
+        committed = 0
+        for folder in self._candidates():
+            if self.fs.exists(f"{folder}/{MANIFEST}"):
+                committed += 1
+                if committed > self.keep:
+                    self.fs.rm(folder, recursive=True)
+            elif folder < f"{self.root}/step_{step:09d}":
+                self.fs.rm(folder, recursive=True)
 
     # --- loading -------------------------------------------------------------------------------
 
     def newest_valid(self) -> CheckpointInfo | None:
-        """The newest complete, verified checkpoint; cleans up the ones that are not."""
+        """The newest complete, verified checkpoint; cleans up the ones that are not. One
+        process reads every file (the health check, the tools); a job's ranks share the work
+        in :meth:`restore`."""
         for path in self._candidates():
-            reason = self._verify(path)
+            reason = self._verify(path, 0, 1)
             if reason is None:
-                manifest = json.loads(self.fs.cat_file(f"{path}/{MANIFEST}"))
-                return CheckpointInfo(self._url(path), manifest["step"], manifest)
-            if reason == "incomplete":
-                self.fs.rm(path, recursive=True)
-            else:
-                self.fs.mv(path, path + ".corrupt", recursive=True)
-            if self.events:
-                self.events.emit("checkpoint_skipped", url=self._url(path), reason=reason)
+                return self._info(path)
+            self._set_aside(path, reason)
         return None
 
     def load(self, info: CheckpointInfo, tensors: dict[str, torch.Tensor]) -> None:
@@ -214,30 +356,45 @@ class CheckpointManager:
         dcp.load({k: v for k, v in tensors.items() if k not in missing}, checkpoint_id=info.url)
 
     def restore(self, tensors: dict[str, torch.Tensor]) -> CheckpointInfo | None:
-        """Rank 0 picks the newest valid checkpoint, every rank loads it. A collective."""
-        choice: list[CheckpointInfo | None] = [None]
-        if dist.get_rank() == 0:
-            choice[0] = self.newest_valid()
+        """Load the newest valid checkpoint into ``tensors``; a collective. Rank 0 lists the
+        checkpoints, every rank verifies its share of each one's files until one passes on
+        every rank, and every rank loads it."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        listing: list[Any] = [None]
+        if rank == 0:
+            listing[0] = self._candidates()
         with self._collective("checkpoint restore"):
-            dist.broadcast_object_list(choice, src=0)
-        info = choice[0]
+            dist.broadcast_object_list(listing, src=0)
+        info = None
+        for path in listing[0]:
+            reasons: list[Any] = [None] * world
+            mine = self._verify(path, rank, world)
+            with self._collective("checkpoint restore"):
+                dist.all_gather_object(reasons, mine)
+            reason = next((r for r in reasons if r is not None), None)
+            if reason is None:
+                info = self._info(path)
+                break
+            if rank == 0:
+                self._set_aside(path, reason)
         if info is not None:
             t0 = time.perf_counter()
             with self._collective("checkpoint restore"):
                 self.load(info, tensors)
-            if self.events and dist.get_rank() == 0:
+            if self.events and rank == 0:
                 self.events.emit(
                     "checkpoint_loaded",
                     step=info.step,
                     url=info.url,
                     saved_world_size=info.manifest["world_size"],
-                    world_size=dist.get_world_size(),
+                    world_size=world,
                     seconds=time.perf_counter() - t0,
                 )
         return info
 
-    def _verify(self, path: str) -> str | None:
-        """None if ``path`` is a complete checkpoint matching its manifest, else the reason."""
+    def _verify(self, path: str, rank: int, world: int) -> str | None:
+        """None if ``path`` has a manifest and rank ``rank``'s share (of ``world``) of the files
+        it lists match it, else the reason."""
         try:
             manifest = json.loads(self.fs.cat_file(f"{path}/{MANIFEST}"))
         except FileNotFoundError:
@@ -246,13 +403,26 @@ class CheckpointManager:
             return "manifest unreadable"
         if manifest.get("format") != FORMAT:
             return f"unknown format {manifest.get('format')!r}"
-        for name, expected in manifest["files"].items():
-            file = f"{path}/{name}"
+        for name in sorted(manifest["files"])[rank::world]:
+            expected, file = manifest["files"][name], f"{path}/{name}"
             if not self.fs.exists(file):
                 return f"{name} missing"
-            if self.fs.size(file) != expected["size"] or self._sha256(file) != expected["sha256"]:
+            if file_record(self.fs, file) != {k: expected[k] for k in ("size", "sha256")}:
                 return f"{name} does not match its checksum"
         return None
+
+    def _info(self, path: str) -> CheckpointInfo:
+        manifest = json.loads(self.fs.cat_file(f"{path}/{MANIFEST}"))
+        return CheckpointInfo(self._url(path), manifest["step"], manifest)
+
+    def _set_aside(self, path: str, reason: str) -> None:
+        """Remove an interrupted save; move a damaged checkpoint aside for a person to look at."""
+        if reason == "incomplete":
+            self.fs.rm(path, recursive=True)
+        else:
+            self.fs.mv(path, path + ".corrupt", recursive=True)
+        if self.events:
+            self.events.emit("checkpoint_skipped", url=self._url(path), reason=reason)
 
     # --- helpers -------------------------------------------------------------------------------
 
@@ -263,13 +433,6 @@ class CheckpointManager:
     def _files(self, path: str) -> list[str]:
         names = [e.rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(path, detail=False)]
         return sorted(n for n in names if n != MANIFEST and not n.endswith(".tmp"))
-
-    def _sha256(self, path: str) -> str:
-        digest = hashlib.sha256()
-        with self.fs.open(path, "rb") as f:
-            while chunk := f.read(1 << 22):
-                digest.update(chunk)
-        return digest.hexdigest()
 
     def _url(self, path: str) -> str:
         protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]

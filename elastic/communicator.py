@@ -106,6 +106,7 @@ class Communicator:
         self.buckets_this_step = 0  # hook calls since begin_step(): how far backward got
         self.buckets_per_step = 0  # hook calls of the last complete step
         self._ddp: DistributedDataParallel | None = None  # this round's, until its buckets settle
+        self.save_group: dist.ProcessGroup | None = None  # this round's, for checkpoint saves
 
     # --- rounds ------------------------------------------------------------------------------
 
@@ -129,6 +130,11 @@ class Communicator:
                 self.close()
                 self._meet(assignment)
                 self._init_group(assignment)
+            # Checkpoint saves run on a thread of their own: on the training group, their
+            # collectives would interleave with training's in a different order on each rank.
+            self.save_group = dist.new_group(
+                backend="gloo", timeout=self.timeout, group_desc="checkpoint saves"
+            )
         if self._aborted.is_set():
             raise RoundAborted(f"round {self._announced} was announced")
 

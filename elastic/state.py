@@ -37,6 +37,9 @@ class Progress:
     ramp_start: int = -1  # samples seen when an LR increase began to be ramped in; -1: none
     ramp_from: float = 0.0
     evaluated: int = 0  # the number of the last completed validation (0: none yet)
+    # Steps between checkpoints as the ranks last agreed (elastic.checkpoint_interval); 0: not
+    # measured yet. Travels with the state, so that every rank of a new round saves alike.
+    checkpoint_every: int = 0
 
     @property
     def ramp(self) -> Ramp | None:

@@ -43,7 +43,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.nn.parallel import DistributedDataParallel
 
 from elastic import config
-from elastic.checkpoint import CheckpointManager, SaveFailed
+from elastic.async_checkpoint import BackgroundSaver
+from elastic.checkpoint import CheckpointManager
+from elastic.checkpoint_interval import Measured, choose_interval
 from elastic.communicator import Communicator, RoundAborted, RoundEnd, pick_device, round_end
 from elastic.control import EXIT_FAILED, EXIT_PEER_LOST, Assignment, Channel, WorkerEnv
 from elastic.data import SeededImageFolder, ValImageFolder
@@ -180,6 +182,7 @@ class Worker:
     precision: MixedPrecision
     channels_last: bool
     loader_workers: int  # per training worker (data.loader_workers resolved)
+    saver: BackgroundSaver
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     progress: Progress | None = None  # None until this process holds a state
     trained_round: int = -1  # the round this state was last trained or synced in
@@ -232,6 +235,7 @@ def main() -> int:
         loader_workers=loader_workers(
             cfg.data.loader_workers, env.local_world_size, env.threads * env.local_world_size
         ),
+        saver=BackgroundSaver(events),
         tensors=state.tensors() | precision.tensors(),
     )
     link.status["phase"] = "idle"
@@ -263,6 +267,7 @@ def main() -> int:
                 )
                 raise
             w.interrupted_at = time.time()
+            w.saver.abandon()
             failure = comm.failure
             if end is RoundEnd.PEER_LOST and failure is not None:
                 # A collective failed before the agent knew anything: tell it, so that it checks
@@ -307,6 +312,7 @@ def train_round(w: Worker, a: Assignment) -> None:
     batches = w.sampler.batches(progress.sampler, rank, world, remaining, global_batch)
     loader = make_loader(w.dataset, batches, w.loader_workers, w.device)
     t_log, samples_log = time.perf_counter(), progress.samples_seen
+    t_saved, step_saved = t_log, progress.step  # for the step time the next save reports
     first_step = True
     for images, targets in Prefetcher(loader, w.device, w.channels_last):
         if w.comm.aborted or w.link.switch_due(progress.step):
@@ -358,12 +364,15 @@ def train_round(w: Worker, a: Assignment) -> None:
             )
             t_log, samples_log = now, progress.samples_seen
         progress = maybe_evaluate(w, a, progress)  # before the save, which records it
-        if progress.step % cfg.checkpoint.every_steps == 0:
-            save(w, ckpt, progress, a)
-            saved = progress
+        if progress.step % checkpoint_every(cfg.checkpoint, progress) == 0:
+            now = time.perf_counter()
+            step_s = (now - t_saved) / max(1, progress.step - step_saved)
+            progress = w.progress = save(w, ckpt, progress, a, step_s)
+            saved, t_saved, step_saved = progress, now, progress.step
 
     if progress != saved:
-        save(w, ckpt, progress, a)
+        save(w, ckpt, progress, a, 0.0)
+    w.saver.wait(lambda: w.comm.aborted)
     events.emit("state_digest", step=progress.step, digest=w.state.digest())
     if rank == 0:
         events.emit(
@@ -544,23 +553,52 @@ def train_step(
     return total / plan.real, taken
 
 
-def save(w: Worker, ckpt: CheckpointManager, progress: Progress, a: Assignment) -> None:
-    """Checkpoint this step. A save that fails here is reported and training goes on: the newest
-    good checkpoint stays, and the next interval tries again."""
+def checkpoint_every(cfg: config.CheckpointConfig, progress: Progress) -> int:
+    """Steps between checkpoints: ``every_steps``, or the interval the ranks last agreed on
+    when it depends on measurements (``every_minutes``, ``interval=auto``)."""
+    measured = cfg.interval == config.CheckpointInterval.auto or cfg.every_minutes > 0
+    return progress.checkpoint_every if measured and progress.checkpoint_every else cfg.every_steps
+
+
+def save(
+    w: Worker, ckpt: CheckpointManager, progress: Progress, a: Assignment, step_s: float
+) -> Progress:
+    """Checkpoint this step in the background (:mod:`elastic.async_checkpoint`): training is
+    held only while the state is copied. A save that fails is reported by the saver, and
+    training goes on: the newest good checkpoint stays, and the next interval tries again.
+
+    Returns the progress with the interval to the next checkpoint, chosen from what the previous
+    save measured on every rank (:func:`elastic.checkpoint_interval.choose_interval`), the same
+    on every rank; ``step_s`` is this rank's mean step time since that save.
+    """
     w.link.status["phase"] = "checkpoint"
-    try:
-        ckpt.save(progress.step, w.tensors, {"progress": progress.to_dict(), "round": a.round})
-    except SaveFailed as exc:
-        if a.rank == 0:
-            w.events.emit(
-                "checkpoint_failed",
-                f"{exc}; training goes on, the next interval tries again",
-                level=logging.WARNING,
-                step=exc.step,
-                reason=exc.reason,
-                fix=exc.fix,
-            )
+    assert w.comm.save_group is not None  # set up with the round
+    started = w.saver.start(
+        ckpt,
+        progress.step,
+        w.tensors,
+        {"progress": progress.to_dict(), "round": a.round},
+        w.comm.save_group,
+        a.round,
+        lambda: w.comm.aborted,
+        {"step_s": step_s},
+    )
     w.link.status["phase"] = "step"
+    if started.previous is None:
+        return progress
+    interval = choose_interval(w.cfg.checkpoint, Measured.worst(started.previous), a.world_size)
+    if interval.steps == checkpoint_every(w.cfg.checkpoint, progress):
+        return progress
+    if a.rank == 0:
+        w.events.emit(
+            "checkpoint_interval",
+            f"checkpoints every {interval.steps} steps from step {progress.step}: "
+            f"{interval.reason}",
+            step=progress.step,
+            steps=interval.steps,
+            reason=interval.reason,
+        )
+    return replace(progress, checkpoint_every=interval.steps)
 
 
 if __name__ == "__main__":

@@ -168,9 +168,16 @@ def test_a_node_killed_during_validation_costs_a_redone_evaluation_counted_once(
 
 @pytest.mark.parametrize("victim", ["not_rank0", "rank0_and_store"])
 def test_killed_node_survivors_recover_in_place(tmp_path: Path, victim: str) -> None:
-    """SIGKILL of a node; with rank0_and_store, the node holding rank 0 and the round's store."""
+    """SIGKILL of a node; with rank0_and_store, the node holding rank 0 and the round's store.
+    The first checkpoints every other step, so that the kill most likely lands during a
+    background save; the second sets the interval by Young/Daly from a short MTBF."""
     run_dir = tmp_path / "run"
-    proc = launch(run_dir, "cluster.nodes=3", "trainer.epochs=4", RECORD)
+    interval = (
+        ["checkpoint.every_steps=2"]
+        if victim == "not_rank0"
+        else ["checkpoint.interval=auto", "checkpoint.mtbf_hours=0.0005"]
+    )
+    proc = launch(run_dir, "cluster.nodes=3", "trainer.epochs=4", RECORD, *interval)
     wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["step"] >= 8)
     assert proc.poll() is None, output(run_dir)
     target = node_with_rank(run_dir, 0) if victim == "rank0_and_store" else other_node(run_dir, 3)
@@ -197,6 +204,11 @@ def test_killed_node_survivors_recover_in_place(tmp_path: Path, victim: str) -> 
     rec = recovery(events, fault)
     assert rec.stall_s is not None and rec.redone_steps <= 1
     assert "finished" in output(run_dir)
+    # The new round commits checkpoints of its own in the background.
+    assert any(e["event"] == "checkpoint_saved" and e["round"] > 1 for e in after)
+    if victim == "rank0_and_store":
+        chosen = [e for e in events if e["event"] == "checkpoint_interval"]
+        assert chosen and all("Young/Daly" in e["reason"] for e in chosen), chosen
 
 
 def freeze_until_dropped(
@@ -297,7 +309,8 @@ def test_a_planned_leave_and_a_drain_hand_over_between_two_steps(
     endpoints = f"cluster.etcd_endpoints=[{etcd_endpoint}]"
     proc = launch(run_dir, "cluster.nodes=3", "trainer.epochs=6", RECORD, endpoints, job_id=job_id)
     wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["step"] >= 8)
-    # The operator's screen (python -m launcher.status) of the running job, checkpoint 5 saved.
+    wait_event(run_dir, proc, lambda e: e["event"] == "checkpoint_saved")  # in the background
+    # The operator's screen (python -m launcher.status) of the running job, a checkpoint saved.
     shown = job_status(run_dir, job_id, etcd_endpoint)
     members = shown["members"]
     assert [m["node"] for m in members] == shown["round"]["members"]

@@ -1,0 +1,183 @@
+"""Checkpoint cost: the training stall of our background save against a plain ``torch.save``.
+
+For the ResNet-50 training state (weights, batch-norm statistics and SGD momentum, about 205 MB)
+at world 1 and 2 (gloo, one process per rank, all on this machine), each figure the median of
+``--repeats`` saves measured in one run:
+
+- our stall: how long :meth:`BackgroundSaver.start` holds the training thread (staging);
+- until committed: from that call until the manifest is in place (every rank's shard written,
+  fsynced and hashed, ``.metadata`` hashed, the manifest fsynced and renamed);
+- ``torch.save`` + fsync: rank 0 saving the same state to one file, the others waiting, which
+  is the stall of a DDP job that checkpoints the usual way;
+- ``dd``: ``dd bs=4M conv=fsync`` of as many bytes as the checkpoint, the disk's own speed;
+- restore: our verify + load against ``torch.load(weights_only=True)`` and a copy into the model.
+
+Goals (issue 14): our stall at most 10 % of ``torch.save`` + fsync, and the commit throughput
+(bytes / time until committed) at least 80 % of ``dd``'s.
+
+    .venv/bin/python bench/checkpoint.py --repeats 5 --dir /var/tmp/ckpt-bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from elastic.async_checkpoint import BackgroundSaver  # noqa: E402
+from elastic.checkpoint import CheckpointManager  # noqa: E402
+from elastic.config import ModelConfig, OptimConfig  # noqa: E402
+from elastic.events import EventLog  # noqa: E402
+from elastic.model import build_model  # noqa: E402
+from elastic.optim import build_optimizer  # noqa: E402
+from elastic.state import TrainState  # noqa: E402
+from launcher.embedded_etcd import free_port  # noqa: E402
+
+
+def resnet50_state() -> TrainState:
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(name="resnet50"), 1000)
+    return TrainState(model, build_optimizer(model, OptimConfig()))
+
+
+def _rank(rank: int, world: int, port: int, root: str, repeats: int, out: str) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    timeout = timedelta(seconds=300)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    group = dist.new_group(backend="gloo", timeout=timeout)
+    state = resnet50_state()
+    tensors = state.tensors()
+    events = EventLog(f"{root}/events", f"rank{rank}")
+    manager = CheckpointManager(f"file://{root}/ours", keep=2, events=events)
+    saver = BackgroundSaver(events)
+    stall, committed = [], []
+    for step in range(1, repeats + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        stall.append(saver.start(manager, step, tensors, {}, group, 1, lambda: False))
+        saver.wait(lambda: False)
+        dist.barrier()  # rank 0 commits last: the save is committed when every rank is here
+        committed.append(time.perf_counter() - t0)
+    plain = []
+    for i in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            with open(f"{root}/plain_{i}.pt", "wb") as f:
+                torch.save(tensors, f)
+                f.flush()
+                os.fsync(f.fileno())
+        dist.barrier()
+        plain.append(time.perf_counter() - t0)
+    restore, load = [], []
+    fresh = {k: torch.empty_like(v) for k, v in tensors.items()}
+    for i in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        manager.restore(fresh)
+        dist.barrier()
+        restore.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        loaded = torch.load(f"{root}/plain_{i}.pt", weights_only=True)
+        for k, v in fresh.items():
+            v.copy_(loaded[k])
+        dist.barrier()
+        load.append(time.perf_counter() - t0)
+    if rank == 0:
+        newest = json.loads(Path(root, "ours", f"step_{repeats:09d}", "manifest.json").read_text())
+        figures = {
+            "stall": stall,
+            "committed": committed,
+            "torch_save": plain,
+            "restore": restore,
+            "torch_load": load,
+            "bytes": sum(f["size"] for f in newest["files"].values()),
+            "staged_bytes": saver.staged_bytes,
+        }
+        Path(out).write_text(json.dumps(figures))
+    dist.destroy_process_group()
+
+
+def dd(root: Path, size: int, repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        subprocess.run(
+            ["dd", "if=/dev/zero", f"of={root}/dd", "bs=4M", f"count={-(-size // (4 << 20))}"]
+            + ["conv=fsync"],
+            check=True,
+            capture_output=True,
+        )
+        times.append(time.perf_counter() - t0)
+        os.unlink(root / "dd")
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--worlds", default="1,2")
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp folder)")
+    args = parser.parse_args()
+    base = Path(args.dir or tempfile.mkdtemp(prefix="ckpt-bench-"))
+    med = statistics.median
+    rows = []
+    for world in (int(w) for w in args.worlds.split(",")):
+        root = base / f"world{world}"
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+        out = root / "figures.json"
+        print(f"world {world}: {args.repeats} saves and restores of the ResNet-50 state ...")
+        mp.spawn(
+            _rank,
+            args=(world, free_port(), str(root), args.repeats, str(out)),
+            nprocs=world,
+            join=True,
+        )
+        f = json.loads(out.read_text())
+        f["dd"] = dd(root, f["bytes"], args.repeats)
+        rows.append((world, f))
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"\nResNet-50 training state, medians of {args.repeats}, this machine:\n")
+    print("| | " + " | ".join(f"world {w}" for w, _ in rows) + " |")
+    print("| --- |" + " --- |" * len(rows))
+
+    def row(label: str, cells: list[str]) -> None:
+        print(f"| {label} | " + " | ".join(cells) + " |")
+
+    row("checkpoint size", [f"{f['bytes'] / 1e6:.0f} MB" for _, f in rows])
+    row("staged copy (host memory)", [f"{f['staged_bytes'] / 1e6:.0f} MB" for _, f in rows])
+    row("our stall", [f"{med(f['stall']):.3f} s" for _, f in rows])
+    row("`torch.save` + fsync (the stall)", [f"{med(f['torch_save']):.3f} s" for _, f in rows])
+    row(
+        "stall ratio ours / torch.save",
+        [f"{med(f['stall']) / med(f['torch_save']):.1%}" for _, f in rows],
+    )
+    row("until committed", [f"{med(f['committed']):.3f} s" for _, f in rows])
+    row("`dd bs=4M conv=fsync`, same bytes", [f"{med(f['dd']):.3f} s" for _, f in rows])
+    row(
+        "commit throughput / dd's",
+        [f"{med(f['dd']) / med(f['committed']):.0%}" for _, f in rows],
+    )
+    row("our restore (verify + load)", [f"{med(f['restore']):.3f} s" for _, f in rows])
+    row("`torch.load` + copy", [f"{med(f['torch_load']):.3f} s" for _, f in rows])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""Background checkpoint saves with real gloo groups and real signals: a process killed at each
+phase of a save never leaves a checkpoint that loads wrong, a peer frozen in the middle of a save
+holds only the save, and the per-rank hashes catch a flipped byte in any rank's shard."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from elastic import async_checkpoint
+from elastic.async_checkpoint import BackgroundSaver
+from elastic.checkpoint import MANIFEST, CheckpointManager
+from elastic.events import EventLog, read_events
+from launcher.embedded_etcd import free_port
+
+GROUP_TIMEOUT = timedelta(seconds=30)
+
+
+def state(seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return {"w": torch.randn(300, 200), "b": torch.randn(200), "step": torch.tensor([seed])}
+
+
+def _join(rank: int, port: int) -> dist.ProcessGroup:
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=GROUP_TIMEOUT)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=GROUP_TIMEOUT)
+    return dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT)
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _phase_main(rank: int, port: int, url: str, out: str, phase: str) -> None:
+    """Both ranks save step 5, then step 10 in the background, with one rank killed at
+    ``phase`` of the second save."""
+    group = _join(rank, port)
+    events = EventLog(out, f"rank{rank}")
+    manager = CheckpointManager(url, keep=3, events=events)
+    saver = BackgroundSaver(events)
+    tensors = state(5)
+    saver.start(manager, 5, tensors, {}, group, 1, lambda: False)
+    saver.wait(lambda: False)
+    if phase == "staging" and rank == 1:
+        saver._stage = lambda tensors: _die()  # type: ignore[method-assign]
+    if phase == "write" and rank == 1:
+        async_checkpoint._Save.reading = lambda self: _die()  # type: ignore[method-assign,assignment]
+    if phase in ("before_manifest", "after_manifest") and rank == 0:
+        commit = manager._commit
+
+        def dying_commit(path: str, manifest: dict) -> None:  # type: ignore[type-arg]
+            if phase == "after_manifest":
+                commit(path, manifest)
+            _die()
+
+        manager._commit = dying_commit  # type: ignore[method-assign]
+    for name, value in state(10).items():
+        tensors[name].copy_(value)
+    saver.start(manager, 10, tensors, {}, group, 1, lambda: False)
+    for t in tensors.values():
+        t.zero_()  # training goes on: what is written is the staged copy
+    saver.wait(lambda: False)
+    Path(out, f"survivor{rank}").write_text("done")
+    os._exit(0)
+
+
+@pytest.mark.parametrize("phase", ["staging", "write", "before_manifest", "after_manifest"])
+def test_a_process_killed_at_each_phase_of_a_background_save_never_leaves_a_wrong_checkpoint(
+    tmp_path: Path, phase: str
+) -> None:
+    """The newest checkpoint that loads is step 10 only when the kill came after its commit,
+    and it holds what was staged, not what training wrote afterwards; otherwise step 5."""
+    url = f"file://{tmp_path}/ckpt"
+    ranks = mp.spawn(
+        _phase_main, args=(free_port(), url, str(tmp_path), phase), nprocs=2, join=False
+    )
+    survivor = 0 if phase in ("staging", "write") else 1
+    for p in ranks.processes:
+        p.join(60)
+    codes = [p.exitcode for p in ranks.processes]
+    assert codes[survivor] == 0 and codes[1 - survivor] == -signal.SIGKILL, codes
+    assert (tmp_path / f"survivor{survivor}").exists()
+
+    manager = CheckpointManager(url, keep=3)
+    info = manager.newest_valid()
+    assert info is not None
+    expected = 10 if phase == "after_manifest" else 5
+    assert info.step == expected
+    loaded = {k: torch.zeros_like(v) for k, v in state(0).items()}
+    manager.load(info, loaded)
+    assert all(torch.equal(loaded[k], v) for k, v in state(expected).items())
+    if phase in ("staging", "write"):  # the survivor, rank 0, says why the save failed
+        failed = [e for e in read_events(tmp_path) if e["event"] == "checkpoint_failed"]
+        assert [e["step"] for e in failed] == [10] and "collectives" in failed[0]["reason"]
+
+
+def _frozen_main(rank: int, port: int, url: str, out: str) -> None:
+    """Rank 1 freezes before its save; rank 0 starts its own, leaves the round (abandons it),
+    and reports; the test then thaws rank 1, whose save goes on into an abandoned one."""
+    group = _join(rank, port)
+    events = EventLog(out, f"rank{rank}")
+    manager = CheckpointManager(url, keep=1, events=events)
+    saver = BackgroundSaver(events)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    t0 = time.perf_counter()
+    held = saver.start(manager, 5, state(5), {}, group, 1, lambda: False)
+    returned = time.perf_counter() - t0
+    if rank == 0:
+        saver.abandon()  # the agent moved this rank to a round without the frozen one
+        Path(out, "rank0.json").write_text(json.dumps({"held": held, "returned": returned}))
+    saver.wait(lambda: False)
+    Path(out, f"done{rank}").write_text("done")
+    os._exit(0)
+
+
+def test_a_peer_frozen_mid_save_holds_only_the_save_and_an_abandoned_save_never_commits(
+    tmp_path: Path,
+) -> None:
+    url = f"file://{tmp_path}/ckpt"
+    ranks = mp.spawn(_frozen_main, args=(free_port(), url, str(tmp_path)), nprocs=2, join=False)
+    frozen = ranks.processes[1]
+    try:
+        report = tmp_path / "rank0.json"
+        deadline = time.monotonic() + 20
+        while not report.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert report.exists(), "rank 0 was held by its frozen peer"
+        assert json.loads(report.read_text())["returned"] < 2.0
+        os.kill(frozen.pid, signal.SIGCONT)
+        for p in ranks.processes:
+            p.join(40)
+        assert [p.exitcode for p in ranks.processes] == [0, 0]
+    finally:
+        for p in ranks.processes:
+            if p.is_alive():
+                p.kill()
+    assert not list((tmp_path / "ckpt").rglob(MANIFEST))  # never committed
+    names = {e["event"] for e in read_events(tmp_path)}
+    assert not names & {"checkpoint_saved", "checkpoint_failed"}  # abandoned is neither
+
+
+def _flip_main(rank: int, port: int, url: str, out: str, action: str) -> None:
+    group = _join(rank, port)
+    manager = CheckpointManager(url, keep=3, events=EventLog(out, f"rank{rank}"))
+    if action.startswith("save"):
+        manager.save(int(action[4:]), state(int(action[4:])), {}, group)
+    else:
+        tensors = {k: torch.zeros_like(v) for k, v in state(0).items()}
+        info = manager.restore(tensors)
+        Path(out, f"loaded{rank}.json").write_text(
+            json.dumps({"step": info.step if info else None, "w": tensors["w"].sum().item()})
+        )
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("shard", ["__0_0.distcp", "__1_0.distcp"])
+def test_the_per_rank_hashes_catch_a_flipped_byte_in_any_ranks_shard(
+    tmp_path: Path, shard: str
+) -> None:
+    url = f"file://{tmp_path}/ckpt"
+    for action in ("save5", "save10", "load"):
+        if action == "load":
+            path = tmp_path / "ckpt" / "step_000000010" / shard
+            data = bytearray(path.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            path.write_bytes(bytes(data))
+        args = (free_port(), url, str(tmp_path), action)
+        mp.spawn(_flip_main, args=args, nprocs=2, join=True)
+    manifest = json.loads((tmp_path / "ckpt" / "step_000000005" / MANIFEST).read_text())
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= manifest["files"].keys()
+    for rank in (0, 1):
+        loaded = json.loads((tmp_path / f"loaded{rank}.json").read_text())
+        assert loaded["step"] == 5
+        assert loaded["w"] == pytest.approx(state(5)["w"].sum().item())
+    assert (tmp_path / "ckpt" / "step_000000010.corrupt").is_dir()
+    skipped = [e for e in read_events(tmp_path) if e["event"] == "checkpoint_skipped"]
+    assert len(skipped) == 1 and shard in skipped[0]["reason"]
