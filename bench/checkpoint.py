@@ -70,7 +70,7 @@ def _rank(rank: int, world: int, port: int, root: str, repeats: int, out: str) -
     for step in range(1, repeats + 1):
         dist.barrier()
         t0 = time.perf_counter()
-        stall.append(saver.start(manager, step, tensors, {}, group, 1, lambda: False))
+        stall.append(saver.start(manager, step, tensors, {}, group, 1, lambda: False).stall_s)
         saver.wait(lambda: False)
         dist.barrier()  # rank 0 commits last: the save is committed when every rank is here
         committed.append(time.perf_counter() - t0)

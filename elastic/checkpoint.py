@@ -417,10 +417,14 @@ class CheckpointManager:
 
     def _set_aside(self, path: str, reason: str) -> None:
         """Remove an interrupted save; move a damaged checkpoint aside for a person to look at."""
-        if reason == "incomplete":
+        if reason != "incomplete":  # file by file: object stores have no folder to move
+            aside = f"{path}.corrupt"
+            self.fs.makedirs(aside, exist_ok=True)
+            for name in self._files(path) + [MANIFEST]:
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.mv(f"{path}/{name}", f"{aside}/{name}")
+        with contextlib.suppress(FileNotFoundError):  # an object store's folder went with them
             self.fs.rm(path, recursive=True)
-        else:
-            self.fs.mv(path, path + ".corrupt", recursive=True)
         if self.events:
             self.events.emit("checkpoint_skipped", url=self._url(path), reason=reason)
 
@@ -431,6 +435,7 @@ class CheckpointManager:
         return candidates(self.fs, self.root)
 
     def _files(self, path: str) -> list[str]:
+        self.fs.invalidate_cache(path)  # other processes wrote there
         names = [e.rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(path, detail=False)]
         return sorted(n for n in names if n != MANIFEST and not n.endswith(".tmp"))
 

@@ -25,6 +25,7 @@ PREFIX = "step_"
 def candidates(fs: AbstractFileSystem, root: str) -> list[str]:
     """Checkpoint folders under ``root``, newest first, committed or not; ``*.corrupt`` folders
     (moved aside by the loader) are not among them."""
+    fs.invalidate_cache(root)  # other processes write there (an object store's listing is cached)
     try:
         entries = fs.ls(root, detail=False)
     except FileNotFoundError:
