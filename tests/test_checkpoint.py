@@ -31,7 +31,14 @@ def make_state(seed: int) -> TrainState:
 
 
 def _rank_main(
-    rank: int, world: int, port: int, action: str, url: str, step: int, seed: int, out: str
+    rank: int,
+    world: int,
+    port: int,
+    action: str,
+    url: str,
+    step: int | list[int],
+    seed: int | list[int],
+    out: str,
 ) -> None:
     store = dist.TCPStore(
         "127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=60)
@@ -39,14 +46,19 @@ def _rank_main(
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     events = EventLog(out, f"rank{rank}")
     manager = CheckpointManager(url, keep=2, events=events)
-    state = make_state(seed)
-    tensors = state.tensors()
-    if action == "save":
-        try:
-            manager.save(step, tensors, {"progress": {"step": step}})
-        except SaveFailed as exc:  # every rank learns of it; the test reads what each one saw
-            Path(out, f"failed{rank}.json").write_text(json.dumps([exc.reason, exc.fix]))
-    elif action in ("load_with_scaler", "load_another_optimizer"):
+    if action == "save":  # one save, or one per step of a list (and seed of a list) in turn
+        steps, seeds = (x if isinstance(x, list) else [x] for x in (step, seed))
+        for one_step, one_seed in zip(steps, seeds, strict=True):
+            try:
+                tensors = make_state(one_seed).tensors()
+                manager.save(one_step, tensors, {"progress": {"step": one_step}})
+            except SaveFailed as exc:  # every rank learns of it; the test reads what each saw
+                Path(out, f"failed{rank}.json").write_text(json.dumps([exc.reason, exc.fix]))
+        dist.destroy_process_group()
+        return
+    assert isinstance(seed, int)
+    tensors = make_state(seed).tensors()
+    if action in ("load_with_scaler", "load_another_optimizer"):
         extra = "scaler.scale" if action == "load_with_scaler" else "optim.0.weight.square_avg"
         tensors[extra] = torch.full((1,), 65536.0)
         try:
@@ -69,7 +81,14 @@ def _plain(tensors: dict[str, torch.Tensor], leave_out: str) -> dict[str, list]:
     return {k: v.tolist() for k, v in tensors.items() if k != leave_out}
 
 
-def run_ranks(world: int, action: str, url: str, out: Path, step: int = 0, seed: int = 0) -> None:
+def run_ranks(
+    world: int,
+    action: str,
+    url: str,
+    out: Path,
+    step: int | list[int] = 0,
+    seed: int | list[int] = 0,
+) -> None:
     mp.spawn(
         _rank_main,
         args=(world, free_port(), action, url, step, seed, str(out)),
@@ -104,8 +123,7 @@ def test_saved_at_two_ranks_loads_at_one_and_three(tmp_path: Path) -> None:
 
 def test_an_interrupted_save_is_never_loaded(tmp_path: Path) -> None:
     url = f"file://{tmp_path}/ckpt"
-    run_ranks(1, "save", url, tmp_path, step=5, seed=1)
-    run_ranks(1, "save", url, tmp_path, step=10, seed=2)
+    run_ranks(1, "save", url, tmp_path, step=[5, 10], seed=[1, 2])
     newest = tmp_path / "ckpt" / "step_000000010"
     (newest / MANIFEST).unlink()  # as if the job died before the commit record
     run_ranks(1, "load", url, tmp_path, seed=99)
@@ -118,8 +136,7 @@ def test_an_interrupted_save_is_never_loaded(tmp_path: Path) -> None:
 
 def test_only_the_newest_checkpoints_are_kept(tmp_path: Path) -> None:
     url = f"file://{tmp_path}/ckpt"
-    for step in (1, 2, 3):
-        run_ranks(1, "save", url, tmp_path, step=step, seed=step)
+    run_ranks(1, "save", url, tmp_path, step=[1, 2, 3], seed=[1, 2, 3])
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
         "step_000000002",
         "step_000000003",

@@ -34,7 +34,7 @@ def s3(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[str]:
     pytest.importorskip("s3fs")
     server = Path(sys.executable).parent / "moto_server"
     if not server.exists():
-        pytest.skip("no moto_server next to this Python (pip install 'moto[server]')")
+        pytest.skip("no moto_server next to this Python (pip install 'moto[s3]' flask flask-cors)")
     port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "moto.log", "wb")  # noqa: SIM115 - closed below
@@ -99,11 +99,12 @@ def run(world: int, url: str, out: Path, action: str) -> None:
 
 
 def test_checkpoints_on_s3_commit_reshard_and_catch_a_flipped_byte(s3: str, tmp_path: Path) -> None:
-    """Saved by two ranks, loaded by one; a damaged shard is set aside for the older one."""
+    """Saved by two ranks, loaded by one; a damaged shard is set aside for the older one (saved
+    by one rank, so that it also reshards from one to two)."""
     import fsspec
 
     url = f"s3://{BUCKET}/job"
-    run(2, url, tmp_path, "5")
+    run(1, url, tmp_path, "5")
     run(2, url, tmp_path, "10")
     fs = fsspec.filesystem("s3")
     manifest = json.loads(fs.cat_file(f"{BUCKET}/job/step_000000010/{MANIFEST}"))
