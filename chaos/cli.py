@@ -145,6 +145,19 @@ def refuse(found: list[str]) -> int:
     return 2
 
 
+def nothing_to_judge(events: list[dict[str, Any]], out_dir: Path) -> str | None:
+    """Why a campaign's job cannot be judged (it trained fewer than two steps: a node refused
+    by its health checks, a bad setting), or None."""
+    if sum(e["event"] == "step" for e in events) >= 2:
+        return None
+    refused = next((e for e in events if e["event"] == "health_failed"), None)
+    why = f": {refused['node']} failed {'; '.join(refused['failures'])}" if refused else ""
+    return (
+        f"the job trained fewer than two steps, so there is nothing to judge{why}. The nodes' "
+        f"output is in {out_dir}"
+    )
+
+
 def launch(cfg: Config, campaign: CampaignConfig, job: list[str]) -> int:
     """Launch a local job on an etcd of our own, run the campaign on it, and judge it."""
     found = problems(campaign, cfg.cluster.nodes)
@@ -233,6 +246,8 @@ def launch(cfg: Config, campaign: CampaignConfig, job: list[str]) -> int:
         print(f"chaos: the job exited with {codes}", flush=True)
         events = read_events(run_dir)
         job_cfg = config.load(run_dir / "config.yaml")
+        if untrained := nothing_to_judge(events, out_dir):
+            return refuse([untrained])
         rates = None
         if campaign.baseline:
             sizes = needed_sizes(events, job_cfg.cluster.nodes, job_cfg.cluster.min_nodes)
@@ -312,6 +327,8 @@ def report(
     rates_from: str = "fault-free runs",
 ) -> int:
     """Judge the campaign, write its report, summary and picture; the exit code."""
+    if untrained := nothing_to_judge(events, out_dir):
+        return refuse([untrained])
     verdict = judge(events, job_cfg, rates, rates_from)
     (out_dir / "report.json").write_text(verdict.to_json())
     text = summary(verdict)

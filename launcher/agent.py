@@ -496,6 +496,15 @@ class Agent:
         now = time.monotonic()
         self.probing_since = self.probing_since or now
         waited = now - self.probing_since
+        if decide.no_one_to_blame(found, reach, waited, self.cfg.rendezvous.lease_ttl_s):
+            self.rdzv.report_failure(
+                f"round {found.round.number}'s collectives failed, yet every peer answers: "
+                "leaving it so that it is formed again"
+            )
+            self.workers.standby()
+            self.current = None
+            self.probing_since = None
+            return False
         if not decide.evicts_now(
             found, reach, self.node_id, waited, self.cfg.rendezvous.lease_ttl_s
         ):

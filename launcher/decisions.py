@@ -259,6 +259,20 @@ def evicts_now(
     return alive[0] == me or waited_s >= backup_s
 
 
+def no_one_to_blame(
+    probe: Probe, reach: Mapping[str, Reach], waited_s: float, backup_s: float
+) -> bool:
+    """Whether this node should leave a round whose collectives failed although no peer is at
+    fault: it has probed for ``backup_s`` (a lease TTL, the time a dead or frozen peer takes to
+    lose its lease and the round) and every peer still answers. That is a network fault that
+    outlasted ``rendezvous.pg_timeout_s`` and healed before the probes, or a timeout that fired
+    late: nobody is evicted, but the round's group is broken for good, and only a new round
+    mends it. The node leaves (a failure report: no strike, its workers kept) and rejoins."""
+    return waited_s >= backup_s and all(
+        reach.get(p.node_id, Reach.ALIVE) is Reach.ALIVE for p in probe.peers
+    )
+
+
 def reaches_the_round(round: Round | None, reach: Mapping[str, Reach], me: str) -> bool:
     """Whether this node may say it is ready to join: it reaches every live member of the
     current round (``reach`` by node id). A node cut off from its peers would be placed in a

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from chaos.campaign import CampaignConfig, FaultKind, FaultSpec, pick, problems, schedule
-from chaos.cli import split
+from chaos.cli import nothing_to_judge, split
 from chaos.injectors import TargetNotFound, clear_disk, corrupt_shard, fill_disk
 from chaos.runner import due
 from chaos.timeline import phases
@@ -228,3 +228,15 @@ def test_a_disk_is_filled_only_where_it_is_small_and_its_ballast_goes_after(tmp_
         assert not ballast.exists() and shutil.disk_usage(small).free > 30 * 2**20
     kinds = [(e["event"], e["kind"]) for e in read_events(tmp_path / "run")]
     assert kinds == [("fault_injected", "disk"), ("fault_cleared", "disk")]
+
+
+def test_a_job_that_never_trained_is_named_not_judged(tmp_path: Path) -> None:
+    refused = {
+        "event": "health_failed",
+        "node": "node0",
+        "failures": ["checkpoint_disk: /ckpt has 0.25 GB free, below the 1.00 GB needed"],
+    }
+    why = nothing_to_judge([refused], tmp_path)
+    assert why is not None and "node0 failed checkpoint_disk: /ckpt" in why and str(tmp_path) in why
+    steps = [{"event": "step", "step": 1}, {"event": "step", "step": 2}]
+    assert nothing_to_judge([refused, *steps], tmp_path) is None

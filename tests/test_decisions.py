@@ -34,6 +34,7 @@ from launcher.decisions import (
     join_timed_out,
     keeps_workers,
     leaves_done_job,
+    no_one_to_blame,
     on_membership,
     on_node_id_in_use,
     on_peer_lost,
@@ -178,6 +179,21 @@ def test_one_survivor_evicts_the_first_alive_in_rank_order_the_others_after_a_le
     # (peers_to_evict then evicts no one: d is the minority), d comes first on its side.
     assert evicts_now(found, {"a": ALIVE, "b": CUT, "c": CUT}, "d", 0.0, 3.0) is False
     assert evicts_now(found, {"a": CUT, "b": CUT, "c": CUT}, "d", 0.0, 3.0)
+
+
+def test_a_broken_round_whose_peers_all_answer_is_left_after_a_lease() -> None:
+    """A partition that healed before pg_timeout_s fired: every probe connects, nobody is
+    evicted, and after a lease TTL (time for a dead or frozen peer to lose its lease) the node
+    leaves the round so that it is formed again."""
+    rnd = Round.build(5, [node("a", 1), node("b", 2), node("c", 3)])
+    found = Probe(rnd, (rnd.member("b"), rnd.member("c")))
+    everyone = {"b": ALIVE, "c": ALIVE}
+    assert not no_one_to_blame(found, everyone, waited_s=2.9, backup_s=3.0)
+    assert no_one_to_blame(found, everyone, waited_s=3.0, backup_s=3.0)
+    assert peers_to_evict(found, everyone, "a") == []
+    # A peer that is dead or out of reach is someone to blame: eviction (or fencing) mends it.
+    assert not no_one_to_blame(found, {"b": ALIVE, "c": DEAD}, 9.0, 3.0)
+    assert not no_one_to_blame(found, {"b": CUT, "c": ALIVE}, 9.0, 3.0)
 
 
 def test_no_report_or_a_stale_one_probes_nothing() -> None:
