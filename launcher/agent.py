@@ -104,6 +104,11 @@ EXIT_NODE_ID_IN_USE = 5  # another live node holds this node's id (cluster.node_
 QUARANTINE_POLL_S = 2.0  # how often a quarantined node looks up from its wait (signals)
 IDLE_WAKE_S = 1.0  # the loop looks at the workers' watchdogs and the join timeout this often
 PROBE_AGAIN_S = 0.2  # after a failed collective, peers are probed this often until a new round
+# A survivor that is not the round's first live member evicts a dead peer itself after probing
+# this long (or a lease TTL, if shorter) with the round still standing. The first one may be
+# frozen, or may not have seen the failure at all: gloo's ring leaves a rank waiting on a live
+# neighbour that gave up, without an error, so its agent never probes.
+EVICT_BACKUP_S = 1.0
 
 
 def probe(host: str, port: int, timeout_s: float) -> decide.Reach:
@@ -505,9 +510,8 @@ class Agent:
             self.current = None
             self.probing_since = None
             return False
-        if not decide.evicts_now(
-            found, reach, self.node_id, waited, self.cfg.rendezvous.lease_ttl_s
-        ):
+        backup = min(EVICT_BACKUP_S, self.cfg.rendezvous.lease_ttl_s)
+        if not decide.evicts_now(found, reach, self.node_id, waited, backup):
             return True
         for member in decide.peers_to_evict(found, reach, self.node_id):
             why = {

@@ -249,8 +249,8 @@ def evicts_now(
     """Whether this node sends the evictions :func:`peers_to_evict` names, now. One eviction per
     dead node, not one per survivor: the first member of the round (in rank order) that this
     node's probe found alive, itself included, evicts at once. The others evict only once they
-    have probed for ``backup_s`` (a lease TTL) with the round still standing: the first one may
-    be frozen, and its port still accepts."""
+    have probed for ``backup_s`` with the round still standing: the first one may be frozen (its
+    port still accepts), or may not have seen the failure."""
     alive = [
         m.node_id
         for m in probe.round.members
