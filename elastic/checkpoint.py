@@ -151,12 +151,13 @@ class Saved:
 
 
 def file_record(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, Any]:
-    """A manifest entry: the file's size and sha256."""
-    digest = hashlib.sha256()
+    """A manifest entry: the file's size and sha256, from one read of it."""
+    digest, size = hashlib.sha256(), 0
     with fs.open(path, "rb") as f:
         while chunk := f.read(1 << 22):
             digest.update(chunk)
-    return {"size": fs.size(path), "sha256": digest.hexdigest()}
+            size += len(chunk)
+    return {"size": size, "sha256": digest.hexdigest()}
 
 
 class _ShardWriter(FsspecWriter):

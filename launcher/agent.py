@@ -502,12 +502,10 @@ class Agent:
         self.probing_since = self.probing_since or now
         waited = now - self.probing_since
         if decide.no_one_to_blame(found, reach, waited, self.cfg.rendezvous.lease_ttl_s):
-            self.rdzv.report_failure(
+            self._leave_round(
                 f"round {found.round.number}'s collectives failed, yet every peer answers: "
                 "leaving it so that it is formed again"
             )
-            self.workers.standby()
-            self.current = None
             self.probing_since = None
             return False
         backup = min(EVICT_BACKUP_S, self.cfg.rendezvous.lease_ttl_s)
@@ -548,14 +546,18 @@ class Agent:
         self.cut_off = not ok
         return ok
 
+    def _leave_round(self, reason: str) -> None:
+        """Leave the current round at once (a failure report), the workers standing by."""
+        self.rdzv.report_failure(reason)
+        if self.current is not None:
+            self.workers.standby()
+            self.current = None
+
     def _restart(self, plan: decide.Restart) -> int:
         """Leave the round and start the failed workers again once the node checks out healthy.
         Returns 0 to carry on, or the agent's exit code."""
         self.crashes = plan.crashes
-        self.rdzv.report_failure(plan.reason)
-        if self.current is not None:
-            self.workers.standby()
-            self.current = None
+        self._leave_round(plan.reason)
         failed = [self.workers.slots[i] for i in plan.local_ranks]
         for s in failed:
             s.stop(0)
