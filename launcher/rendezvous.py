@@ -55,7 +55,7 @@ from typing import Any
 
 from elastic.config import RendezvousConfig
 from elastic.events import EventLog
-from launcher.etcd import allow_watch_filters, denied, etcd_errors
+from launcher.etcd import allow_watch_filters, denied, etcd_errors, read_at_one_revision
 from launcher.lease import KeepAliveStream, NoAnswer
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ def lease_verdict(ttl: int | None, unreachable_s: float, grace_s: float) -> Leas
 
 def backoff(attempt: int) -> float:
     """Seconds before retry number ``attempt`` (0-based) of a call that found etcd away."""
-    return min(RETRY_MAX_S, RETRY_MIN_S * 2**attempt)
+    return min(RETRY_MAX_S, RETRY_MIN_S * 2 ** min(attempt, 16))
 
 
 @dataclass
@@ -719,38 +719,34 @@ class Rendezvous:
             log.exception("rendezvous on_change callback failed")
 
     def _snapshot(self, everyone: bool) -> int:
-        """Read, in one transaction, what this node follows: the round, the leader, ``done``, and
-        its own record and quarantine key; the whole membership and quarantine instead of its
-        own when ``everyone`` (the leader). Installs the view if it is not older than the one
+        """Read, as of one revision, what this node follows: the round, the leader, ``done``,
+        and its own record and quarantine key; the whole membership and quarantine instead of
+        its own when ``everyone`` (the leader). Installs the view if it is not older than the one
         held; returns the snapshot's revision (watches start after it), or 0 if this node's own
         key is gone (it is fenced)."""
-        t = self._client.transactions
         keys = [self._round_key, self._leader_key, self._done_key]
         if everyone:
             ranges = [self._nodes_prefix, self._quarantine_prefix]
-            gets = [t.get(k) for k in keys] + [t.get(r, range_end=_prefix_end(r)) for r in ranges]
+            reads = [(k, None) for k in keys] + [(r, _prefix_end(r)) for r in ranges]
         else:
-            gets = [t.get(k) for k in [*keys, self._node_key, self._own_quarantine_key]]
-        self.load.requests += 1
-        _, responses = self._client.transaction(compare=[], success=gets, failure=[])
-        revision = 0
+            reads = [(k, None) for k in [*keys, self._node_key, self._own_quarantine_key]]
+        self.load.requests += len(reads)
+        revision, found = read_at_one_revision(self._client, reads)
         nodes: dict[str, NodeRecord] = {}
         rnd, round_rev, leader, done, quarantined = None, 0, "", False, set()
-        for found in responses:
-            for value, meta in found:
-                revision = meta.response_header.revision
-                key = meta.key.decode()
-                if key.startswith(self._nodes_prefix):
-                    rec = NodeRecord.from_json(value, meta.create_revision)
-                    nodes[rec.node_id] = rec
-                elif key == self._round_key:
-                    rnd, round_rev = Round.from_json(value), meta.mod_revision
-                elif key == self._leader_key:
-                    leader = value.decode()
-                elif key == self._done_key:
-                    done = True
-                elif key.startswith(self._quarantine_prefix):
-                    quarantined.add(key[len(self._quarantine_prefix) :])
+        for kv in (kv for kvs in found for kv in kvs):
+            key = kv.key.decode()
+            if key.startswith(self._nodes_prefix):
+                rec = NodeRecord.from_json(kv.value, kv.create_revision)
+                nodes[rec.node_id] = rec
+            elif key == self._round_key:
+                rnd, round_rev = Round.from_json(kv.value), kv.mod_revision
+            elif key == self._leader_key:
+                leader = kv.value.decode()
+            elif key == self._done_key:
+                done = True
+            elif key.startswith(self._quarantine_prefix):
+                quarantined.add(key[len(self._quarantine_prefix) :])
         if self.node.node_id not in nodes:  # evicted, or the lease expired: no revision to read
             with self._cond:
                 fenced = self._fence("this node's key is gone (evicted, or its lease expired)")
@@ -960,7 +956,7 @@ class Rendezvous:
             except etcd_errors() as exc:  # the keep-alive says when etcd is away; no log spam
                 log.debug("rendezvous sync failed (%s); retrying", exc)
                 self._cancel_watches()
-                deadline = time.monotonic() + backoff(failures)
+                deadline = next_resync = time.monotonic() + backoff(failures)
                 failures += 1
             wait = min(deadline or next_resync, next_resync) - time.monotonic()
             self._wake.wait(timeout=max(0.01, wait))

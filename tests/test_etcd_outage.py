@@ -44,6 +44,7 @@ def test_only_the_server_fences_a_node_and_only_the_grace_period_stops_it() -> N
 
 def test_backoff_doubles_from_a_quarter_second_up_to_four() -> None:
     assert [backoff(i) for i in range(6)] == [0.25, 0.5, 1.0, 2.0, 4.0, 4.0]
+    assert backoff(5000) == 4.0  # an outage of hours: no float overflow
 
 
 def test_one_grpc_target_names_every_member() -> None:
@@ -53,7 +54,8 @@ def test_one_grpc_target_names_every_member() -> None:
 
 # --- real etcd ----------------------------------------------------------------------------------
 
-OUTAGE_CFG = replace(FAST, etcd_grace_s=30.0)
+# A resync due every second: the retries while etcd is away must follow the backoff all the same.
+OUTAGE_CFG = replace(FAST, etcd_grace_s=30.0, resync_s=1.0)
 
 
 @pytest.fixture
@@ -92,8 +94,12 @@ def test_an_etcd_restart_longer_than_the_lease_fences_nobody_and_keeps_the_round
         view = a.wait(formed(1), timeout=15)
         assert view is not None and view.round is not None
         own_etcd.stop_member(0, kill=True)
+        before = a.load.requests
         # Down for more than a lease TTL (2 s), as measured by the keep-alives that fail.
         assert not a.fenced.wait(3 * OUTAGE_CFG.lease_ttl_s)
+        # Each attempt to read the job again is a few requests; 6 s of backoff holds 6 attempts.
+        retried = a.load.requests - before
+        assert retried <= 40, f"{retried} requests in 6 s of outage: the retries ignore backoff"
         # A write made while etcd is away is kept, and lands once it is back.
         b.report_failure("a worker crashed while etcd was away")
         own_etcd.start_member(0)
