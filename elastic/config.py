@@ -603,44 +603,113 @@ def _bound_problems(node: Any, prefix: str = "") -> Iterator[str]:
 ETCD_PASSWORD_ENV = "ELASTIC_ETCD_PASSWORD"
 
 
-def etcd_security_problems(c: ClusterConfig) -> list[str]:
-    """What is wrong with ``cluster.etcd_tls`` and the etcd user settings, before any
-    connection: a file that cannot be read, a certificate without its key, TLS or a user for the
-    embedded etcd (which is plaintext and has no users), a user without a password source."""
+def credential_problems(
+    ca: str,
+    cert: str,
+    key: str,
+    server_name: str,
+    user: str,
+    password_file: str,
+    name: Callable[[str], str],
+) -> list[str]:
+    """What is wrong with a set of etcd credentials, before any connection: a file that cannot
+    be read, a certificate without its key, TLS settings without the CA, a password without a
+    user, a user without a password source. ``name`` spells each setting as the user wrote it
+    (``ca`` is ``cluster.etcd_tls.ca`` to the launcher, ``rdzv_conf ca`` under torchrun), so
+    that both front ends share one set of rules and each names its own keys."""
     problems: list[str] = []
-    tls, external = c.etcd_tls, bool(c.etcd_endpoints)
-    for name in ("ca", "cert", "key"):
-        path = getattr(tls, name)
+    for setting, path in (("ca", ca), ("cert", cert), ("key", key)):
         if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
             problems.append(
                 problem(
-                    f"cluster.etcd_tls.{name}",
+                    name(setting),
                     path,
                     "not a readable file",
-                    f"point cluster.etcd_tls.{name} at the PEM file (readable by this user)",
+                    f"point {name(setting)} at the PEM file (readable by this user)",
                 )
             )
-    if bool(tls.cert) != bool(tls.key):
-        have, missing = ("cert", "key") if tls.cert else ("key", "cert")
+    if bool(cert) != bool(key):
+        have, missing = ("cert", "key") if cert else ("key", "cert")
         problems.append(
             problem(
-                f"cluster.etcd_tls.{have}",
-                getattr(tls, have),
-                f"a client certificate needs both cert and key, and cluster.etcd_tls.{missing} "
-                "is not set",
-                f"set cluster.etcd_tls.{missing} too, or neither (server-auth TLS with "
-                "cluster.etcd_tls.ca alone)",
+                name(have),
+                cert or key,
+                f"a client certificate needs both cert and key, and {name(missing)} is not set",
+                f"set {name(missing)} too, or neither (server-auth TLS with {name('ca')} alone)",
             )
         )
-    if (tls.cert or tls.server_name) and not tls.ca:
+    if (cert or server_name) and not ca:
         problems.append(
             problem(
-                "cluster.etcd_tls.ca",
+                name("ca"),
                 "",
                 "TLS to etcd needs the CA that signed the etcd members' certificates",
-                "set cluster.etcd_tls.ca=/path/to/ca.pem",
+                f"set {name('ca')}=/path/to/ca.pem",
             )
         )
+    if password_file and not user:
+        problems.append(
+            problem(
+                name("password_file"),
+                password_file,
+                f"a password without {name('user')}",
+                f"set {name('user')}=<the etcd user>",
+            )
+        )
+    if (
+        user
+        and password_file
+        and not (os.path.isfile(password_file) and os.access(password_file, os.R_OK))
+    ):
+        problems.append(
+            problem(
+                name("password_file"),
+                password_file,
+                "not a readable file",
+                f"point {name('password_file')} at a file holding the etcd user's password "
+                "(chmod 600), readable by this user",
+            )
+        )
+    elif user and not password_file and not os.environ.get(ETCD_PASSWORD_ENV):
+        problems.append(
+            problem(
+                name("password_file"),
+                "",
+                f"{name('user')}={user!r} needs a password, and neither this setting nor "
+                f"${ETCD_PASSWORD_ENV} is set",
+                f"set {name('password_file')}=/path/to/password (chmod 600), or export "
+                f"{ETCD_PASSWORD_ENV} in the launcher's environment",
+            )
+        )
+    return problems
+
+
+_CLUSTER_NAMES = {
+    "ca": "cluster.etcd_tls.ca",
+    "cert": "cluster.etcd_tls.cert",
+    "key": "cluster.etcd_tls.key",
+    "server_name": "cluster.etcd_tls.server_name",
+    "user": "cluster.etcd_user",
+    "password_file": "cluster.etcd_password_file",
+}
+
+
+def etcd_security_problems(c: ClusterConfig) -> list[str]:
+    """:func:`credential_problems` of ``cluster.etcd_tls`` and the etcd user, and TLS or a user
+    set for the embedded etcd (which is plaintext and has no users)."""
+    tls, external = c.etcd_tls, bool(c.etcd_endpoints)
+    # A user for the embedded etcd is refused below; its password is then beside the point.
+    user, password_file = (
+        ("", "")
+        if c.etcd_user and not external
+        else (
+            c.etcd_user,
+            c.etcd_password_file,
+        )
+    )
+    problems = credential_problems(
+        tls.ca, tls.cert, tls.key, tls.server_name, user, password_file, _CLUSTER_NAMES.__getitem__
+    )
     if not external and (tls.ca or c.etcd_user):
         key = "cluster.etcd_tls.ca" if tls.ca else "cluster.etcd_user"
         problems.append(
@@ -653,38 +722,6 @@ def etcd_security_problems(c: ClusterConfig) -> list[str]:
                 "cluster.etcd_tls.* and cluster.etcd_user",
             )
         )
-    if c.etcd_password_file and not c.etcd_user:
-        problems.append(
-            problem(
-                "cluster.etcd_password_file",
-                c.etcd_password_file,
-                "a password without cluster.etcd_user",
-                "set cluster.etcd_user=<the etcd user>",
-            )
-        )
-    if c.etcd_user and external:
-        path = c.etcd_password_file
-        if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
-            problems.append(
-                problem(
-                    "cluster.etcd_password_file",
-                    path,
-                    "not a readable file",
-                    "point cluster.etcd_password_file at a file holding the etcd user's password "
-                    "(chmod 600), readable by this user",
-                )
-            )
-        elif not path and not os.environ.get(ETCD_PASSWORD_ENV):
-            problems.append(
-                problem(
-                    "cluster.etcd_password_file",
-                    "",
-                    f"cluster.etcd_user={c.etcd_user!r} needs a password, and neither this file "
-                    f"nor ${ETCD_PASSWORD_ENV} is set",
-                    "set cluster.etcd_password_file=/path/to/password (chmod 600), or export "
-                    f"{ETCD_PASSWORD_ENV} in the launcher's environment",
-                )
-            )
     return problems
 
 

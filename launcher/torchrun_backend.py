@@ -80,7 +80,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from elastic.config import ETCD_PASSWORD_ENV
+from elastic.config import ETCD_PASSWORD_ENV, credential_problems
 from launcher.etcd import (
     EtcdRefused,
     EtcdSecurity,
@@ -352,46 +352,30 @@ _PROTOBUF_MODE = "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"
 
 
 def _security(params: RendezvousParameters) -> EtcdSecurity:
-    """TLS files and the etcd user from ``--rdzv-conf``, checked before any connection; the
+    """TLS files and the etcd user from ``--rdzv-conf``, checked before any connection by the
+    launcher's own rules (:func:`credential_problems`, named as rdzv_conf settings); the
     password from ``password_file`` or the environment."""
-    conf = {name: str(params.get(name, "") or "") for name in ("ca", "cert", "key", "user")}
+    names = ("ca", "cert", "key", "server_name", "user", "password_file")
+    conf = {name: str(params.get(name, "") or "") for name in names}
     if params.get("password") is not None:
         raise ValueError(
             "etcd-v3 rendezvous: rdzv_conf password would show in the process list. Fix: put "
             f"it in a file named by rdzv_conf password_file, or in ${ETCD_PASSWORD_ENV}"
         )
-    for name in ("ca", "cert", "key"):
-        path = conf[name]
-        if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
-            raise ValueError(
-                f"etcd-v3 rendezvous: rdzv_conf {name}={path!r} is not a readable file. "
-                "Fix: point it at the PEM file"
-            )
-    if bool(conf["cert"]) != bool(conf["key"]) or (conf["cert"] and not conf["ca"]):
+    problems = credential_problems(*conf.values(), name=lambda name: f"rdzv_conf {name}")
+    if problems:
+        raise ValueError("etcd-v3 rendezvous: " + "; ".join(problems))
+    password = read_password(conf["password_file"]) if conf["user"] else ""
+    if conf["user"] and not password:
         raise ValueError(
-            "etcd-v3 rendezvous: a client certificate needs rdzv_conf cert, key and ca together "
-            "(ca alone is TLS without a client certificate)"
+            f"etcd-v3 rendezvous: rdzv_conf password_file={conf['password_file']!r} is empty. "
+            "Fix: write the etcd user's password into it"
         )
-    password = ""
-    if conf["user"]:
-        source = str(params.get("password_file", "") or "")
-        try:
-            password = read_password(source)
-        except OSError as exc:
-            raise ValueError(
-                f"etcd-v3 rendezvous: rdzv_conf password_file={source!r} cannot be read "
-                f"({exc.strerror}). Fix: point it at a file holding the password"
-            ) from exc
-        if not password:
-            raise ValueError(
-                f"etcd-v3 rendezvous: rdzv_conf user={conf['user']!r} has no password. Fix: set "
-                f"rdzv_conf password_file, or ${ETCD_PASSWORD_ENV}"
-            )
     return EtcdSecurity(
         ca=conf["ca"],
         cert=conf["cert"],
         key=conf["key"],
-        server_name=str(params.get("server_name", "") or ""),
+        server_name=conf["server_name"],
         user=conf["user"],
         password=password,
     )

@@ -28,6 +28,7 @@ from elastic.config import (
     Config,
     EtcdTlsConfig,
     HealthConfig,
+    credential_problems,
     etcd_security_problems,
 )
 from launcher.embedded_etcd import etcd_binary, free_port
@@ -514,3 +515,9 @@ def test_security_settings_are_checked_before_connecting(
     assert problems(etcd_user="job") == ""
     assert "not a readable file" in problems(etcd_user="job", etcd_password_file="/nope")
     assert "embedded etcd" in problems(ca=str(pem), etcd_endpoints=[])
+    # The torchrun backend checks the same rules, naming its own settings.
+    torchrun = "\n".join(
+        credential_problems("", str(pem), "", "", "", "/pw", lambda n: f"rdzv_conf {n}")
+    )
+    assert "set rdzv_conf key too" in torchrun and "set rdzv_conf ca=" in torchrun
+    assert "a password without rdzv_conf user" in torchrun and "cluster." not in torchrun
