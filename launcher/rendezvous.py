@@ -49,7 +49,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -177,10 +177,12 @@ class Member:
 
 
 ROUND_LIMIT_BYTES = 1_400_000  # under etcd's default request limit (1.5 MiB) with room to spare
+ROUND_PARTS_DIR = "round_parts/"  # under the job: the members of a round too large for one value
 
 
-class RoundTooLarge(ValueError):
-    """The round's value does not fit one etcd request."""
+class RoundIncomplete(ValueError):
+    """A split round's parts are not all there: a newer round replaced it meanwhile (and its
+    parts were deleted), and that round's own event follows."""
 
 
 @dataclass(frozen=True)
@@ -189,7 +191,9 @@ class Round:
 
     Every node reads it, so its value is compact: each member is a list of its id,
     registration, incarnation, host, agent port and slots (ranks follow from the order), about
-    50 bytes a member; 1024 nodes take about 50 KB.
+    50 bytes a member; 1024 nodes take about 50 KB. Past about 28,000 members the value would
+    exceed what one etcd request carries: the members are then split over part keys, each
+    under the limit, written before the ``round`` key that names them (:meth:`to_values`).
     """
 
     number: int
@@ -209,32 +213,70 @@ class Round:
         return next((m for m in self.members if m.node_id == node_id), None)
 
     def to_json(self) -> str:
-        raw = json.dumps(
-            {
-                "number": self.number,
-                "members": [
-                    [m.node_id, m.joined_rev, m.incarnation, m.host, m.port, m.slots]
-                    for m in self.members
-                ],
-                "store": [self.store_host, self.store_port],
-                "formed_at": round(self.formed_at, 3),
-                "after_step": self.after_step,
-            },
-            separators=(",", ":"),
-        )
-        if len(raw) > ROUND_LIMIT_BYTES:
-            raise RoundTooLarge(
-                f"round {self.number} of {len(self.members)} nodes takes {len(raw)} bytes, more "
-                f"than one etcd request carries ({ROUND_LIMIT_BYTES}). Fix: lower "
-                "cluster.max_nodes, or shorten the node ids and host names"
-            )
-        return raw
+        """The whole round as one value (:meth:`to_values` splits it where it must)."""
+        return self._head(self._rows(), None)
+
+    def to_values(self, parts_id: str, limit: int | None = None) -> tuple[str, list[str]]:
+        """The ``round`` key's value and, for a round larger than ``limit`` bytes (default
+        :data:`ROUND_LIMIT_BYTES`), its parts: consecutive runs of members, each value under
+        ``limit``, stored under ``round_parts/<parts_id>/<index>``. The head then names
+        ``parts_id`` and the count instead of carrying the members."""
+        limit = ROUND_LIMIT_BYTES if limit is None else limit
+        rows = self._rows()
+        whole = self._head(rows, None)
+        if len(whole) <= limit:
+            return whole, []
+        parts: list[str] = []
+        chunk: list[str] = []
+        size = 2  # the brackets
+        for row in (json.dumps(r, separators=(",", ":")) for r in rows):
+            if size + len(row) + 1 > limit:
+                if not chunk:
+                    raise ValueError(f"one member of round {self.number} exceeds {limit} bytes")
+                parts.append("[" + ",".join(chunk) + "]")
+                chunk, size = [], 2
+            chunk.append(row)
+            size += len(row) + 1
+        parts.append("[" + ",".join(chunk) + "]")
+        return self._head([], [parts_id, len(parts)]), parts
+
+    def _rows(self) -> list[list[Any]]:
+        return [
+            [m.node_id, m.joined_rev, m.incarnation, m.host, m.port, m.slots] for m in self.members
+        ]
+
+    def _head(self, rows: list[list[Any]], parts: list[Any] | None) -> str:
+        head: dict[str, Any] = {
+            "number": self.number,
+            "members": rows,
+            "store": [self.store_host, self.store_port],
+            "formed_at": round(self.formed_at, 3),
+            "after_step": self.after_step,
+        }
+        if parts is not None:
+            head["parts"] = parts
+        return json.dumps(head, separators=(",", ":"))
+
+    @staticmethod
+    def parts_of(raw: bytes | str) -> tuple[str, int] | None:
+        """The ``(parts_id, count)`` a round value names, None for a whole round."""
+        parts = json.loads(raw).get("parts")
+        return None if parts is None else (parts[0], parts[1])
 
     @classmethod
-    def from_json(cls, raw: bytes | str) -> Round:
+    def from_json(cls, raw: bytes | str, parts: Sequence[bytes | str] = ()) -> Round:
+        """The round from its value, and from its parts (in order) if the value names some;
+        :class:`RoundIncomplete` if they are not all given."""
         data = json.loads(raw)
+        rows = data["members"]
+        if "parts" in data:
+            if len(parts) != data["parts"][1]:
+                raise RoundIncomplete(
+                    f"round {data['number']} has {data['parts'][1]} parts, {len(parts)} found"
+                )
+            rows = [row for part in parts for row in json.loads(part)]
         members, rank = [], 0
-        for node_id, joined_rev, incarnation, host, port, slots in data["members"]:
+        for node_id, joined_rev, incarnation, host, port, slots in rows:
             members.append(Member(node_id, joined_rev, incarnation, host, slots, rank, port))
             rank += slots
         host, port = data["store"]
@@ -445,6 +487,7 @@ class Rendezvous:
         self._nodes_prefix = base + "/nodes/"
         self._node_key = self._nodes_prefix + node.node_id
         self._round_key = base + "/round"
+        self._parts_prefix = f"{base}/{ROUND_PARTS_DIR}"
         self._done_key = base + "/done"
         self._leader_key = base + "/leader"
         self._quarantine_prefix = f"{base}/{QUARANTINE_DIR}"
@@ -465,6 +508,7 @@ class Rendezvous:
         self._following_all = False  # the watches cover every node (this node leads)
         self._applied: dict[str, int] = {}  # by key: the mod revision of the newest event applied
         self._floor = 0  # the revision of the snapshot the watches started after
+        self._reread = False  # the watches missed something (a split round's parts): read again
         self._down_since: float | None = None  # monotonic; None while etcd answers
         self.fenced = threading.Event()
         self.etcd_lost = threading.Event()
@@ -740,7 +784,7 @@ class Rendezvous:
                 rec = NodeRecord.from_json(kv.value, kv.create_revision)
                 nodes[rec.node_id] = rec
             elif key == self._round_key:
-                rnd, round_rev = Round.from_json(kv.value), kv.mod_revision
+                rnd, round_rev = self._read_round(kv.value, revision), kv.mod_revision
             elif key == self._leader_key:
                 leader = kv.value.decode()
             elif key == self._done_key:
@@ -767,6 +811,19 @@ class Rendezvous:
         if newer:
             self._changed()
         return revision
+
+    def _read_round(self, raw: bytes, revision: int) -> Round:
+        """The round from the ``round`` key's value, with its parts if it was split, read as of
+        ``revision`` (where the value was seen: its parts were written before it and are
+        deleted only by a later round)."""
+        named = Round.parts_of(raw)
+        if named is None:
+            return Round.from_json(raw)
+        folder = f"{self._parts_prefix}{named[0]}/"
+        reads = [(f"{folder}{i:06d}", None) for i in range(named[1])]
+        self.load.requests += len(reads)
+        _, found = read_at_one_revision(self._client, reads, revision)
+        return Round.from_json(raw, [kv.value for kvs in found for kv in kvs])
 
     def _on_watch(self, response: Any) -> None:
         """Runs on the etcd client's watch thread: apply each event to the view.
@@ -804,7 +861,14 @@ class Rendezvous:
                     after = nodes.get(node_id)
                     joined |= _membership({0: before}) != _membership({0: after})
                 elif key == self._round_key and not deleted:
-                    rnd, round_rev = Round.from_json(ev.value), ev.mod_revision
+                    try:
+                        rnd = self._read_round(ev.value, ev.mod_revision)
+                    except (*etcd_errors(), RoundIncomplete) as exc:
+                        log.info("cannot read the round's parts (%s); re-reading the job", exc)
+                        self._reread = True
+                        self._wake.set()
+                        return
+                    round_rev = ev.mod_revision
                 elif key == self._leader_key:
                     leader = "" if deleted else ev.value.decode()
                 elif key == self._done_key and not deleted:
@@ -944,7 +1008,8 @@ class Rendezvous:
                 if not self._watch_ids or leads != self._following_all:
                     self._subscribe(leads)
                     next_resync = now + self._cfg.resync_s
-                elif now >= next_resync:
+                elif now >= next_resync or self._reread:
+                    self._reread = False
                     self._snapshot(self._following_all)
                     next_resync = now + self._cfg.resync_s
                 if self._record_dirty:
@@ -1063,15 +1128,31 @@ class Rendezvous:
         """
         number = view.round.number + 1 if view.round else 1
         new = Round.build(number, members, switch_step(view, members))
+        # A round too large for one value goes first into parts of its own (this proposal's
+        # folder: a rival's never mixes in); the round key then names them.
+        parts_id = f"{number:012d}-{self._registration:012d}"
+        head, parts = new.to_values(parts_id)
+        folder = f"{self._parts_prefix}{parts_id}/"
+        for i, part in enumerate(parts):
+            self.load.requests += 1
+            self._client.put(f"{folder}{i:06d}", part)
         t = self._client.transactions
         fence = (
             (t.mod(self._round_key) == view.round_rev)
             if view.round
             else (t.version(self._round_key) == 0)
         )
+        # Won: the older rounds' parts go (every folder that sorts before this one). Lost: this
+        # proposal's own parts go.
+        older = folder if parts else _prefix_end(self._parts_prefix)
         self.load.requests += 1
         ok, _ = self._client.transaction(
-            compare=[fence], success=[t.put(self._round_key, new.to_json())], failure=[]
+            compare=[fence],
+            success=[
+                t.put(self._round_key, head),
+                t.delete(self._parts_prefix, range_end=older),
+            ],
+            failure=[t.delete(folder, range_end=_prefix_end(folder))] if parts else [],
         )
         if ok:
             before = {m.node_id for m in view.round.members} if view.round else set()

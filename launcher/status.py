@@ -35,7 +35,14 @@ from launcher.compose import UsageError, compose, finalize
 from launcher.health_report import HealthReport
 from launcher.local_cluster import ENDPOINTS_FILE
 from launcher.progress_key import PROGRESS_KEY
-from launcher.rendezvous import QUARANTINE_DIR, NodeRecord, Round, job_prefix, leader_value
+from launcher.rendezvous import (
+    QUARANTINE_DIR,
+    ROUND_PARTS_DIR,
+    NodeRecord,
+    Round,
+    job_prefix,
+    leader_value,
+)
 
 # One key of the range read: its value and create revision (a node's registration).
 Keys = Mapping[str, tuple[bytes, int]]
@@ -107,7 +114,11 @@ def gather(
     strikes = {n: json.loads(v) for n, (v, _) in under(strikes_dir).items()}
     quarantine = {n: json.loads(v) for n, (v, _) in under(q_dir).items()}
     raw_round = keys.get(f"{base}/round")
-    rnd = Round.from_json(raw_round[0]) if raw_round else None
+    rnd = None
+    if raw_round:
+        named = Round.parts_of(raw_round[0])
+        parts = under(f"{base}/{ROUND_PARTS_DIR}{named[0]}/") if named else {}
+        rnd = Round.from_json(raw_round[0], [parts[i][0] for i in sorted(parts)])
     raw_leader = keys.get(f"{base}/leader")
     leader = json.loads(raw_leader[0])[0] if raw_leader else ""
     leads = raw_leader[0].decode() if raw_leader else ""

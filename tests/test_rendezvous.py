@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 
 from elastic.config import RendezvousConfig
+from launcher import rendezvous
 from launcher.etcd import connect
 from launcher.rendezvous import (
     JobView,
@@ -19,6 +20,7 @@ from launcher.rendezvous import (
     NodeRecord,
     Rendezvous,
     Round,
+    RoundIncomplete,
     plan_round,
     shrink_only,
     switch_step,
@@ -96,6 +98,18 @@ def test_round_ranks_follow_member_slots() -> None:
     assert Round.from_json(r.to_json()) == r
 
 
+def test_a_round_too_large_for_one_value_is_split_under_the_limit() -> None:
+    r = Round.build(3, [node(f"node-{i:04d}", i + 1) for i in range(200)])
+    head, parts = r.to_values("000000000003-000000000007", limit=1000)
+    assert len(parts) > 1 and all(len(p) <= 1000 for p in parts) and len(head) < 1000
+    assert Round.parts_of(head) == ("000000000003-000000000007", len(parts))
+    assert Round.from_json(head, parts) == r
+    with pytest.raises(RoundIncomplete):  # a part deleted by a newer round meanwhile
+        Round.from_json(head, parts[:-1])
+    assert r.to_values("unused") == (r.to_json(), [])  # under the default limit: one value
+    assert Round.parts_of(r.to_json()) is None
+
+
 # --- against etcd --------------------------------------------------------------------------------
 
 
@@ -169,6 +183,35 @@ def test_round_replacement_is_fenced(make) -> None:
     assert not b.propose(view, members)  # the same stale view loses
     latest = b.wait(round_number(2), timeout=5)
     assert latest is not None and latest.round.number == 2
+
+
+def test_a_split_round_is_fenced_read_whole_and_its_stale_parts_deleted(
+    make, etcd_client, job_id, monkeypatch
+) -> None:
+    monkeypatch.setattr(rendezvous, "ROUND_LIMIT_BYTES", 70)  # two members a part
+    a, b, c = make("a"), make("b"), make("c")
+    view = a.wait(lambda v: v.round is not None and v.round.world_size == 3, timeout=10)
+    assert view is not None and view.round is not None
+    folders = f"/elastic/{job_id}/{rendezvous.ROUND_PARTS_DIR}"
+
+    def parts() -> list[str]:
+        return sorted(m.key.decode()[len(folders) :] for _, m in etcd_client.get_prefix(folders))
+
+    members = list(view.nodes.values())
+    assert a.propose(view, members)
+    assert not b.propose(view, members)  # the same stale view loses, and its parts go
+    number = view.round.number + 1
+    assert [p.split("/")[0] for p in parts()] == [f"{number:012d}-{a._registration:012d}"] * 2
+    d = make("d")  # no room for it: it reads the round from its first snapshot
+    for follower in (c, d):  # c from a watch event
+        seen = follower.wait(round_number(number), timeout=10)
+        assert seen is not None and seen.round is not None
+        assert [m.node_id for m in seen.round.members] == ["a", "b", "c"]
+    d.leave()
+    monkeypatch.setattr(rendezvous, "ROUND_LIMIT_BYTES", 1_400_000)
+    c.leave()
+    assert a.wait(lambda v: v.round is not None and v.round.world_size == 2, timeout=10)
+    assert parts() == [], "a round that fits one value again: the split one's parts are gone"
 
 
 def test_report_failure_brings_a_new_round_with_the_new_incarnation(make) -> None:
