@@ -35,7 +35,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from fsspec.implementations.local import LocalFileSystem
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
@@ -160,12 +160,75 @@ def file_record(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, Any]:
     return {"size": size, "sha256": digest.hexdigest()}
 
 
+class _HashingStream:
+    """A file being written, hashed from the bytes handed to it: the file is never read back,
+    which costs a second pass over the bytes and, on a shared file system, would pull the
+    whole shard over the network again. DCP's writer only writes, asks ``tell``, flushes and
+    closes; anything else (a seek) makes the digest void, and the file is then hashed by
+    reading it back (:func:`file_record`)."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+        self._digest = hashlib.sha256()
+        self._size = 0
+        self.void = False
+
+    def write(self, data: Any) -> int:
+        written = self._raw.write(data)
+        self._digest.update(data)  # on the writer's thread: measured faster than a hash thread
+        self._size += memoryview(data).nbytes
+        return written
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def close(self) -> None:
+        self._raw.close()
+
+    def __getattr__(self, name: str) -> Any:
+        self.void = True  # a use this hashing cannot follow (seek, read, truncate...)
+        return getattr(self._raw, name)
+
+    def record(self) -> dict[str, Any] | None:
+        """The manifest entry of the bytes written; None if void."""
+        return None if self.void else {"size": self._size, "sha256": self._digest.hexdigest()}
+
+
+class _HashingFileSystem(FileSystem):
+    """The fsspec file system of DCP's writer, whose written files are hashed as they are
+    written (:class:`_HashingStream`); ``records`` by path."""
+
+    def __init__(self, fs: Any) -> None:
+        super().__init__()
+        self.fs = fs
+        self.records: dict[str, dict[str, Any] | None] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+        with super().create_stream(path, mode) as raw:
+            if "w" not in mode:
+                yield raw
+                return
+            stream = _HashingStream(raw)
+            try:
+                yield stream
+            finally:
+                self.records[os.fspath(path)] = stream.record()
+
+
 class _ShardWriter(FsspecWriter):
     """DCP's fsspec writer (the one ``dcp.save`` picks for a URL), which also hashes each file it
-    wrote right after DCP's fsync of it, and writes nothing for a save whose round was left."""
+    writes, as it writes it, and writes nothing for a save whose round was left."""
 
     def __init__(self, url: str, guard: SaveGuard) -> None:
         super().__init__(url)
+        self.fs = _HashingFileSystem(self.fs.fs)
         self.guard = guard
         self.written: dict[str, dict[str, Any]] = {}
 
@@ -177,9 +240,10 @@ class _ShardWriter(FsspecWriter):
             # sha256 below is what verifies the files (and costs the same as the CRC saves).
             with serialization_config.patch({"save.compute_crc32": False}):
                 future = super().write_data(plan, planner)  # done when it returns
-        fs = self.fs.fs
         for name in sorted({result.storage_data.relative_path for result in future.value()}):
-            self.written[name] = file_record(fs, f"{self.path}/{name}")
+            path = f"{self.path}/{name}"
+            record = self.fs.records.get(path)
+            self.written[name] = record if record is not None else file_record(self.fs.fs, path)
         return future
 
 

@@ -4,6 +4,7 @@ and a save that fails on one rank."""
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 from datetime import timedelta
 from pathlib import Path
@@ -12,7 +13,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from elastic.checkpoint import MANIFEST, CheckpointManager, SaveFailed, save_failure_fix
+from elastic.checkpoint import (
+    MANIFEST,
+    CheckpointManager,
+    SaveFailed,
+    _HashingStream,
+    save_failure_fix,
+)
 from elastic.events import EventLog, read_events
 from elastic.state import TrainState
 from launcher.embedded_etcd import free_port
@@ -186,3 +193,21 @@ def test_state_a_setting_added_since_the_save_starts_fresh_and_anything_else_is_
     run_ranks(1, "load_another_optimizer", url, tmp_path, seed=99)
     error = loaded(tmp_path, 0)["error"]
     assert "has no optim.0.weight.square_avg" in error and "Fix: resume with" in error
+
+
+def test_a_shard_is_hashed_as_it_is_written_and_a_seek_voids_the_digest(tmp_path: Path) -> None:
+    with open(tmp_path / "shard", "wb") as raw:
+        stream = _HashingStream(raw)
+        buffer = bytearray(b"abc")
+        stream.write(buffer)
+        buffer[:] = b"xyz"  # the writer reuses its buffer: what was written is what was hashed
+        stream.write(memoryview(b"def"))
+        assert stream.tell() == 6
+        record = stream.record()
+    assert record == {"size": 6, "sha256": hashlib.sha256(b"abcdef").hexdigest()}
+    assert (tmp_path / "shard").read_bytes() == b"abcdef"
+    with open(tmp_path / "other", "wb") as raw:
+        stream = _HashingStream(raw)
+        stream.write(b"abc")
+        stream.seek(0)  # bytes may be overwritten: the file must be read back instead
+        assert stream.record() is None
