@@ -34,6 +34,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -108,10 +109,16 @@ class _Unguarded:
 UNGUARDED = _Unguarded()  # a save called in the foreground: nothing else reads its state
 
 
-def save_failure_fix(errors: list[BaseException]) -> str:
-    """What an operator should do about a failed save, from the errors' errno (not their text)."""
+def save_failure_fix(
+    errors: list[BaseException], free_bytes: int | None = None, needed_bytes: int = 0
+) -> str:
+    """What an operator should do about a failed save, from the errors' errno (not their text),
+    and from the space left where the checkpoint goes (``free_bytes``, None where unknown)
+    against what this rank had to write: torch's zip writer reports a short write on a full
+    disk as a ``RuntimeError`` without an errno."""
     codes = {getattr(e, "errno", None) for e in errors}
-    if codes & {errno.ENOSPC, errno.EDQUOT}:
+    full = free_bytes is not None and free_bytes < needed_bytes
+    if full or codes & {errno.ENOSPC, errno.EDQUOT}:
         return "free space where checkpoint.url points, or lower checkpoint.keep"
     if codes & {errno.EACCES, errno.EPERM, errno.EROFS}:
         return "make checkpoint.url writable by the job's user, or point it elsewhere"
@@ -311,7 +318,9 @@ class CheckpointManager:
             )
             if dist.get_rank(group) == 0:  # every rank is past its writes by now
                 self._discard(path)
-            raise SaveFailed(step, reason, save_failure_fix(list(failures.values()))) from None
+            needed = sum(t.numel() * t.element_size() for t in tensors.values())
+            fix = save_failure_fix(list(failures.values()), self._free_bytes(), needed)
+            raise SaveFailed(step, reason, fix) from None
         mine = {"files": writer.written, "write_s": time.perf_counter() - t0, **(shared or {})}
         gathered: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, mine, group=group)
@@ -352,6 +361,15 @@ class CheckpointManager:
             log.warning("could not remove old checkpoints under %s: %s", self.url, exc)
         size = sum(f["size"] for f in files.values())
         return Saved(self._url(path), size, time.perf_counter() - written.started)
+
+    def _free_bytes(self) -> int | None:
+        """The space left where the checkpoints go, on a local file system (None elsewhere)."""
+        if not isinstance(self.fs, LocalFileSystem):
+            return None
+        try:
+            return shutil.disk_usage(self.root).free
+        except OSError:
+            return None
 
     def _commit(self, path: str, manifest: dict[str, Any]) -> None:
         """Put the manifest in place: durably on a local file system, in one put elsewhere."""
