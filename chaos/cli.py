@@ -314,6 +314,8 @@ def attach(cfg: Config, campaign: CampaignConfig) -> int:
     runner = CampaignRunner(job_cfg, campaign, cfg.cluster.etcd_endpoints, remote=client)
     runner.run(lambda: time.monotonic() < deadline)
     events = read_events(run_dir)
+    if untrained := nothing_to_judge(events, out_dir):
+        return refuse([untrained])
     rates = observed_rates(events, config.max_nodes(job_cfg))
     return report(events, job_cfg, rates, out_dir, campaign, "the job's own steps")
 
@@ -326,9 +328,8 @@ def report(
     campaign: CampaignConfig,
     rates_from: str = "fault-free runs",
 ) -> int:
-    """Judge the campaign, write its report, summary and picture; the exit code."""
-    if untrained := nothing_to_judge(events, out_dir):
-        return refuse([untrained])
+    """Judge the campaign (whose job trained: :func:`nothing_to_judge`), write its report,
+    summary and picture; the exit code."""
     verdict = judge(events, job_cfg, rates, rates_from)
     (out_dir / "report.json").write_text(verdict.to_json())
     text = summary(verdict)
