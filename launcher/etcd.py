@@ -152,14 +152,24 @@ def grpc_target(addresses: list[tuple[str, int]]) -> str:
 
 
 def grpc_options() -> list[tuple[str, object]]:
-    """Channel options: capped reconnect backoff, and a watch that waits for a member.
+    """Channel options: capped reconnect backoff, and streams that wait for a member.
 
     Without ``waitForReady`` on the Watch service, the etcd client's watch thread re-opens its
-    stream in a tight loop while no member answers (each attempt fails at once).
+    stream in a tight loop while no member answers (each attempt fails at once); on the lease
+    keep-alive stream, a new stream opened while the channel moves from a dead member to a live
+    one would fail at once instead of waiting the milliseconds that takes.
     """
     service_config = {
         "loadBalancingConfig": [{"pick_first": {}}],
-        "methodConfig": [{"name": [{"service": "etcdserverpb.Watch"}], "waitForReady": True}],
+        "methodConfig": [
+            {
+                "name": [
+                    {"service": "etcdserverpb.Watch"},
+                    {"service": "etcdserverpb.Lease", "method": "LeaseKeepAlive"},
+                ],
+                "waitForReady": True,
+            }
+        ],
     }
     return [
         ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS // 4),

@@ -35,26 +35,32 @@ class KeepAliveStream:
 
     def refresh(self, timeout_s: float) -> int:
         """Refresh the lease; returns the TTL etcd granted, 0 if the lease is gone. Raises what
-        the etcd client raises when the stream breaks, or :class:`NoAnswer` after
-        ``timeout_s``."""
+        the etcd client raises when the stream breaks twice running, or :class:`NoAnswer` after
+        ``timeout_s``.
+
+        A stream that ended (its etcd member died) is replaced by a new one, on a live member,
+        and the refresh is sent again at once: one member's death is not an etcd outage."""
         etcd_errors()  # the protobuf mode the etcd client needs, before its import
         from etcd3 import etcdrpc
 
-        if self._requests is None:
-            self._open()
-        while not self._answers.empty():  # a late answer to an earlier refresh
-            self._answers.get_nowait()
-        assert self._requests is not None
-        self._requests.put(etcdrpc.LeaseKeepAliveRequest(ID=self._lease_id))
-        try:
-            answer = self._answers.get(timeout=timeout_s)
-        except queue.Empty as exc:
-            self.close()  # a stream that stopped answering is not trusted again
-            raise NoAnswer(f"no keep-alive answer within {timeout_s:g} s") from exc
-        if isinstance(answer, BaseException):
-            self._requests = None
-            raise answer
-        return int(answer.TTL)
+        answer: Any = None
+        for _ in range(2):
+            while not self._answers.empty():  # a late answer to an earlier refresh, or the
+                if isinstance(self._answers.get_nowait(), BaseException):  # end of the stream
+                    self.close()
+            if self._requests is None:
+                self._open()
+            assert self._requests is not None
+            self._requests.put(etcdrpc.LeaseKeepAliveRequest(ID=self._lease_id))
+            try:
+                answer = self._answers.get(timeout=timeout_s)
+            except queue.Empty as exc:
+                self.close()  # a stream that stopped answering is not trusted again
+                raise NoAnswer(f"no keep-alive answer within {timeout_s:g} s") from exc
+            if not isinstance(answer, BaseException):
+                return int(answer.TTL)
+            self.close()
+        raise answer
 
     def close(self) -> None:
         """End the stream (the lease itself is left alone)."""

@@ -87,11 +87,10 @@ def test_a_local_job_on_3_etcd_members_loses_one_without_a_stall_then_all_and_re
     killed = kill_embedded_etcd_member(run_dir, 0)  # the member every client talks to first
     wait_event(run_dir, proc, lambda e: e["event"] == "checkpoint_saved", since=killed)
     events = read_events(run_dir)
-    assert not [
-        e
-        for e in events
-        if e["event"] in ("fenced", "etcd_unreachable", "round_formed") and e["ts"] >= killed
-    ]
+    # A keep-alive may go unanswered while the survivors elect a raft leader, if the dead member
+    # led them (about a second; etcd extends every lease when a new leader takes over): that
+    # costs no node its place and no round.
+    assert not [e for e in events if e["event"] in ("fenced", "round_formed") and e["ts"] >= killed]
     # No stall: no gap between steps from the kill on much beyond the slowest one before it (a
     # checkpoint's), a generous bound next to a lease TTL plus a new round.
     ts = [e["ts"] for e in events if e["event"] == "step"]

@@ -8,6 +8,7 @@ The whole job through the same faults is in ``tests/test_e2e_etcd.py``.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 from elastic.events import EventLog, read_events
 from launcher.embedded_etcd import EmbeddedEtcd
 from launcher.etcd import connect, grpc_target
+from launcher.lease import KeepAliveStream
 from launcher.rendezvous import (
     Lease,
     NodeRecord,
@@ -91,8 +93,11 @@ def test_an_etcd_restart_longer_than_the_lease_fences_nobody_and_keeps_the_round
 ) -> None:
     a, b = joined(own_etcd, "a", tmp_path), joined(own_etcd, "b", tmp_path)
     try:
-        view = a.wait(formed(1), timeout=15)
+        view = a.wait(lambda v: formed(1)(v) and v.leader != "", timeout=15)
         assert view is not None and view.round is not None
+        # The leader follows every node's record; whichever of the two claimed the lead.
+        lead = a if json.loads(view.leader)[0] == "a" else b
+        view = lead.view
         own_etcd.stop_member(0, kill=True)
         before = a.load.requests
         # Down for more than a lease TTL (2 s), as measured by the keep-alives that fail.
@@ -103,7 +108,9 @@ def test_an_etcd_restart_longer_than_the_lease_fences_nobody_and_keeps_the_round
         # A write made while etcd is away is kept, and lands once it is back.
         b.report_failure("a worker crashed while etcd was away")
         own_etcd.start_member(0)
-        after = a.wait(lambda v: v.nodes.get("b") is not None and v.nodes["b"].incarnation == 1, 20)
+        after = lead.wait(
+            lambda v: v.nodes.get("b") is not None and v.nodes["b"].incarnation == 1, 20
+        )
         assert after is not None, "b's record never reached etcd"
         assert not a.fenced.is_set() and not b.fenced.is_set()
         assert not a.etcd_lost.is_set() and not b.etcd_lost.is_set()
@@ -138,10 +145,16 @@ def test_past_the_grace_period_the_node_gives_up_and_says_why(
 def test_losing_one_member_of_three_costs_nothing(tmp_path: Path) -> None:
     with EmbeddedEtcd(tmp_path / "etcd", tmp_path / "etcd.log", members=3) as etcd:
         a, b = joined(etcd, "a", tmp_path), joined(etcd, "b", tmp_path)
+        client = connect(etcd.endpoints)
+        keepalive = KeepAliveStream(client, client.lease(10).id)
         try:
             view = a.wait(formed(1), timeout=15)
             assert view is not None and view.round is not None
+            assert keepalive.refresh(timeout_s=1.0) > 0
             etcd.stop_member(0, kill=True)  # the member both clients talk to (the first)
+            # Its stream ended with the member: the refresh goes out again on a new one, at once
+            # (answered once the survivors have a raft leader, if the dead member was theirs).
+            assert keepalive.refresh(timeout_s=3.0) > 0
             b.report_failure("a worker crashed after the member died")
             b.set_ready()
             after = a.wait(formed(2), timeout=15)
@@ -149,5 +162,6 @@ def test_losing_one_member_of_three_costs_nothing(tmp_path: Path) -> None:
             assert not a.fenced.is_set() and not b.fenced.is_set()
             assert not [e for e in read_events(tmp_path / "run") if e["event"] == "etcd_lost"]
         finally:
+            keepalive.close()
             a.leave()
             b.leave()
