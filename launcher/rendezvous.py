@@ -257,22 +257,23 @@ class Round:
             head["parts"] = parts
         return json.dumps(head, separators=(",", ":"))
 
-    @staticmethod
-    def parts_of(raw: bytes | str) -> tuple[str, int] | None:
-        """The ``(parts_id, count)`` a round value names, None for a whole round."""
-        parts = json.loads(raw).get("parts")
-        return None if parts is None else (parts[0], parts[1])
-
     @classmethod
-    def from_json(cls, raw: bytes | str, parts: Sequence[bytes | str] = ()) -> Round:
-        """The round from its value, and from its parts (in order) if the value names some;
-        :class:`RoundIncomplete` if they are not all given."""
+    def from_json(
+        cls,
+        raw: bytes | str,
+        read_parts: Callable[[str, int], Sequence[bytes | str]] | None = None,
+    ) -> Round:
+        """The round from its value; a split round's members from ``read_parts(parts_id,
+        count)``, its part values in order (asked only for a split round, so that a whole one
+        is parsed once). :class:`RoundIncomplete` if they are not all there."""
         data = json.loads(raw)
         rows = data["members"]
         if "parts" in data:
-            if len(parts) != data["parts"][1]:
+            parts_id, count = data["parts"]
+            parts = read_parts(parts_id, count) if read_parts else []
+            if len(parts) != count:
                 raise RoundIncomplete(
-                    f"round {data['number']} has {data['parts'][1]} parts, {len(parts)} found"
+                    f"round {data['number']} has {count} parts, {len(parts)} found"
                 )
             rows = [row for part in parts for row in json.loads(part)]
         members, rank = [], 0
@@ -816,14 +817,15 @@ class Rendezvous:
         """The round from the ``round`` key's value, with its parts if it was split, read as of
         ``revision`` (where the value was seen: its parts were written before it and are
         deleted only by a later round)."""
-        named = Round.parts_of(raw)
-        if named is None:
-            return Round.from_json(raw)
-        folder = f"{self._parts_prefix}{named[0]}/"
-        reads = [(f"{folder}{i:06d}", None) for i in range(named[1])]
-        self.load.requests += len(reads)
-        _, found = read_at_one_revision(self._client, reads, revision)
-        return Round.from_json(raw, [kv.value for kvs in found for kv in kvs])
+
+        def read_parts(parts_id: str, count: int) -> list[bytes]:
+            folder = f"{self._parts_prefix}{parts_id}/"
+            self.load.requests += count
+            reads = [(f"{folder}{i:06d}", None) for i in range(count)]
+            _, found = read_at_one_revision(self._client, reads, revision)
+            return [kv.value for kvs in found for kv in kvs]
+
+        return Round.from_json(raw, read_parts)
 
     def _on_watch(self, response: Any) -> None:
         """Runs on the etcd client's watch thread: apply each event to the view.
@@ -865,9 +867,9 @@ class Rendezvous:
                         rnd = self._read_round(ev.value, ev.mod_revision)
                     except (*etcd_errors(), RoundIncomplete) as exc:
                         log.info("cannot read the round's parts (%s); re-reading the job", exc)
-                        self._reread = True
+                        self._reread = True  # what follows this event comes with the re-read
                         self._wake.set()
-                        return
+                        break
                     round_rev = ev.mod_revision
                 elif key == self._leader_key:
                     leader = "" if deleted else ev.value.decode()

@@ -114,11 +114,12 @@ def gather(
     strikes = {n: json.loads(v) for n, (v, _) in under(strikes_dir).items()}
     quarantine = {n: json.loads(v) for n, (v, _) in under(q_dir).items()}
     raw_round = keys.get(f"{base}/round")
-    rnd = None
-    if raw_round:
-        named = Round.parts_of(raw_round[0])
-        parts = under(f"{base}/{ROUND_PARTS_DIR}{named[0]}/") if named else {}
-        rnd = Round.from_json(raw_round[0], [parts[i][0] for i in sorted(parts)])
+
+    def round_parts(parts_id: str, _count: int) -> list[bytes]:
+        parts = under(f"{base}/{ROUND_PARTS_DIR}{parts_id}/")
+        return [parts[index][0] for index in sorted(parts)]
+
+    rnd = Round.from_json(raw_round[0], round_parts) if raw_round else None
     raw_leader = keys.get(f"{base}/leader")
     leader = json.loads(raw_leader[0])[0] if raw_leader else ""
     leads = raw_leader[0].decode() if raw_leader else ""

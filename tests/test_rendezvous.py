@@ -102,12 +102,19 @@ def test_a_round_too_large_for_one_value_is_split_under_the_limit() -> None:
     r = Round.build(3, [node(f"node-{i:04d}", i + 1) for i in range(200)])
     head, parts = r.to_values("000000000003-000000000007", limit=1000)
     assert len(parts) > 1 and all(len(p) <= 1000 for p in parts) and len(head) < 1000
-    assert Round.parts_of(head) == ("000000000003-000000000007", len(parts))
-    assert Round.from_json(head, parts) == r
+    asked: list[tuple[str, int]] = []
+
+    def read_parts(parts_id: str, count: int) -> list[str]:
+        asked.append((parts_id, count))
+        return parts
+
+    assert Round.from_json(head, read_parts) == r
+    assert asked == [("000000000003-000000000007", len(parts))]
     with pytest.raises(RoundIncomplete):  # a part deleted by a newer round meanwhile
-        Round.from_json(head, parts[:-1])
+        Round.from_json(head, lambda parts_id, count: parts[:-1])
     assert r.to_values("unused") == (r.to_json(), [])  # under the default limit: one value
-    assert Round.parts_of(r.to_json()) is None
+    assert Round.from_json(r.to_json(), read_parts) == r
+    assert len(asked) == 1  # a whole round names no parts
 
 
 # --- against etcd --------------------------------------------------------------------------------
