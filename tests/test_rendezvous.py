@@ -13,7 +13,7 @@ import pytest
 
 from elastic.config import RendezvousConfig
 from launcher import rendezvous
-from launcher.etcd import connect
+from launcher.etcd import connect, read_at_one_revision
 from launcher.rendezvous import (
     JobView,
     NodeIdInUse,
@@ -118,6 +118,19 @@ def test_a_round_too_large_for_one_value_is_split_under_the_limit() -> None:
 
 
 # --- against etcd --------------------------------------------------------------------------------
+
+
+def test_a_snapshot_reads_every_key_as_of_one_revision(etcd_client, job_id) -> None:
+    a, b = f"/elastic/{job_id}/a", f"/elastic/{job_id}/b"
+    etcd_client.put(a, "1")
+    first, _ = read_at_one_revision(etcd_client, [(a, None)])
+    etcd_client.put(b, "2")
+    etcd_client.put(a, "3")
+    revision, found = read_at_one_revision(etcd_client, [(a, None), (b, None)], first)
+    assert revision == first
+    assert [[kv.value for kv in kvs] for kvs in found] == [[b"1"], []]  # as it was then
+    revision, found = read_at_one_revision(etcd_client, [(a, None), (b, None)])
+    assert revision > first and [[kv.value for kv in kvs] for kvs in found] == [[b"3"], [b"2"]]
 
 
 def test_node_key_lives_under_a_lease_and_leave_removes_it(make, etcd_client, job_id) -> None:
