@@ -30,7 +30,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
@@ -350,19 +350,44 @@ class Communicator:
         bf16 has fp32's range: for it the order changes nothing. The reduced tensor is cast
         back into the bucket when the all-reduce completes, before our future completes.
         """
-        ours: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         with self._lock:
             self.buckets_this_step += 1
-            if self._aborted.is_set():
-                ours.set_exception(RoundAborted("the round was left"))
-                return ours
-            self._pending.append(ours)
+        if self.aborted:
+            return _failed(RoundAborted("the round was left"))
         buffer = bucket.buffer().div_(dist.get_world_size())
         tensor = buffer if buffer.dtype == self.grad_dtype else buffer.to(self.grad_dtype)
         with self.collective("gradient all-reduce"):  # gloo may refuse at once: peer gone
             work = dist.all_reduce(tensor, async_op=True)
+
+        def result() -> torch.Tensor:
+            if tensor is not buffer:
+                buffer.copy_(tensor)
+            return buffer
+
+        return self._track(work, "gradient all-reduce", result)
+
+    def barrier(self, what: str) -> None:
+        """Wait until every rank of the round has got here, abortably: a gloo barrier cannot be
+        interrupted, and a peer that the agent moved on to a newer round would hold this rank in
+        it for the whole ``rendezvous.pg_timeout_s``."""
+        flag = torch.zeros(1, device=self.device)
+        with self.collective(what):
+            work = dist.all_reduce(flag, async_op=True)
+        self._track(work, what, lambda: flag).wait()
+
+    def _track(
+        self, work: dist.Work, what: str, result: Callable[[], torch.Tensor]
+    ) -> torch.futures.Future[torch.Tensor]:
+        """A future of ``work`` (a collective of this round in flight) that :meth:`abort`
+        completes with :class:`RoundAborted`; a failure of the work is recorded as ``what``'s.
+        ``result`` makes its value once the work is done."""
+        ours: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         with self._lock:
-            self._works.append(work)
+            self._works.append(work)  # retired with its group if still in flight (close)
+            if self._aborted.is_set():
+                ours.set_exception(RoundAborted("the round was left"))
+                return ours
+            self._pending.append(ours)
 
         def finish(fut: torch.futures.Future[Any]) -> None:
             with self._lock:
@@ -371,15 +396,19 @@ class Communicator:
                 try:
                     fut.value()
                 except Exception as exc:
-                    self._record("gradient all-reduce", exc)
+                    self._record(what, exc)
                     ours.set_exception(exc)
                 else:
-                    if tensor is not buffer:
-                        buffer.copy_(tensor)
-                    ours.set_result(buffer)
+                    ours.set_result(result())
 
         work.get_future().add_done_callback(finish)
         return ours
+
+
+def _failed(exc: Exception) -> torch.futures.Future[torch.Tensor]:
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_exception(exc)
+    return fut
 
 
 def round_end(aborted: bool, failure: CollectiveFailure | None) -> RoundEnd:

@@ -252,6 +252,7 @@ def main() -> int:
         events.update(rank=assignment.rank, round=assignment.round)
         try:
             train_round(w, assignment)
+            link.channel.send("finished", round=assignment.round)  # the round the job names
             comm.close()
             return 0
         except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
@@ -372,6 +373,7 @@ def train_round(w: Worker, a: Assignment) -> None:
 
     if progress != saved:
         save(w, ckpt, progress, a, 0.0)
+    w.link.status["phase"] = "finishing"  # waits for the last save and the peers: not frozen
     w.saver.wait(lambda: w.comm.aborted)
     events.emit("state_digest", step=progress.step, digest=w.state.digest())
     if rank == 0:
@@ -381,6 +383,11 @@ def train_round(w: Worker, a: Assignment) -> None:
             samples_seen=progress.samples_seen,
             world_size=world,
         )
+    # No rank ends before every rank has got here, rank 0 with its record of the end: a rank
+    # that ended while a peer was pulled into a newer round (a node joining at the last step)
+    # would have its node mark the job done, and the job would end unrecorded and the last
+    # checkpoint uncommitted. Past this point, the job's end is written.
+    w.comm.barrier("the end of training")
 
 
 def enter_round(w: Worker, a: Assignment, ckpt: CheckpointManager) -> RoundStart:

@@ -386,7 +386,7 @@ class Agent:
             if isinstance(exits, decide.Finish):  # the others finish the same last step
                 self._finish()
                 return 0
-            if decide.leaves_done_job(view.done, self.current, self.lost_round):
+            if decide.leaves_done_job(view.done_in, self.current, self.lost_round):
                 log.info("the job is done")
                 return 0
             if isinstance(exits, decide.GiveUp):
@@ -649,8 +649,12 @@ class Agent:
                 break
             self._receive(timeout=min(left, IDLE_WAKE_S))
         if all(c == 0 for c in self.workers.exit_codes()):
+            # The round they trained it in: a node still in a later one leaves at once.
+            finished_in = self.workers.finished_in(timeout_s=STOP_GRACE_S)
+            if finished_in is None:
+                finished_in = self.current.number if self.current else 0
             try:
-                self.rdzv.mark_done()
+                self.rdzv.mark_done(finished_in)
             except EtcdLost as exc:  # the others finish the same last step on their own
                 log.warning("%s: could not mark the job done: %s", self.node_id, exc)
         self.current = None

@@ -24,15 +24,15 @@ class Finish:
     job done."""
 
 
-def leaves_done_job(done: bool, current: Round | None, lost_round: int) -> bool:
-    """Whether this node leaves because the job is trained (``done``): when its workers are in
-    no round, or saw a collective of theirs fail (``lost_round``), which nothing will mend now. A
-    node placed in a new round at the very end, with nodes that then finished the last step of
-    the old round and left, would wait for them; workers still in the round that trained the job
-    finish its last step first."""
-    if not done:
+def leaves_done_job(done_in: int | None, current: Round | None, lost_round: int) -> bool:
+    """Whether this node leaves because the job was trained, in round ``done_in`` (None: not
+    yet). Workers still in that round finish its last step first: they are past its end, and
+    leave on their own. Any other round cannot train again: it was formed at the very end (a
+    node joining), and it waits for nodes that finished the old one and left. Workers in no
+    round, or whose round's collectives failed (``lost_round``), have nothing left to do."""
+    if done_in is None:
         return False
-    return current is None or lost_round == current.number
+    return current is None or current.number != done_in or lost_round == current.number
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ Keys under ``<prefix>/<job>/``:
 - ``round``: the current :class:`Round`, replaced only by a transaction conditioned on the
   revision the proposer read (fencing): two proposers can never both win, and a process that tags
   its work with an older round number can tell that it is stale.
-- ``done``: put under a lease by the first node whose workers finished the job.
+- ``done``: put under a lease by the first node whose workers finished the job; it names the
+  round that trained it.
 - ``quarantine/<node_id>``: a node kept out of the job for a cooldown (the key's lease), written
   by :mod:`launcher.quarantine`. Such a node is never placed in a round.
 
@@ -315,11 +316,16 @@ class JobView:
     nodes: Mapping[str, NodeRecord] = field(default_factory=dict)
     round: Round | None = None
     round_rev: int = 0  # mod_revision of the round key; 0 when there is none
-    done: bool = False
+    done_in: int | None = None  # the round that trained the job, once a node marked it done
     revision: int = 0
     quarantined: frozenset[str] = frozenset()  # node ids kept out (launcher.quarantine)
     leader: str = ""  # the ``leader`` key's value (:func:`leader_value`); "" while there is none
     complete: bool = False  # ``nodes`` and ``quarantined`` hold the whole job (the leader's view)
+
+    @property
+    def done(self) -> bool:
+        """Whether the job is trained (sticky: see :meth:`Rendezvous._publish`)."""
+        return self.done_in is not None
 
     def round_intact(self) -> bool:
         """Every member of the current round is still live, as the registration and incarnation
@@ -370,6 +376,11 @@ def _prefix_end(prefix: str) -> bytes:
 def leader_value(node_id: str, joined_rev: int) -> str:
     """The ``leader`` key's value: which registration of which node leads."""
     return json.dumps([node_id, joined_rev])
+
+
+def _done_in(value: bytes) -> int:
+    """The round named by the ``done`` key's value (:meth:`Rendezvous.mark_done`)."""
+    return int(json.loads(value)["round"])
 
 
 def plan_round(view: JobView, min_nodes: int, max_nodes: int) -> list[NodeRecord] | None:
@@ -704,9 +715,10 @@ class Rendezvous:
             self._emit("peer_evicted", peer=member.node_id, reason=reason)
         return bool(ok)
 
-    def mark_done(self) -> None:
-        """Tell the others the job is trained (retried while etcd is away, see :meth:`join`)."""
-        record = json.dumps({"node": self.node.node_id})
+    def mark_done(self, round_number: int) -> None:
+        """Tell the others the job is trained, in round ``round_number`` (retried while etcd is
+        away, see :meth:`join`)."""
+        record = json.dumps({"node": self.node.node_id, "round": round_number})
         self.load.requests += 1
         self.retry(
             "mark the job done", lambda: self._client.put(self._done_key, record, self._lease)
@@ -751,7 +763,8 @@ class Rendezvous:
         if membership_changed:
             self._last_change = time.monotonic()
         # "done" is sticky: the key vanishes with its writer's lease once the job is over.
-        self._view = replace(view, done=view.done or self._view.done)
+        done_in = view.done_in if view.done_in is not None else self._view.done_in
+        self._view = replace(view, done_in=done_in)
         self._cond.notify_all()
         self._wake.set()
 
@@ -778,7 +791,7 @@ class Rendezvous:
         self.load.requests += len(reads)
         revision, found = read_at_one_revision(self._client, reads)
         nodes: dict[str, NodeRecord] = {}
-        rnd, round_rev, leader, done, quarantined = None, 0, "", False, set()
+        rnd, round_rev, leader, done_in, quarantined = None, 0, "", None, set()
         for kv in (kv for kvs in found for kv in kvs):
             key = kv.key.decode()
             if key.startswith(self._nodes_prefix):
@@ -789,7 +802,7 @@ class Rendezvous:
             elif key == self._leader_key:
                 leader = kv.value.decode()
             elif key == self._done_key:
-                done = True
+                done_in = _done_in(kv.value)
             elif key.startswith(self._quarantine_prefix):
                 quarantined.add(key[len(self._quarantine_prefix) :])
         if self.node.node_id not in nodes:  # evicted, or the lease expired: no revision to read
@@ -802,7 +815,7 @@ class Rendezvous:
         if written_rev > revision:  # this node wrote its record after the snapshot was read
             nodes[self.node.node_id] = written
         view = JobView(
-            nodes, rnd, round_rev, done, revision, frozenset(quarantined), leader, everyone
+            nodes, rnd, round_rev, done_in, revision, frozenset(quarantined), leader, everyone
         )
         with self._cond:
             newer = revision >= self._view.revision
@@ -844,7 +857,8 @@ class Rendezvous:
         self.load.watch_bytes += sum(len(ev.key) + len(ev.value) for ev in response.events)
         with self._cond:
             view = self._view
-            nodes, rnd, round_rev, done = dict(view.nodes), view.round, view.round_rev, view.done
+            nodes, rnd, round_rev = dict(view.nodes), view.round, view.round_rev
+            done_in = view.done_in
             quarantined, leader = set(view.quarantined), view.leader
             rev, joined, applied = view.revision, False, False
             for ev in response.events:
@@ -874,7 +888,7 @@ class Rendezvous:
                 elif key == self._leader_key:
                     leader = "" if deleted else ev.value.decode()
                 elif key == self._done_key and not deleted:
-                    done = True
+                    done_in = _done_in(ev.value)
                 elif key.startswith(self._quarantine_prefix):
                     node_id = key[len(self._quarantine_prefix) :]
                     (quarantined.discard if deleted else quarantined.add)(node_id)
@@ -885,7 +899,7 @@ class Rendezvous:
                         nodes=nodes,
                         round=rnd,
                         round_rev=round_rev,
-                        done=done,
+                        done_in=done_in,
                         revision=rev,
                         quarantined=frozenset(quarantined),
                         leader=leader,

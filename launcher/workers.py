@@ -51,6 +51,7 @@ class WorkerSlot:
         self.ready = False
         self.watchdog = Watchdog(watchdog_s)
         self.stopping = False
+        self.finished_in: int | None = None  # the round its worker said it finished the job in
 
     def start(self) -> None:
         channel, theirs = Channel.pair()
@@ -75,6 +76,7 @@ class WorkerSlot:
         theirs.close()
         with self._lock:
             self.channel, self.ready, self.stopping = channel, False, False
+            self.finished_in = None
         channel.serve(self._on_message, name=f"worker{self.env.local_rank}-link")
         self._events.emit(
             "worker_started",
@@ -100,6 +102,9 @@ class WorkerSlot:
             self._post(WorkerPeerLost(rank, int(msg["round"])))
         elif kind == "leaving":
             self._post(WorkerLeaving(rank, int(msg["after_step"])))
+        elif kind == "finished":
+            with self._lock:
+                self.finished_in = int(msg["round"])
         # "eof": the process exit follows, posted by _wait
 
     def _wait(self, proc: subprocess.Popen[bytes]) -> None:
@@ -205,6 +210,17 @@ class WorkerGroup:
     @property
     def ready(self) -> bool:
         return all(s.ready and s.exit_code is None for s in self.slots)
+
+    def finished_in(self, timeout_s: float) -> int | None:
+        """The round in which the workers, which exited, said they finished the job; None if
+        none did. Waits up to ``timeout_s`` for their channels to be read to the end: the
+        process's exit can be seen before its last message."""
+        deadline = time.monotonic() + timeout_s
+        for slot in self.slots:
+            if slot.channel is not None:
+                slot.channel.closed.wait(max(0.0, deadline - time.monotonic()))
+        rounds = [s.finished_in for s in self.slots if s.finished_in is not None]
+        return max(rounds) if rounds else None
 
     def assign(self, assignments: list[Assignment]) -> None:
         for slot, a in zip(self.slots, assignments, strict=True):

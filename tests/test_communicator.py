@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -193,3 +196,49 @@ def test_a_peer_lost_while_gradients_travel_in_bf16_is_a_recorded_failure(tmp_pa
     del store
     result = json.loads(out.read_text())
     assert result == {"failure": "gradient all-reduce", "error": "RuntimeError", "end": "peer_lost"}
+
+
+def _barrier_main(rank: int, port: int, out: str) -> None:
+    """Both ranks meet at a barrier; then rank 1 stays away from the second one (moved on to a
+    newer round), alive, until rank 0 is through with it."""
+    c = Communicator(torch.device("cpu"), timeout_s=30)
+    c.enter(
+        Assignment(
+            round=1, rank=rank, world_size=2, store_host="127.0.0.1", store_port=port, formed_at=0
+        )
+    )
+    c.barrier("the first")
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    if rank == 1:
+        store.wait(["rank0 through"], timedelta(seconds=60))
+        os._exit(0)
+    threading.Timer(0.5, c.abort, ("a newer round was announced",)).start()  # the agent's
+    started = time.monotonic()
+    try:
+        c.barrier("the end of training")
+        error = None
+    except RoundAborted as exc:
+        error = str(exc)
+    took = time.monotonic() - started
+    store.set("rank0 through", b"1")
+    Path(out).write_text(
+        json.dumps({"error": error, "took": took, "end": round_end(c.aborted, c.failure).value})
+    )
+    os._exit(0)  # a barrier still in flight: tearing the group down would wait for its timeout
+
+
+def test_a_barrier_is_left_when_the_round_is_aborted_not_after_the_groups_timeout(
+    tmp_path: Path,
+) -> None:
+    """The end of training waits for every rank at a barrier; a peer that the agent moved on to
+    a newer round never comes, and gloo cannot interrupt a barrier: ours gives way to the
+    abort at once instead of holding the rank for the group's whole timeout (30 s here)."""
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    out = tmp_path / "rank0.json"
+    mp.spawn(_barrier_main, args=(port, str(out)), nprocs=2, join=True)
+    del store
+    result = json.loads(out.read_text())
+    assert result["error"] == "a newer round was announced"
+    assert result["end"] == "left"
+    assert 0.4 < result["took"] < 10

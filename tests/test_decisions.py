@@ -334,7 +334,7 @@ def test_others_go_on_counts_the_nodes_a_round_could_still_place() -> None:
     assert not others_go_on(kept_out, "a", 1)
     not_ready = NodeRecord("b", "127.0.0.1", 1000, 1, 0, ready=False, joined_rev=2)
     assert not others_go_on(job(rnd, node("a", 1), not_ready), "a", 1)
-    done = JobView({"a": node("a", 1), "b": node("b", 2)}, rnd, done=True)
+    done = JobView({"a": node("a", 1), "b": node("b", 2)}, rnd, done_in=1)
     assert not others_go_on(done, "a", 1)
     # A node that does not lead counts the round's other members, which the leader keeps
     # placeable, and its own quarantine.
@@ -504,12 +504,15 @@ def test_every_requestable_kind_is_a_campaign_kind() -> None:
 
 def test_a_done_job_is_left_unless_the_workers_finish_its_last_step() -> None:
     rnd = Round.build(9, [node("a", 1), node("b", 2)])
-    assert not leaves_done_job(False, None, lost_round=0)
-    assert leaves_done_job(True, None, lost_round=0)  # on standby
-    assert not leaves_done_job(True, rnd, lost_round=0)  # finishing the last step
-    assert not leaves_done_job(True, rnd, lost_round=8)  # an older round's report
+    assert not leaves_done_job(None, None, lost_round=0)
+    assert not leaves_done_job(None, rnd, lost_round=9)  # not done: the round is mended
+    assert leaves_done_job(9, None, lost_round=0)  # on standby
+    assert not leaves_done_job(9, rnd, lost_round=0)  # finishing the last step
+    assert not leaves_done_job(9, rnd, lost_round=8)  # an older round's report
     # Placed at the very end with nodes that finished the old round and left: nothing mends it.
-    assert leaves_done_job(True, rnd, lost_round=9)
+    assert leaves_done_job(9, rnd, lost_round=9)
+    # ... and without waiting for its collectives to fail (rendezvous.pg_timeout_s).
+    assert leaves_done_job(8, rnd, lost_round=0)
 
 
 def test_progress_is_published_by_rank_0s_node_for_a_new_step_at_most_once_a_second() -> None:

@@ -33,6 +33,7 @@ from launcher.quarantine import Quarantine
 from .conftest import launch, output, small_tmpfs, with_limit
 
 CLOCK_SKEW_HOOK = Path(__file__).parent / "clock_skew"
+HOLD_END_HOOK = Path(__file__).parent / "hold_end"
 SAMPLES_PER_EPOCH = 240  # 10 classes x 24 images (tests/conftest.FAST_JOB)
 START_TIMEOUT_S = 180
 FINISH_TIMEOUT_S = 300
@@ -509,6 +510,42 @@ def test_node_added_mid_run_enters_at_next_round_with_lr_ramped_and_its_clock_ma
     assert max(e["ts"] for e in events if e["node"] == "node2") > time.time() + 1800  # it stepped
     done = next(e for e in events if e["event"] == "training_done")
     assert done["world_size"] == 3
+
+
+def test_a_node_joining_at_the_last_step_neither_ends_the_job_unrecorded_nor_waits(
+    tmp_path: Path, etcd_endpoint: str, job_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 holds before its end (tests/hold_end) while its peer has trained the last step, and
+    a node joins then: the new round pulls rank 0 out of the old one before it has recorded the
+    end. No rank ends before the others got there (the barrier at the end), so the job is
+    finished and recorded in the new round, and no node waits for peers that are gone (which
+    took ``rendezvous.pg_timeout_s``, 120 s, or the local launcher's patience)."""
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv("PYTHONPATH", str(HOLD_END_HOOK))
+    monkeypatch.setenv("ELASTIC_TEST_HOLD_END_FILE", str(tmp_path / "held"))
+    proc = launch(
+        run_dir,
+        "cluster.nodes=2",
+        "cluster.min_nodes=2",
+        "cluster.max_nodes=3",
+        "trainer.epochs=1",
+        "rendezvous.first_round_wait_s=1",
+        f"cluster.etcd_endpoints=[{etcd_endpoint}]",
+        RECORD,
+        job_id=job_id,
+    )
+    last = wait_event(run_dir, proc, lambda e: e["event"] == "state_digest" and e["rank"] == 1)
+    agent = start_agent(run_dir, "node2", etcd_endpoint)
+    try:
+        assert wait_exit(proc, run_dir) == 0, output(run_dir)[-3000:]
+        assert agent.wait(timeout=60) == 0
+    finally:
+        agent.kill()
+    assert time.time() - last["ts"] < 60
+    events = assert_invariants(run_dir, epochs=1)
+    done = [e for e in events if e["event"] == "training_done"]
+    assert [e["world_size"] for e in done] == [3]
+    assert (tmp_path / "held").exists()  # rank 0 did hold at the end of the first round
 
 
 def test_keep_global_batch_keeps_the_lr_when_a_node_dies(tmp_path: Path) -> None:

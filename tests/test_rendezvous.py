@@ -193,6 +193,22 @@ def test_a_late_node_enters_at_the_next_round(make) -> None:
     assert [m.node_id for m in view.round.members] == ["a", "b", "c"]
 
 
+def test_done_names_its_round_to_the_others_and_to_a_newcomer_and_stops_new_rounds(
+    make,
+) -> None:
+    a = make("a", max_nodes=3)
+    b = make("b", max_nodes=3)
+    first = b.wait(lambda v: v.round is not None and v.round.world_size == 2, timeout=10)
+    assert first is not None and first.done_in is None
+    a.mark_done(first.round.number)
+    seen = b.wait(lambda v: v.done, timeout=10)  # through b's watch
+    assert seen is not None and seen.done_in == first.round.number
+    c = make("c", max_nodes=3)  # from c's snapshot; and no round makes room for it
+    known = c.wait(lambda v: v.done, timeout=10)
+    assert known is not None and known.done_in == first.round.number
+    assert c.wait(round_number(first.round.number + 1), timeout=1.5) is None
+
+
 def test_round_replacement_is_fenced(make) -> None:
     a = make("a", max_nodes=2)
     b = make("b", max_nodes=2)
