@@ -243,11 +243,12 @@ def test_a_frozen_node_and_a_frozen_agent_are_evicted_and_rejoin_when_thawed(
     (one history), and when thawed fences itself and joins again, with one strike and no
     worker blamed for the agent's own silence."""
     run_dir = tmp_path / "run"
-    watchdog_s = 5.0
+    watchdog_s, epochs = 5.0, 8
+    # 8 epochs: the second freeze is over by about step 40 of some 85, here.
     proc = launch(
         run_dir,
         "cluster.nodes=3",
-        "trainer.epochs=12",
+        f"trainer.epochs={epochs}",
         f"rendezvous.watchdog_s={watchdog_s}",
         RECORD,
     )
@@ -274,7 +275,7 @@ def test_a_frozen_node_and_a_frozen_agent_are_evicted_and_rejoin_when_thawed(
         rejoined.append((target, fault, back))
 
     assert wait_exit(proc, run_dir) == 0, output(run_dir)[-3000:]
-    events = assert_invariants(run_dir, epochs=12)
+    events = assert_invariants(run_dir, epochs=epochs)
     for target, fault, back in rejoined:
         synced = [
             e
