@@ -407,6 +407,16 @@ class CheckpointManager:
 
     # --- loading -------------------------------------------------------------------------------
 
+    def committed(self, step: int) -> bool:
+        """Whether the checkpoint of ``step`` is committed, as rank 0 finds it; a collective,
+        so that every rank takes the same answer while an older round's commit may land."""
+        found: list[Any] = [None]
+        if dist.get_rank() == 0:
+            found[0] = self.fs.exists(f"{self.root}/step_{step:09d}/{MANIFEST}")
+        with self._collective("checkpoint lookup"):
+            dist.broadcast_object_list(found, src=0)
+        return bool(found[0])
+
     def newest_valid(self) -> CheckpointInfo | None:
         """The newest complete, verified checkpoint; cleans up the ones that are not. One
         process reads every file (the health check, the tools); a job's ranks share the work

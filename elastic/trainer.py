@@ -371,7 +371,12 @@ def train_round(w: Worker, a: Assignment) -> None:
             progress = w.progress = save(w, ckpt, progress, a, step_s)
             saved, t_saved, step_saved = progress, now, progress.step
 
-    if progress != saved:
+    trained = progress.step > start.progress.step
+    # A round that trained nothing, on a state received from memory, may follow one that was
+    # left while it wrote its last checkpoint (abandoned): then that step is saved here.
+    if progress != saved or (
+        not trained and start.source >= 0 and not ckpt.committed(progress.step)
+    ):
         save(w, ckpt, progress, a, 0.0)
     w.link.status["phase"] = "finishing"  # waits for the last save and the peers: not frozen
     w.saver.wait(lambda: w.comm.aborted)

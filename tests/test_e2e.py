@@ -516,14 +516,17 @@ def test_node_added_mid_run_enters_at_next_round_with_lr_ramped_and_its_clock_ma
 def test_a_node_joining_at_the_last_step_neither_ends_the_job_unrecorded_nor_waits(
     tmp_path: Path, etcd_endpoint: str, job_id: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Rank 0 holds before its end (tests/hold_end) while its peer has trained the last step, and
-    a node joins then: the new round pulls rank 0 out of the old one before it has recorded the
-    end. No rank ends before the others got there (the barrier at the end), so the job is
-    finished and recorded in the new round, and no node waits for peers that are gone (which
-    took ``rendezvous.pg_timeout_s``, 120 s, or the local launcher's patience)."""
+    """Rank 0 holds the commit of the last checkpoint (tests/hold_end) while its peer has
+    trained the last step, and a node joins then: the new round pulls rank 0 out of the old one
+    before it has committed the checkpoint or recorded the end. No rank ends before the others
+    got there (the barrier at the end), so the job is finished in the new round, which saves
+    the last step again since its checkpoint was abandoned; and no node waits for peers that
+    are gone (which took ``rendezvous.pg_timeout_s``, 120 s, or the local launcher's patience)."""
     run_dir = tmp_path / "run"
+    last_step = SAMPLES_PER_EPOCH // (2 * 8)  # 1 epoch on 2 nodes of batch 8: a checkpoint step
     monkeypatch.setenv("PYTHONPATH", str(HOLD_END_HOOK))
-    monkeypatch.setenv("ELASTIC_TEST_HOLD_END_FILE", str(tmp_path / "held"))
+    monkeypatch.setenv("ELASTIC_TEST_HOLD_COMMIT_STEP", str(last_step))
+    monkeypatch.setenv("ELASTIC_TEST_HOLD_FILE", str(tmp_path / "held"))
     proc = launch(
         run_dir,
         "cluster.nodes=2",
@@ -535,7 +538,11 @@ def test_a_node_joining_at_the_last_step_neither_ends_the_job_unrecorded_nor_wai
         RECORD,
         job_id=job_id,
     )
-    last = wait_event(run_dir, proc, lambda e: e["event"] == "state_digest" and e["rank"] == 1)
+    last = wait_event(
+        run_dir,
+        proc,
+        lambda e: e["event"] == "state_digest" and e["rank"] == 1 and e["step"] == last_step,
+    )
     agent = start_agent(run_dir, "node2", etcd_endpoint)
     try:
         assert wait_exit(proc, run_dir) == 0, output(run_dir)[-3000:]
@@ -543,10 +550,13 @@ def test_a_node_joining_at_the_last_step_neither_ends_the_job_unrecorded_nor_wai
     finally:
         agent.kill()
     assert time.time() - last["ts"] < 60
+    assert (tmp_path / "held").exists()  # rank 0 did hold the first round's last commit
     events = assert_invariants(run_dir, epochs=1)
     done = [e for e in events if e["event"] == "training_done"]
-    assert [e["world_size"] for e in done] == [3]
-    assert (tmp_path / "held").exists()  # rank 0 did hold at the end of the first round
+    assert [(e["step"], e["world_size"]) for e in done] == [(last_step, 3)]
+    saved = [e for e in events if e["event"] == "checkpoint_saved" and e["step"] == last_step]
+    assert [e["round"] for e in saved] == [done[0]["round"]]
+    assert (run_dir / "checkpoints" / f"step_{last_step:09d}" / "manifest.json").exists()
 
 
 def test_keep_global_batch_keeps_the_lr_when_a_node_dies(tmp_path: Path) -> None:
