@@ -11,8 +11,10 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -106,15 +108,32 @@ def test_round_end_prefers_the_agents_abort_then_a_failed_collective() -> None:
     assert round_end(aborted=False, failure=None) is RoundEnd.LOCAL_FAULT
 
 
-def _survivor_main(rank: int, port: int, leaves_before: tuple[int, str], out: str) -> None:
-    """Both ranks train until rank 1 exits before ``leaves_before`` (step, phase); rank 0 trains
-    on until its step fails, and writes what it recorded."""
-    c = Communicator(torch.device("cpu"), timeout_s=20)
+def round_of_two(rank: int, port: int, **settings: Any) -> Communicator:
+    """Rank ``rank`` of a real two-rank gloo round, through the store at ``port``."""
+    c = Communicator(torch.device("cpu"), **settings)
     c.enter(
         Assignment(
             round=1, rank=rank, world_size=2, store_host="127.0.0.1", store_port=port, formed_at=0
         )
     )
+    return c
+
+
+def on_two_ranks(tmp_path: Path, main: Callable[..., None], *args: Any) -> dict[str, Any]:
+    """``main(rank, port, *args, out)`` in two processes beside a store of their own; what
+    rank 0 wrote to ``out``."""
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    out = tmp_path / "rank0.json"
+    mp.spawn(main, args=(port, *args, str(out)), nprocs=2, join=True)
+    del store
+    return json.loads(out.read_text())
+
+
+def _survivor_main(rank: int, port: int, leaves_before: tuple[int, str], out: str) -> None:
+    """Both ranks train until rank 1 exits before ``leaves_before`` (step, phase); rank 0 trains
+    on until its step fails, and writes what it recorded."""
+    c = round_of_two(rank, port, timeout_s=20)
     torch.manual_seed(0)
     ddp = c.wrap(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)))
 
@@ -152,23 +171,13 @@ def test_a_peer_lost_at_any_point_of_a_step_is_a_recorded_failure(
     would otherwise run inside the second forward) and a later all-reduce: wherever the peer
     vanishes, the survivor's error is a recorded collective failure, so its worker reports a
     lost peer instead of crashing as if it were at fault."""
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    out = tmp_path / "rank0.json"
-    mp.spawn(_survivor_main, args=(port, leaves_before, str(out)), nprocs=2, join=True)
-    del store
-    result = json.loads(out.read_text())
+    result = on_two_ranks(tmp_path, _survivor_main, leaves_before)
     assert result == {"failure": failed, "error": "RuntimeError", "end": "peer_lost"}
 
 
 def _reduced_survivor_main(rank: int, port: int, out: str) -> None:
     """Both ranks send bf16 gradients; rank 1 vanishes before its second backward."""
-    c = Communicator(torch.device("cpu"), timeout_s=20, grad_dtype=torch.bfloat16)
-    c.enter(
-        Assignment(
-            round=1, rank=rank, world_size=2, store_host="127.0.0.1", store_port=port, formed_at=0
-        )
-    )
+    c = round_of_two(rank, port, timeout_s=20, grad_dtype=torch.bfloat16)
     torch.manual_seed(0)
     ddp = c.wrap(torch.nn.Linear(8, 1))
     result = {}
@@ -189,24 +198,14 @@ def _reduced_survivor_main(rank: int, port: int, out: str) -> None:
 def test_a_peer_lost_while_gradients_travel_in_bf16_is_a_recorded_failure(tmp_path: Path) -> None:
     """The cast to the network's dtype and back keeps the all-reduce inside the recorded
     collective and the failure on our future: the survivor reports a lost peer."""
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    out = tmp_path / "rank0.json"
-    mp.spawn(_reduced_survivor_main, args=(port, str(out)), nprocs=2, join=True)
-    del store
-    result = json.loads(out.read_text())
+    result = on_two_ranks(tmp_path, _reduced_survivor_main)
     assert result == {"failure": "gradient all-reduce", "error": "RuntimeError", "end": "peer_lost"}
 
 
 def _barrier_main(rank: int, port: int, out: str) -> None:
     """Both ranks meet at a barrier; then rank 1 stays away from the second one (moved on to a
     newer round), alive, until rank 0 is through with it."""
-    c = Communicator(torch.device("cpu"), timeout_s=30)
-    c.enter(
-        Assignment(
-            round=1, rank=rank, world_size=2, store_host="127.0.0.1", store_port=port, formed_at=0
-        )
-    )
+    c = round_of_two(rank, port, timeout_s=30)
     c.barrier("the first")
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     if rank == 1:
@@ -233,12 +232,7 @@ def test_a_barrier_is_left_when_the_round_is_aborted_not_after_the_groups_timeou
     """The end of training waits for every rank at a barrier; a peer that the agent moved on to
     a newer round never comes, and gloo cannot interrupt a barrier: ours gives way to the
     abort at once instead of holding the rank for the group's whole timeout (30 s here)."""
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    out = tmp_path / "rank0.json"
-    mp.spawn(_barrier_main, args=(port, str(out)), nprocs=2, join=True)
-    del store
-    result = json.loads(out.read_text())
+    result = on_two_ranks(tmp_path, _barrier_main)
     assert result["error"] == "a newer round was announced"
     assert result["end"] == "left"
     assert 0.4 < result["took"] < 10
