@@ -2,10 +2,13 @@
 
 A save stalls the training thread only while it copies the state into a staging copy in host
 memory (pinned for a GPU): one copy per rank, allocated at the first save and reused by every
-later one. A thread of its own then writes the copy out and commits it
-(:meth:`elastic.checkpoint.CheckpointManager.save`) on the round's save group, a gloo group
-beside the training group (``Communicator.save_group``), so that the save's collectives never
-interleave with training's and a peer frozen in the middle of a save holds only the save.
+later one. After the first save of a round a rank copies only its share, the tensors DCP had it
+write: DCP splits the replicated tensors among the ranks the same way at every save of a round
+(a save that finds otherwise fails, and the next copies everything). A thread of its own then
+writes the copy out and commits it (:meth:`elastic.checkpoint.CheckpointManager.save`) on the
+round's save group, a gloo group beside the training group (``Communicator.save_group``), so
+that the save's collectives never interleave with training's and a peer frozen in the middle of
+a save holds only the save.
 
 The rules that keep a background save safe:
 
@@ -48,19 +51,25 @@ class _Save:
     step: int
     round: int
     staging: threading.Lock  # the saver's: held while the staged copy is read
+    fresh: frozenset[int]  # the data_ptr() of each staged tensor this save refilled
     done: threading.Event = field(default_factory=threading.Event)
     abandoned: bool = False
     gathered: list[dict[str, Any]] | None = None  # every rank's figures, once all have written
+    wrote: frozenset[str] | None = None  # the names this rank wrote, once every rank has
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[None]:
         with self.staging:
             yield
 
+    def refilled(self, tensor: torch.Tensor) -> bool:
+        return tensor.data_ptr() in self.fresh
+
 
 @dataclass(frozen=True)
 class Started:
     stall_s: float  # how long the caller was held: the previous save's end, then staging
+    staged_bytes: int  # what staging copied: the whole state, or this rank's share
     # Every rank's figures from the previous save of this round (``shared``, ``write_s``,
     # ``stall_s``), the same on every rank; None when there was none or it did not get that far.
     previous: list[dict[str, Any]] | None
@@ -106,9 +115,12 @@ class BackgroundSaver:
             while not previous.done.wait(WAIT_POLL_S):
                 if aborted():
                     raise RoundAborted("the round was left while the previous save was written")
-        save = _Save(step, round_, self._staging)
+        # DCP splits the replicated tensors among the ranks the same way at every save of a
+        # round: after the first, a rank stages only its share.
+        share = previous.wrote if previous is not None else None
         with self._staging:  # an abandoned save still reading its copy finishes first
-            self._stage(tensors)
+            fresh = self._stage(tensors, share)
+        save = _Save(step, round_, self._staging, fresh)
         stall = time.perf_counter() - t0
         self._current = save
         rank = dist.get_rank(group)
@@ -118,18 +130,28 @@ class BackgroundSaver:
             name=f"checkpoint-step{step}",
             daemon=True,
         ).start()
-        return Started(stall, previous.gathered if previous is not None else None)
+        copied = sum(
+            t.numel() * t.element_size() for t in self._staged.values() if save.refilled(t)
+        )
+        return Started(stall, copied, previous.gathered if previous is not None else None)
 
-    def _stage(self, tensors: dict[str, torch.Tensor]) -> None:
+    def _stage(
+        self, tensors: dict[str, torch.Tensor], share: frozenset[str] | None
+    ) -> frozenset[int]:
+        """Copy ``tensors`` (only the names in ``share``, unless None) into the staged copy;
+        returns the data_ptr() of each staged tensor refilled."""
         if self._staged.keys() != tensors.keys():
             pin = any(t.is_cuda for t in tensors.values())
             self._staged = {
                 k: torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for k, t in tensors.items()
             }
-        for name, tensor in tensors.items():
-            self._staged[name].copy_(tensor.detach(), non_blocking=True)
+            share = None
+        names = tensors.keys() if share is None else share
+        for name in names:
+            self._staged[name].copy_(tensors[name].detach(), non_blocking=True)
         if any(t.is_cuda for t in tensors.values()):
             torch.cuda.current_stream().synchronize()  # the copies into pinned memory are done
+        return frozenset(self._staged[name].data_ptr() for name in names)
 
     def _run(
         self,
@@ -144,7 +166,7 @@ class BackgroundSaver:
         step = save.step
         try:
             written = manager.write(step, self._staged, group, save, shared)
-            save.gathered = written.gathered
+            save.gathered, save.wrote = written.gathered, frozenset(written.wrote)
             saved = manager.commit(written, meta, save) if rank == 0 else None
         except SaveAbandoned:
             log.info("the checkpoint of step %d was abandoned with round %d", step, save.round)

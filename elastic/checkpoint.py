@@ -1,15 +1,16 @@
 """Sharded checkpoints with torch.distributed.checkpoint (DCP) to any fsspec URL.
 
-Layout: ``<url>/step_<step>/`` holds DCP's shard files (each rank writes its own; replicated DDP
-tensors are de-duplicated across ranks by DCP's planner), DCP's ``.metadata``, and our
-``manifest.json``, the commit record, written last by rank 0. It lists every file with its size
-and sha256 and carries the training progress as JSON.
+Layout: ``<url>/step_<step>/`` holds one shard file per rank (replicated DDP tensors are
+de-duplicated across ranks by DCP's planner; the bytes are laid out by :mod:`elastic.shard_io`),
+DCP's ``.metadata``, and our ``manifest.json``, the commit record, written last by rank 0. It
+lists every file with its size and sha256 and carries the training progress as JSON.
 
-Each rank hashes the shard files it wrote right after writing them, while they are still in its
-page cache, and the save's last collective gathers the hashes to rank 0: no rank reads another's
-shards over the network. On a local file system the commit is durable: DCP fsyncs the shards and
-``.metadata``, and the folder is fsynced before the manifest (itself fsynced) is renamed into it
-and after. A remote store gets the manifest in one put, which object stores make atomic.
+Each rank hashes its shard from the memory it writes, as it writes it, and the save's last
+collective gathers the hashes to rank 0: no file is read back, and no rank reads another's
+shards over the network. On a local file system the commit is durable: the shards and
+``.metadata`` are fsynced, and the folder is fsynced before the manifest (itself fsynced) is
+renamed into it and after. A remote store gets the manifest in one put, which object stores make
+atomic.
 
 Loading takes the newest checkpoint whose manifest exists and whose files all match it, each
 rank verifying its share of the files; a folder without a manifest is an interrupted save and is
@@ -36,7 +37,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -46,15 +47,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from fsspec.implementations.local import LocalFileSystem
-from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
-from torch.utils.serialization import config as serialization_config
 
 from elastic.events import EventLog
-from elastic.manifest import FORMAT, MANIFEST, candidates
+from elastic.manifest import FORMAT, FORMATS, MANIFEST, candidates
+from elastic.shard_io import ShardReader, ShardWriter
 
 log = logging.getLogger(__name__)
 
@@ -90,13 +90,19 @@ class SaveAbandoned(Exception):
 
 
 class SaveGuard(Protocol):
-    """What a save consults while it runs: whether its round was left, and a lock held while
-    the state handed to it is read (the staged copy, which the next save refills)."""
+    """What a save consults while it runs: whether its round was left, a lock held while the
+    state handed to it is read (the staged copy, which the next save refills), and whether a
+    tensor of that state holds this save's values."""
 
     @property
     def abandoned(self) -> bool: ...
 
     def reading(self) -> AbstractContextManager[None]: ...
+
+    def refilled(self, tensor: torch.Tensor) -> bool:
+        """False for a staged tensor this save did not refill, which holds an older step: a
+        save stages only the tensors its rank wrote in the round's last save."""
+        ...
 
 
 class _Unguarded:
@@ -104,6 +110,9 @@ class _Unguarded:
 
     def reading(self) -> AbstractContextManager[None]:
         return contextlib.nullcontext()
+
+    def refilled(self, tensor: torch.Tensor) -> bool:
+        return True
 
 
 UNGUARDED = _Unguarded()  # a save called in the foreground: nothing else reads its state
@@ -125,6 +134,11 @@ def save_failure_fix(
     return "check that checkpoint.url is reachable and writable from every node"
 
 
+# The one key the state is saved under (its tensors are "state.<name>" in DCP's .metadata): DCP
+# wraps the state_dict() call of each top-level key in its logger, which cost 15 ms a save with
+# the ResNet-50 state's 481 tensors as keys. Checkpoints of manifest format 1 have none.
+ROOT = "state"
+
 # Training state a checkpoint may lack and a resumed job starts fresh: the loss scaler exists
 # only under trainer.precision=fp16.
 OPTIONAL_STATE = ("scaler.",)
@@ -144,6 +158,7 @@ class Written:
     step: int
     path: str
     tensors: list[str]  # the names saved
+    wrote: list[str]  # the names of the tensors this rank wrote
     gathered: list[dict[str, Any]]  # each rank's file hashes and ``shared``, in rank order
     started: float  # perf_counter() when the save began
 
@@ -167,90 +182,26 @@ def file_record(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, Any]:
     return {"size": size, "sha256": digest.hexdigest()}
 
 
-class _HashingStream:
-    """A file being written, hashed from the bytes handed to it: the file is never read back,
-    which costs a second pass over the bytes and, on a shared file system, would pull the
-    whole shard over the network again. DCP's writer only writes, asks ``tell``, flushes and
-    closes; anything else (a seek) makes the digest void, and the file is then hashed by
-    reading it back (:func:`file_record`)."""
-
-    def __init__(self, raw: Any) -> None:
-        self._raw = raw
-        self._digest = hashlib.sha256()
-        self._size = 0
-        self.void = False
-
-    def write(self, data: Any) -> int:
-        written = self._raw.write(data)
-        self._digest.update(data)  # on the writer's thread: measured faster than a hash thread
-        self._size += memoryview(data).nbytes
-        return written
-
-    def tell(self) -> int:
-        return self._raw.tell()
-
-    def flush(self) -> None:
-        self._raw.flush()
-
-    def fileno(self) -> int:
-        return self._raw.fileno()
-
-    def close(self) -> None:
-        self._raw.close()
-
-    def __getattr__(self, name: str) -> Any:
-        self.void = True  # a use this hashing cannot follow (seek, read, truncate...)
-        return getattr(self._raw, name)
-
-    def record(self) -> dict[str, Any] | None:
-        """The manifest entry of the bytes written; None if void."""
-        return None if self.void else {"size": self._size, "sha256": self._digest.hexdigest()}
-
-
-class _HashingFileSystem(FileSystem):
-    """The fsspec file system of DCP's writer, whose written files are hashed as they are
-    written (:class:`_HashingStream`); ``records`` by path."""
-
-    def __init__(self, fs: Any) -> None:
-        super().__init__()
-        self.fs = fs
-        self.records: dict[str, dict[str, Any] | None] = {}
-
-    @contextlib.contextmanager
-    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
-        with super().create_stream(path, mode) as raw:
-            if "w" not in mode:
-                yield raw
-                return
-            stream = _HashingStream(raw)
-            try:
-                yield stream
-            finally:
-                self.records[os.fspath(path)] = stream.record()
-
-
-class _ShardWriter(FsspecWriter):
-    """DCP's fsspec writer (the one ``dcp.save`` picks for a URL), which also hashes each file it
-    writes, as it writes it, and writes nothing for a save whose round was left."""
+class _ShardWriter(ShardWriter):
+    """The shard writer of a save that may be abandoned: it writes nothing once the save's round
+    was left, and reads the state only under the guard's lock (the staged copy, which the next
+    save refills)."""
 
     def __init__(self, url: str, guard: SaveGuard) -> None:
         super().__init__(url)
-        self.fs = _HashingFileSystem(self.fs.fs)
         self.guard = guard
-        self.written: dict[str, dict[str, Any]] = {}
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         with self.guard.reading():
             if self.guard.abandoned:
                 raise SaveAbandoned("the round was left before this rank wrote its shard")
-            # torch.save's per-record CRC32 would be a second checksum of every byte: the
-            # sha256 below is what verifies the files (and costs the same as the CRC saves).
-            with serialization_config.patch({"save.compute_crc32": False}):
-                future = super().write_data(plan, planner)  # done when it returns
-        for name in sorted({result.storage_data.relative_path for result in future.value()}):
-            path = f"{self.path}/{name}"
-            record = self.fs.records.get(path)
-            self.written[name] = record if record is not None else file_record(self.fs.fs, path)
+            future = super().write_data(plan, planner)
+        stale = sum(not self.guard.refilled(t) for t in self.wrote)
+        if stale:  # DCP gave this rank other tensors than in the round's last save: none yet
+            raise RuntimeError(
+                f"{stale} of the tensors this rank wrote were not staged for this save (DCP's "
+                "plan changed within the round); the next save stages every tensor"
+            )
         return future
 
 
@@ -307,7 +258,7 @@ class CheckpointManager:
         path = f"{self.root}/step_{step:09d}"
         writer = _ShardWriter(self._url(path), guard)
         try:
-            dcp.save(tensors, storage_writer=writer, process_group=group)
+            dcp.save({ROOT: tensors}, storage_writer=writer, process_group=group)
         except CheckpointException as exc:
             failures = {rank: error for rank, (error, _) in exc.failures.items()}
             if any(isinstance(error, SaveAbandoned) for error in failures.values()):
@@ -324,7 +275,9 @@ class CheckpointManager:
         mine = {"files": writer.written, "write_s": time.perf_counter() - t0, **(shared or {})}
         gathered: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, mine, group=group)
-        return Written(step, path, sorted(tensors), gathered, t0)
+        ptrs = {t.data_ptr() for t in writer.wrote}
+        wrote = [name for name, t in tensors.items() if t.data_ptr() in ptrs]
+        return Written(step, path, sorted(tensors), wrote, gathered, t0)
 
     def commit(self, written: Written, meta: dict[str, Any], guard: SaveGuard = UNGUARDED) -> Saved:
         """Rank 0: hash DCP's ``.metadata``, write the manifest (the commit), prune.
@@ -350,6 +303,7 @@ class CheckpointManager:
             if guard.abandoned:
                 raise SaveAbandoned(f"the round was left before the commit of step {step}")
             self._commit(path, manifest)
+            seconds = time.perf_counter() - written.started
         except SaveAbandoned:
             raise
         except Exception as exc:  # local I/O of any fsspec backend: the commit did not happen
@@ -360,7 +314,7 @@ class CheckpointManager:
         except Exception as exc:  # committed; an old folder stays until the next prune
             log.warning("could not remove old checkpoints under %s: %s", self.url, exc)
         size = sum(f["size"] for f in files.values())
-        return Saved(self._url(path), size, time.perf_counter() - written.started)
+        return Saved(self._url(path), size, seconds)
 
     def _free_bytes(self) -> int | None:
         """The space left where the checkpoints go, on a local file system (None elsewhere)."""
@@ -446,7 +400,11 @@ class CheckpointManager:
             )
         if missing:
             log.info("%s: starting %s fresh", info.url, ", ".join(sorted(missing)))
-        dcp.load({k: v for k, v in tensors.items() if k not in missing}, checkpoint_id=info.url)
+        wanted = {k: v for k, v in tensors.items() if k not in missing}
+        if info.manifest["format"] == FORMAT:
+            dcp.load({ROOT: wanted}, storage_reader=ShardReader(info.url))
+        else:  # DCP's own layout, written before ours
+            dcp.load(wanted, checkpoint_id=info.url)
 
     def restore(self, tensors: dict[str, torch.Tensor]) -> CheckpointInfo | None:
         """Load the newest valid checkpoint into ``tensors``; a collective. Rank 0 lists the
@@ -494,7 +452,7 @@ class CheckpointManager:
             return "incomplete"
         except ValueError:
             return "manifest unreadable"
-        if manifest.get("format") != FORMAT:
+        if manifest.get("format") not in FORMATS:
             return f"unknown format {manifest.get('format')!r}"
         for name in sorted(manifest["files"])[rank::world]:
             expected, file = manifest["files"][name], f"{path}/{name}"

@@ -18,7 +18,8 @@ import fsspec
 from fsspec import AbstractFileSystem
 
 MANIFEST = "manifest.json"
-FORMAT = 1
+FORMAT = 2  # the shards in elastic.shard_io's layout
+FORMATS = (1, 2)  # what loads: 1 is DCP's own layout, written before
 PREFIX = "step_"
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import gc
 import logging
 import math
 import os
@@ -238,6 +239,10 @@ def main() -> int:
         saver=BackgroundSaver(events),
         tensors=state.tensors() | precision.tensors(),
     )
+    # All built so far lives as long as the worker (torch's modules included, about 350,000
+    # objects): moved out of the collector's reach, a full collection no longer scans it, which
+    # paused the training thread and a background save 0.16-0.19 s at random.
+    gc.freeze()
     link.status["phase"] = "idle"
     link.channel.send("ready")
 

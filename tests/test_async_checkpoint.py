@@ -4,6 +4,7 @@ holds only the save, and the per-rank hashes catch a flipped byte in any rank's 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -14,11 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic import async_checkpoint
 from elastic.async_checkpoint import BackgroundSaver
-from elastic.checkpoint import MANIFEST, CheckpointManager
+from elastic.checkpoint import MANIFEST, CheckpointManager, _ShardWriter
 from elastic.events import EventLog, read_events
 from launcher.embedded_etcd import free_port
 
@@ -51,7 +54,7 @@ def _phase_main(rank: int, port: int, url: str, out: str, phase: str) -> None:
     saver.start(manager, 5, tensors, {}, group, 1, lambda: False)
     saver.wait(lambda: False)
     if phase == "staging" and rank == 1:
-        saver._stage = lambda tensors: _die()  # type: ignore[method-assign]
+        saver._stage = lambda *args: _die()  # type: ignore[method-assign]
     if phase == "write" and rank == 1:
         async_checkpoint._Save.reading = lambda self: _die()  # type: ignore[method-assign,assignment]
     if phase in ("before_manifest", "after_manifest") and rank == 0:
@@ -187,3 +190,59 @@ def test_the_per_rank_hashes_catch_a_flipped_byte_in_any_ranks_shard(tmp_path: P
         assert (tmp_path / "ckpt" / f"step_{step:09d}.corrupt").is_dir()
     skipped = [e["reason"] for e in read_events(tmp_path) if e["event"] == "checkpoint_skipped"]
     assert len(skipped) == 2 and "__1_0.distcp" in skipped[0] and "__0_0.distcp" in skipped[1]
+
+
+def _share_main(rank: int, port: int, url: str, out: str) -> None:
+    """Three saves in round 1, a fourth in round 2, each of another state; what each staged."""
+    group = _join(rank, port)
+    manager = CheckpointManager(url, keep=4)
+    saver = BackgroundSaver(EventLog(out, f"rank{rank}"))
+    tensors = state(1)
+    copied = []
+    for step, round_ in ((1, 1), (2, 1), (3, 1), (4, 2)):
+        for name, value in state(step).items():
+            tensors[name].copy_(value)
+        started = saver.start(manager, step, tensors, {}, group, round_, lambda: False)
+        copied.append(started.staged_bytes)
+        saver.wait(lambda: False)
+    Path(out, f"copied{rank}.json").write_text(json.dumps(copied))
+    dist.destroy_process_group()
+
+
+def test_after_a_rounds_first_save_each_rank_stages_only_its_share_and_the_saves_stay_whole(
+    tmp_path: Path,
+) -> None:
+    url = f"file://{tmp_path}/ckpt"
+    mp.spawn(_share_main, args=(free_port(), url, str(tmp_path)), nprocs=2, join=True)
+    whole = sum(t.numel() * t.element_size() for t in state(0).values())
+    copied = [json.loads((tmp_path / f"copied{rank}.json").read_text()) for rank in (0, 1)]
+    for rank in (0, 1):
+        assert copied[rank][0] == whole and copied[rank][3] == whole  # a round's first save
+        assert 0 < copied[rank][1] == copied[rank][2] < whole
+    assert copied[0][1] + copied[1][1] == whole  # the shares split the state
+    manager = CheckpointManager(url, keep=4)
+    for step in (3, 2):  # saves of shares: every tensor holds its step's value
+        (tmp_path / "ckpt" / f"step_{step + 1:09d}" / MANIFEST).unlink()
+        info = manager.newest_valid()
+        assert info is not None and info.step == step
+        loaded = {k: torch.zeros_like(v) for k, v in state(0).items()}
+        manager.load(info, loaded)
+        assert all(torch.equal(loaded[k], v) for k, v in state(step).items())
+
+
+class _NothingRefilled:
+    abandoned = False
+
+    def reading(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def refilled(self, tensor: torch.Tensor) -> bool:
+        return False
+
+
+def test_a_save_asked_to_write_a_tensor_it_did_not_stage_fails(tmp_path: Path) -> None:
+    """What a rank would write if DCP split the tensors otherwise than at the round's last save:
+    the save fails (on every rank, through DCP) rather than commit an older step's values."""
+    writer = _ShardWriter(str(tmp_path), _NothingRefilled())
+    with pytest.raises(CheckpointException, match="not staged for this save"):
+        dcp.save(state(1), storage_writer=writer, no_dist=True)

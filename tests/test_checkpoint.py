@@ -8,19 +8,23 @@ import hashlib
 import json
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
+import fsspec
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 from elastic.checkpoint import (
     MANIFEST,
     CheckpointManager,
     SaveFailed,
-    _HashingStream,
+    file_record,
     save_failure_fix,
 )
 from elastic.events import EventLog, read_events
+from elastic.shard_io import ShardReader, ShardWriter, tensor_bytes
 from elastic.state import TrainState
 from launcher.embedded_etcd import free_port
 
@@ -199,19 +203,55 @@ def test_state_a_setting_added_since_the_save_starts_fresh_and_anything_else_is_
     assert "has no optim.0.weight.square_avg" in error and "Fix: resume with" in error
 
 
-def test_a_shard_is_hashed_as_it_is_written_and_a_seek_voids_the_digest(tmp_path: Path) -> None:
-    with open(tmp_path / "shard", "wb") as raw:
-        stream = _HashingStream(raw)
-        buffer = bytearray(b"abc")
-        stream.write(buffer)
-        buffer[:] = b"xyz"  # the writer reuses its buffer: what was written is what was hashed
-        stream.write(memoryview(b"def"))
-        assert stream.tell() == 6
-        record = stream.record()
-    assert record == {"size": 6, "sha256": hashlib.sha256(b"abcdef").hexdigest()}
-    assert (tmp_path / "shard").read_bytes() == b"abcdef"
-    with open(tmp_path / "other", "wb") as raw:
-        stream = _HashingStream(raw)
-        stream.write(b"abc")
-        stream.seek(0)  # bytes may be overwritten: the file must be read back instead
-        assert stream.record() is None
+def odd_state() -> dict[str, Any]:
+    """Tensors of every kind a layout gets wrong first, and a non-tensor value."""
+    torch.manual_seed(3)
+    return {
+        "f32": torch.randn(3, 4),
+        "bf16": torch.randn(5).bfloat16(),
+        "mask": torch.tensor([True, False, True]),
+        "count": torch.arange(7),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 3),
+        "transposed": torch.randn(4, 6).t(),
+        "note": {"lr": 0.1},
+    }
+
+
+def test_a_shard_is_the_states_bytes_hashed_as_written_and_every_kind_loads_back(
+    tmp_path: Path,
+) -> None:
+    state = odd_state()
+    writer = ShardWriter(str(tmp_path))
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    [(name, record)] = writer.written.items()  # one file for the one rank
+    data = (tmp_path / name).read_bytes()
+    assert record == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    for key, value in state.items():  # each tensor's memory, as it is
+        if isinstance(value, torch.Tensor):
+            assert bytes(tensor_bytes(value)) in data, key
+    fresh: dict[str, Any] = {
+        k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {"lr": 0.0}
+        for k, v in state.items()
+    }
+    dcp.load(fresh, storage_reader=ShardReader(str(tmp_path)), no_dist=True)
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            assert fresh[key].dtype == value.dtype and torch.equal(fresh[key], value), key
+    assert fresh["note"] == {"lr": 0.1}
+
+
+def test_a_checkpoint_in_dcps_own_layout_still_loads(tmp_path: Path) -> None:
+    """Manifest format 1: the shards as DCP's file writer lays them out (before this layout)."""
+    state = {k: v for k, v in odd_state().items() if isinstance(v, torch.Tensor)}
+    folder = tmp_path / "step_000000004"
+    dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+    files = {p.name: file_record(fsspec.filesystem("file"), str(p)) for p in folder.iterdir()}
+    manifest = {"format": 1, "step": 4, "files": files, "world_size": 1, "tensors": sorted(state)}
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    manager = CheckpointManager(f"file://{tmp_path}", keep=2)
+    info = manager.newest_valid()
+    assert info is not None and info.step == 4
+    fresh = {k: torch.zeros_like(v) for k, v in state.items()}
+    manager.load(info, fresh)
+    assert all(torch.equal(fresh[k], v) for k, v in state.items())
