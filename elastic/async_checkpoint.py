@@ -121,18 +121,20 @@ class BackgroundSaver:
         with self._staging:  # an abandoned save still reading its copy finishes first
             fresh = self._stage(tensors, share)
         save = _Save(step, round_, self._staging, fresh)
-        stall = time.perf_counter() - t0
-        self._current = save
-        rank = dist.get_rank(group)
-        threading.Thread(
-            target=self._run,
-            args=(manager, save, meta, group, rank, {**(shared or {}), "stall_s": stall}),
-            name=f"checkpoint-step{step}",
-            daemon=True,
-        ).start()
         copied = sum(
             t.numel() * t.element_size() for t in self._staged.values() if save.refilled(t)
         )
+        self._current = save
+        rank = dist.get_rank(group)
+        stall = time.perf_counter() - t0  # and the start of the thread, below
+        go = threading.Event()
+        threading.Thread(
+            target=self._run,
+            args=(manager, save, meta, group, rank, {**(shared or {}), "stall_s": stall}, go),
+            name=f"checkpoint-step{step}",
+            daemon=True,
+        ).start()
+        go.set()
         return Started(stall, copied, previous.gathered if previous is not None else None)
 
     def _stage(
@@ -161,8 +163,14 @@ class BackgroundSaver:
         group: dist.ProcessGroup,
         rank: int,
         shared: dict[str, Any],
+        go: threading.Event,
     ) -> None:
-        """The save's thread: write, commit, report. Nothing here is the round's failure."""
+        """The save's thread: write, commit, report. Nothing here is the round's failure.
+
+        It waits for :meth:`start` to let it go (``go``), the last thing before returning: begun
+        at once, its planning would hold the GIL that the caller needs to return, for up to a
+        switch interval (5 ms)."""
+        go.wait()
         step = save.step
         try:
             written = manager.write(step, self._staged, group, save, shared)
