@@ -148,7 +148,8 @@ def test_duplicate_node_id_is_refused_naming_the_holder_which_can_be_taken_over(
         make("a")
     holder = err.value.holder
     assert (holder.node_id, holder.store_port) == ("a", first.node.store_port)
-    assert holder.joined_rev == first.view.nodes["a"].joined_rev
+    seen = first.wait(lambda view: "a" in view.nodes, timeout=5)  # its own key, by its watch
+    assert seen is not None and holder.joined_rev == seen.nodes["a"].joined_rev
     # What an agent does when the holder is its own dead incarnation: delete that registration.
     assert first.evict(holder, "an earlier incarnation of this node, now gone")
     assert first.fenced.wait(5)  # the old registration finds itself gone
