@@ -23,8 +23,7 @@ Goals (issue 14): our stall at most 10 % of ``torch.save`` + fsync, and the comm
 
     .venv/bin/python bench/checkpoint.py --dir /var/tmp/ckpt-bench
 
-``--copies 4`` saves the state four times over (819 MB, 1924 tensors), where a save's fixed costs
-(staging, DCP's planning and metadata, the commit) weigh less against the bytes.
+``--copies 4`` saves the state four times over (819 MB, 1924 tensors).
 """
 
 from __future__ import annotations
