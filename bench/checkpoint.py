@@ -84,7 +84,7 @@ def _rank(rank: int, world: int, port: int, root: str, repeats: int, copies: int
         t0 = time.perf_counter()
         started = saver.start(manager, step, tensors, {}, group, 1, lambda: False)
         stall.append(time.perf_counter() - t0)  # the call, the thread's start included
-        copied.append(started.staged_bytes)
+        copied.append(started.copied_bytes)
         saver.wait(lambda: False)
         dist.barrier()
         if rank == 0:  # between our saves, so that both see the same memory and disk

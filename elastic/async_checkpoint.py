@@ -69,7 +69,7 @@ class _Save:
 @dataclass(frozen=True)
 class Started:
     stall_s: float  # how long the caller was held: the previous save's end, then staging
-    staged_bytes: int  # what staging copied: the whole state, or this rank's share
+    copied_bytes: int  # what staging copied: the whole state, or this rank's share
     # Every rank's figures from the previous save of this round (``shared``, ``write_s``,
     # ``stall_s``), the same on every rank; None when there was none or it did not get that far.
     previous: list[dict[str, Any]] | None

@@ -203,7 +203,7 @@ def _share_main(rank: int, port: int, url: str, out: str) -> None:
         for name, value in state(step).items():
             tensors[name].copy_(value)
         started = saver.start(manager, step, tensors, {}, group, round_, lambda: False)
-        copied.append(started.staged_bytes)
+        copied.append(started.copied_bytes)
         saver.wait(lambda: False)
     Path(out, f"copied{rank}.json").write_text(json.dumps(copied))
     dist.destroy_process_group()
