@@ -15,9 +15,8 @@ import pytest
 from elastic.events import read_events
 
 from .conftest import FAST_JOB, launch, output
-from .test_e2e import wait_event
+from .test_e2e import PATCH_HOOKS, wait_event
 
-DROP_SAMPLE = Path(__file__).parent / "drop_sample"
 CAMPAIGN_TIMEOUT_S = 600
 
 
@@ -78,9 +77,9 @@ def test_attached_through_etcd_a_campaign_has_its_faults_carried_out_and_names_a
 ) -> None:
     """Bare metal without ssh: a job started with ``chaos.allow=true`` on two local agents; a
     campaign attached by job id and etcd requests a worker kill and a freeze, which the nodes'
-    helpers carry out (and thaw). The job's record drops a sample (the tests/drop_sample hook),
+    helpers carry out (and thaw). The job's record drops a sample (a hook of tests/patch_on_import),
     so the campaign must fail and name the samples invariant."""
-    monkeypatch.setenv("PYTHONPATH", str(DROP_SAMPLE))
+    monkeypatch.setenv("PYTHONPATH", str(PATCH_HOOKS))
     monkeypatch.setenv("ELASTIC_TEST_DROP_SAMPLE_AT", "2")
     run_dir = tmp_path / "run"
     endpoints = f"cluster.etcd_endpoints=[{etcd_endpoint}]"

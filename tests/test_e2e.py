@@ -33,7 +33,7 @@ from launcher.quarantine import Quarantine
 from .conftest import launch, output, small_tmpfs, with_limit
 
 CLOCK_SKEW_HOOK = Path(__file__).parent / "clock_skew"
-HOLD_END_HOOK = Path(__file__).parent / "hold_end"
+PATCH_HOOKS = Path(__file__).parent / "patch_on_import"
 SAMPLES_PER_EPOCH = 240  # 10 classes x 24 images (tests/conftest.FAST_JOB)
 START_TIMEOUT_S = 180
 FINISH_TIMEOUT_S = 300
@@ -516,15 +516,16 @@ def test_node_added_mid_run_enters_at_next_round_with_lr_ramped_and_its_clock_ma
 def test_a_node_joining_at_the_last_step_neither_ends_the_job_unrecorded_nor_waits(
     tmp_path: Path, etcd_endpoint: str, job_id: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Rank 0 holds the commit of the last checkpoint (tests/hold_end) while its peer has
-    trained the last step, and a node joins then: the new round pulls rank 0 out of the old one
-    before it has committed the checkpoint or recorded the end. No rank ends before the others
-    got there (the barrier at the end), so the job is finished in the new round, which saves
-    the last step again since its checkpoint was abandoned; and no node waits for peers that
-    are gone (which took ``rendezvous.pg_timeout_s``, 120 s, or the local launcher's patience)."""
+    """Rank 0 holds the commit of the last checkpoint (a hook of tests/patch_on_import) while its
+    peer has trained the last step, and a node joins then: the new round pulls rank 0 out of the
+    old one before it has committed the checkpoint or recorded the end. No rank ends before the
+    others got there (the barrier at the end), so the job is finished in the new round, which
+    saves the last step again since its checkpoint was abandoned; and no node waits for peers
+    that are gone (which took ``rendezvous.pg_timeout_s``, 120 s, or the local launcher's
+    patience)."""
     run_dir = tmp_path / "run"
     last_step = SAMPLES_PER_EPOCH // (2 * 8)  # 1 epoch on 2 nodes of batch 8: a checkpoint step
-    monkeypatch.setenv("PYTHONPATH", str(HOLD_END_HOOK))
+    monkeypatch.setenv("PYTHONPATH", str(PATCH_HOOKS))
     monkeypatch.setenv("ELASTIC_TEST_HOLD_COMMIT_STEP", str(last_step))
     monkeypatch.setenv("ELASTIC_TEST_HOLD_FILE", str(tmp_path / "held"))
     proc = launch(
