@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from elastic.events import EventLog
-from elastic.manifest import FORMAT, FORMATS, MANIFEST, candidates
+from elastic.manifest import FORMAT, FORMATS, MANIFEST, candidates, folder
 from elastic.shard_io import ShardReader, ShardWriter
 
 log = logging.getLogger(__name__)
@@ -255,7 +255,7 @@ class CheckpointManager:
         :class:`SaveAbandoned` when ``guard`` says the round was left before every rank wrote.
         """
         t0 = time.perf_counter()
-        path = f"{self.root}/step_{step:09d}"
+        path = folder(self.root, step)
         writer = _ShardWriter(self._url(path), guard)
         try:
             dcp.save({ROOT: tensors}, storage_writer=writer, process_group=group)
@@ -351,13 +351,13 @@ class CheckpointManager:
         """Keep the newest ``keep`` committed checkpoints; remove older folders that were never
         committed (saves abandoned by a round change), which no load would take."""
         committed = 0
-        for folder in self._candidates():
-            if self.fs.exists(f"{folder}/{MANIFEST}"):
+        for path in self._candidates():
+            if self.fs.exists(f"{path}/{MANIFEST}"):
                 committed += 1
                 if committed > self.keep:
-                    self.fs.rm(folder, recursive=True)
-            elif folder < f"{self.root}/step_{step:09d}":
-                self.fs.rm(folder, recursive=True)
+                    self.fs.rm(path, recursive=True)
+            elif path < folder(self.root, step):
+                self.fs.rm(path, recursive=True)
 
     # --- loading -------------------------------------------------------------------------------
 
@@ -366,7 +366,7 @@ class CheckpointManager:
         so that every rank takes the same answer while an older round's commit may land."""
         found: list[Any] = [None]
         if dist.get_rank() == 0:
-            found[0] = self.fs.exists(f"{self.root}/step_{step:09d}/{MANIFEST}")
+            found[0] = self.fs.exists(f"{folder(self.root, step)}/{MANIFEST}")
         with self._collective("checkpoint lookup"):
             dist.broadcast_object_list(found, src=0)
         return bool(found[0])

@@ -23,6 +23,11 @@ FORMATS = (1, 2)  # what loads: 1 is DCP's own layout, written before
 PREFIX = "step_"
 
 
+def folder(root: str, step: int) -> str:
+    """The folder of the checkpoint of ``step`` under ``root``."""
+    return f"{root}/{PREFIX}{step:09d}"
+
+
 def candidates(fs: AbstractFileSystem, root: str) -> list[str]:
     """Checkpoint folders under ``root``, newest first, committed or not; ``*.corrupt`` folders
     (moved aside by the loader) are not among them."""
