@@ -12,6 +12,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -126,6 +127,10 @@ def _frozen_main(rank: int, port: int, url: str, out: str) -> None:
     os._exit(0)
 
 
+def _stopped(pid: int) -> bool:
+    return psutil.Process(pid).status() == psutil.STATUS_STOPPED
+
+
 def test_a_peer_frozen_mid_save_holds_only_the_save_and_an_abandoned_save_never_commits(
     tmp_path: Path,
 ) -> None:
@@ -139,6 +144,12 @@ def test_a_peer_frozen_mid_save_holds_only_the_save_and_an_abandoned_save_never_
             time.sleep(0.05)
         assert report.exists(), "rank 0 was held by its frozen peer"
         assert json.loads(report.read_text())["returned"] < 2.0
+        # Rank 1 stops itself, maybe after rank 0 has reported: a SIGCONT sent before that is
+        # lost, and rank 1 then stays stopped.
+        deadline = time.monotonic() + 20
+        while not _stopped(frozen.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _stopped(frozen.pid), "rank 1 never froze"
         os.kill(frozen.pid, signal.SIGCONT)
         for p in ranks.processes:
             p.join(40)
