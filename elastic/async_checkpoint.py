@@ -4,7 +4,9 @@ A save stalls the training thread only while it copies the state into a staging 
 memory (pinned for a GPU): one copy per rank, allocated at the first save and reused by every
 later one. After the first save of a round a rank copies only its share, the tensors DCP had it
 write: DCP splits the replicated tensors among the ranks the same way at every save of a round
-(a save that finds otherwise fails, and the next copies everything). A thread of its own then
+(a save that finds otherwise fails, and the next copies everything); it then writes them as DCP
+planned them at the round's first save, without DCP (``elastic.checkpoint.Plan``). A thread of
+its own then
 writes the copy out and commits it (:meth:`elastic.checkpoint.CheckpointManager.save`) on the
 round's save group, a gloo group beside the training group (``Communicator.save_group``), so
 that the save's collectives never interleave with training's and a peer frozen in the middle of
@@ -35,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from elastic.checkpoint import CheckpointManager, SaveAbandoned, SaveFailed
+from elastic.checkpoint import CheckpointManager, Plan, SaveAbandoned, SaveFailed
 from elastic.communicator import RoundAborted
 from elastic.events import EventLog
 
@@ -56,6 +58,7 @@ class _Save:
     abandoned: bool = False
     gathered: list[dict[str, Any]] | None = None  # every rank's figures, once all have written
     wrote: frozenset[str] | None = None  # the names this rank wrote, once every rank has
+    plan: Plan | None = None  # for the round's next save to replay, once every rank has written
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[None]:
@@ -119,7 +122,9 @@ class BackgroundSaver:
         # round: after the first, a rank stages only its share.
         share = previous.wrote if previous is not None else None
         with self._staging:  # an abandoned save still reading its copy finishes first
-            fresh = self._stage(tensors, share)
+            fresh, replaced = self._stage(tensors, share)
+        # And it writes what DCP planned then, into the same staged tensors.
+        replay = previous.plan if previous is not None and not replaced else None
         save = _Save(step, round_, self._staging, fresh)
         copied = sum(
             t.numel() * t.element_size() for t in self._staged.values() if save.refilled(t)
@@ -130,7 +135,8 @@ class BackgroundSaver:
         go = threading.Event()
         threading.Thread(
             target=self._run,
-            args=(manager, save, meta, group, rank, {**(shared or {}), "stall_s": stall}, go),
+            args=(manager, save, replay, meta, group, rank, {**(shared or {}), "stall_s": stall}),
+            kwargs={"go": go},
             name=f"checkpoint-step{step}",
             daemon=True,
         ).start()
@@ -139,10 +145,12 @@ class BackgroundSaver:
 
     def _stage(
         self, tensors: dict[str, torch.Tensor], share: frozenset[str] | None
-    ) -> frozenset[int]:
+    ) -> tuple[frozenset[int], bool]:
         """Copy ``tensors`` (only the names in ``share``, unless None) into the staged copy;
-        returns the data_ptr() of each staged tensor refilled."""
-        if self._staged.keys() != tensors.keys():
+        returns the data_ptr() of each staged tensor refilled, and whether the staged copy was
+        allocated anew (then all of it is refilled)."""
+        replaced = self._staged.keys() != tensors.keys()
+        if replaced:
             pin = any(t.is_cuda for t in tensors.values())
             self._staged = {
                 k: torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for k, t in tensors.items()
@@ -153,12 +161,13 @@ class BackgroundSaver:
             self._staged[name].copy_(tensors[name].detach(), non_blocking=True)
         if any(t.is_cuda for t in tensors.values()):
             torch.cuda.current_stream().synchronize()  # the copies into pinned memory are done
-        return frozenset(self._staged[name].data_ptr() for name in names)
+        return frozenset(self._staged[name].data_ptr() for name in names), replaced
 
     def _run(
         self,
         manager: CheckpointManager,
         save: _Save,
+        replay: Plan | None,
         meta: dict[str, Any],
         group: dist.ProcessGroup,
         rank: int,
@@ -173,8 +182,9 @@ class BackgroundSaver:
         go.wait()
         step = save.step
         try:
-            written = manager.write(step, self._staged, group, save, shared)
+            written = manager.write(step, self._staged, group, save, shared, replay)
             save.gathered, save.wrote = written.gathered, frozenset(written.wrote)
+            save.plan = written.plan
             saved = manager.commit(written, meta, save) if rank == 0 else None
         except SaveAbandoned:
             log.info("the checkpoint of step %d was abandoned with round %d", step, save.round)

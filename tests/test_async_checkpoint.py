@@ -11,6 +11,7 @@ import signal
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -20,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from elastic import async_checkpoint
+from elastic import async_checkpoint, checkpoint
 from elastic.async_checkpoint import BackgroundSaver
 from elastic.checkpoint import MANIFEST, CheckpointManager, _ShardWriter
 from elastic.events import EventLog, read_events
@@ -204,41 +205,67 @@ def test_the_per_rank_hashes_catch_a_flipped_byte_in_any_ranks_shard(tmp_path: P
 
 
 def _share_main(rank: int, port: int, url: str, out: str) -> None:
-    """Three saves in round 1, a fourth in round 2, each of another state; what each staged."""
+    """Three saves in round 1, three in round 2, each of another state, of which rank 1 cannot
+    write the second (a folder stands where its shard goes); what each staged, and which steps
+    DCP planned."""
     group = _join(rank, port)
-    manager = CheckpointManager(url, keep=4)
+    manager = CheckpointManager(url, keep=6)
     saver = BackgroundSaver(EventLog(out, f"rank{rank}"))
+    planned = []
+    dcp_save = checkpoint.dcp.save
+
+    def counted_save(*args: Any, **kwargs: Any) -> Any:
+        planned.append(step)
+        return dcp_save(*args, **kwargs)
+
+    checkpoint.dcp.save = counted_save  # type: ignore[assignment]
     tensors = state(1)
     copied = []
-    for step, round_ in ((1, 1), (2, 1), (3, 1), (4, 2)):
+    for step, round_ in ((1, 1), (2, 1), (3, 1), (4, 2), (5, 2), (6, 2)):
         for name, value in state(step).items():
             tensors[name].copy_(value)
+        if step == 5 and rank == 1:
+            trap = Path(url.removeprefix("file://"), f"step_{step:09d}", "__1_0.distcp")
+            trap.mkdir(parents=True)
         started = saver.start(manager, step, tensors, {}, group, round_, lambda: False)
         copied.append(started.copied_bytes)
         saver.wait(lambda: False)
-    Path(out, f"copied{rank}.json").write_text(json.dumps(copied))
+    Path(out, f"copied{rank}.json").write_text(json.dumps({"copied": copied, "planned": planned}))
     dist.destroy_process_group()
 
 
-def test_after_a_rounds_first_save_each_rank_stages_only_its_share_and_the_saves_stay_whole(
+def test_a_rounds_later_saves_stage_only_each_ranks_share_replay_dcps_plan_and_stay_whole(
     tmp_path: Path,
 ) -> None:
+    """After a round's first save, each rank stages only the tensors DCP gave it to write, and
+    writes them without DCP, as DCP planned them then; a replayed save that fails on one rank
+    fails on both, and the next save plans anew. Every save loads to its step's values."""
     url = f"file://{tmp_path}/ckpt"
     mp.spawn(_share_main, args=(free_port(), url, str(tmp_path)), nprocs=2, join=True)
     whole = sum(t.numel() * t.element_size() for t in state(0).values())
-    copied = [json.loads((tmp_path / f"copied{rank}.json").read_text()) for rank in (0, 1)]
+    seen = [json.loads((tmp_path / f"copied{rank}.json").read_text()) for rank in (0, 1)]
     for rank in (0, 1):
-        assert copied[rank][0] == whole and copied[rank][3] == whole  # a round's first save
-        assert 0 < copied[rank][1] == copied[rank][2] < whole
-    assert copied[0][1] + copied[1][1] == whole  # the shares split the state
-    manager = CheckpointManager(url, keep=4)
-    for step in (3, 2):  # saves of shares: every tensor holds its step's value
-        (tmp_path / "ckpt" / f"step_{step + 1:09d}" / MANIFEST).unlink()
+        copied = seen[rank]["copied"]
+        assert copied[0] == whole and copied[3] == whole  # a round's first save
+        assert 0 < copied[1] == copied[2] == copied[4] < whole
+        assert copied[5] == whole  # after the failed save
+        assert seen[rank]["planned"] == [1, 4, 6]
+    assert seen[0]["copied"][1] + seen[1]["copied"][1] == whole  # the shares split the state
+    failed = [e for e in read_events(tmp_path) if e["event"] == "checkpoint_failed"]
+    assert [e["step"] for e in failed] == [5]
+    assert failed[0]["reason"].startswith("rank 1: IsADirectoryError")
+    root = tmp_path / "ckpt"
+    assert not (root / "step_000000005").exists()
+    metadata = (root / "step_000000001" / ".metadata").read_bytes()
+    assert all((root / f"step_{s:09d}" / ".metadata").read_bytes() == metadata for s in (2, 3))
+    manager = CheckpointManager(url, keep=6)
+    for step in (6, 4, 3, 2):  # every tensor holds its step's value
         info = manager.newest_valid()
         assert info is not None and info.step == step
         loaded = {k: torch.zeros_like(v) for k, v in state(0).items()}
         manager.load(info, loaded)
         assert all(torch.equal(loaded[k], v) for k, v in state(step).items())
+        (root / f"step_{step:09d}" / MANIFEST).unlink()
 
 
 class _NothingRefilled:

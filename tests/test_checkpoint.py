@@ -178,14 +178,14 @@ def test_a_save_that_fails_on_one_rank_fails_on_every_rank_and_keeps_the_last_go
 def test_the_fix_for_a_failed_save_follows_the_errno_or_the_space_left() -> None:
     full = OSError(errno.ENOSPC, "No space left on device")
     denied = PermissionError(errno.EACCES, "Permission denied")
-    assert "free space" in save_failure_fix([full])
-    assert "writable" in save_failure_fix([denied])
-    assert "free space" in save_failure_fix([denied, full])  # space first: it is the usual cause
-    assert "reachable" in save_failure_fix([ConnectionError("store down")])
-    # A full disk as torch's zip writer reports it: no errno, and less space left than needed.
-    short_write = RuntimeError("[enforce fail at inline_container.cc] unexpected pos 704 vs 598")
-    assert "free space" in save_failure_fix([short_write], free_bytes=4096, needed_bytes=10**6)
-    assert "reachable" in save_failure_fix([short_write], free_bytes=10**9, needed_bytes=10**6)
+    assert "free space" in save_failure_fix([full.errno])
+    assert "writable" in save_failure_fix([denied.errno])
+    # Space first: it is the usual cause.
+    assert "free space" in save_failure_fix([denied.errno, full.errno])
+    assert "reachable" in save_failure_fix([None])  # a store down, say
+    # A short write on a full disk without an errno: less space left than needed.
+    assert "free space" in save_failure_fix([None], free_bytes=4096, needed_bytes=10**6)
+    assert "reachable" in save_failure_fix([None], free_bytes=10**9, needed_bytes=10**6)
 
 
 def test_state_a_setting_added_since_the_save_starts_fresh_and_anything_else_is_refused(
