@@ -4,7 +4,8 @@ Layout: ``<url>/step_<step>/`` holds one shard file per rank (replicated DDP ten
 de-duplicated across ranks by DCP's planner, at a round's first save; the round's later saves
 replay that plan, see :class:`Plan`; the bytes are laid out by :mod:`elastic.shard_io`),
 DCP's ``.metadata``, and our ``manifest.json``, the commit record, written last by rank 0. It
-lists every file with its size and sha256 and carries the training progress as JSON.
+lists every file with its size and digest (sha256, in pieces: ``elastic.manifest.PieceDigest``)
+and carries the training progress as JSON.
 
 Each rank hashes its shard from the memory it writes, as it writes it, and the save's last
 collective gathers the hashes to rank 0: no file is read back, and no rank reads another's
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -57,7 +57,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from elastic.events import EventLog
-from elastic.manifest import FORMAT, FORMATS, MANIFEST, candidates, folder
+from elastic.manifest import FORMAT, FORMATS, MANIFEST, candidates, file_record, folder
 from elastic.shard_io import ShardReader, ShardWriter
 
 log = logging.getLogger(__name__)
@@ -203,16 +203,6 @@ class Saved:
     url: str
     bytes: int
     seconds: float  # from the save's start until the manifest was in place
-
-
-def file_record(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, Any]:
-    """A manifest entry: the file's size and sha256, from one read of it."""
-    digest, size = hashlib.sha256(), 0
-    with fs.open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-            size += len(chunk)
-    return {"size": size, "sha256": digest.hexdigest()}
 
 
 class _ShardWriter(ShardWriter):
@@ -472,7 +462,7 @@ class CheckpointManager:
         if missing:
             log.info("%s: starting %s fresh", info.url, ", ".join(sorted(missing)))
         wanted = {k: v for k, v in tensors.items() if k not in missing}
-        if info.manifest["format"] == FORMAT:
+        if info.manifest["format"] > 1:  # elastic.shard_io's layout
             dcp.load({ROOT: wanted}, storage_reader=ShardReader(info.url))
         else:  # DCP's own layout, written before ours
             dcp.load(wanted, checkpoint_id=info.url)
@@ -529,7 +519,11 @@ class CheckpointManager:
             expected, file = manifest["files"][name], f"{path}/{name}"
             if not self.fs.exists(file):
                 return f"{name} missing"
-            if file_record(self.fs, file) != {k: expected[k] for k in ("size", "sha256")}:
+            try:
+                record = file_record(self.fs, file, expected, torch.get_num_threads())
+            except ValueError as exc:
+                return f"{name}: {exc}"
+            if {k: expected.get(k) for k in record} != record:
                 return f"{name} does not match its checksum"
         return None
 

@@ -9,8 +9,9 @@ about 1.75 times as long as writing the same bytes (``bench/checkpoint.py``). He
 writes one file, its items' bytes in plan order: a tensor's memory as it is, a non-tensor item
 as the pickle DCP's planner made of it. So:
 
-- The file is the state's memory verbatim. Its sha256 is taken from that memory on a second
-  thread while the first writes it, with no copy and no read-back. The caller keeps the memory
+- The file is the state's memory verbatim. Its digest is taken from that memory, in pieces on
+  threads of its own, while the writer writes it (``elastic.manifest.PieceDigest``), with no
+  copy and no read-back. The caller keeps the memory
   unchanged until the write returns (the staged copy of a background save is,
   ``elastic.checkpoint.SaveGuard``).
 - Loading reads each item's bytes into a tensor of the dtype and chunk shape that ``.metadata``
@@ -23,12 +24,8 @@ reader (:func:`elastic.checkpoint.CheckpointManager.load` picks by format).
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
-import queue
-import threading
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -46,6 +43,8 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from elastic.manifest import PieceDigest
+
 METADATA = _metadata_fn  # the name of DCP's .metadata file
 
 
@@ -53,41 +52,6 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """A tensor's bytes in row-major order; no copy for a contiguous CPU tensor."""
     flat = tensor.detach().cpu().contiguous().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy())
-
-
-class _Digest:
-    """The sha256 and size of buffers handed to it, hashed on a thread of its own: the writer
-    writes the same buffers meanwhile, and as both release the GIL on large buffers the hash
-    costs the save no time where a second core is free. The buffers must stay unchanged until
-    the ``with`` block ends."""
-
-    def __init__(self) -> None:
-        self._buffers: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
-        self._sha256 = hashlib.sha256()
-        self._size = 0
-        self._thread = threading.Thread(target=self._run, name="shard-sha256", daemon=True)
-
-    def __enter__(self) -> _Digest:
-        self._thread.start()
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self._buffers.put(None)
-        self._thread.join()
-
-    def _run(self) -> None:
-        while (buffer := self._buffers.get()) is not None:
-            self._sha256.update(buffer)
-
-    def update(self, buffer: memoryview) -> None:
-        self._size += buffer.nbytes
-        self._buffers.put(buffer)
-
-    def record(self) -> dict[str, Any]:
-        """The manifest entry of what was hashed (after the ``with`` block)."""
-        return {"size": self._size, "sha256": self._sha256.hexdigest()}
 
 
 WRITEBACK_BYTES = 16 << 20  # how much a local shard's writer writes before it starts writeback
@@ -124,7 +88,7 @@ def _sync(stream: Any) -> None:
 
 class ShardWriter(FsspecWriter):
     """DCP's fsspec writer (any URL fsspec opens) with this module's layout: one file per rank,
-    fsynced where local, whose manifest entry (size and sha256) is in ``written`` by file name
+    fsynced where local, whose manifest entry (size and digest) is in ``written`` by file name
     once :meth:`write_data` returns."""
 
     def __init__(self, url: str) -> None:
@@ -143,7 +107,7 @@ class ShardWriter(FsspecWriter):
         """Write DCP's ``.metadata`` as pickled at an earlier save, durably where local, and
         record it in ``written`` as :meth:`write_data` records a shard."""
         with (
-            _Digest() as digest,
+            PieceDigest(threads=1) as digest,
             self.fs.create_stream(self.fs.concat_path(self.path, METADATA), "wb") as stream,
         ):
             stream.write(data)
@@ -155,7 +119,7 @@ class ShardWriter(FsspecWriter):
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
         results, offset, unsynced = [], 0, 0
         with (
-            _Digest() as digest,
+            PieceDigest(threads=torch.get_num_threads()) as digest,
             self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream,
         ):
             for item in plan.items:

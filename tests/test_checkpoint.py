@@ -4,7 +4,6 @@ and a save that fails on one rank."""
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 from datetime import timedelta
 from pathlib import Path
@@ -226,7 +225,7 @@ def test_a_shard_is_the_states_bytes_hashed_as_written_and_every_kind_loads_back
     dcp.save(state, storage_writer=writer, no_dist=True)
     [(name, record)] = writer.written.items()  # one file for the one rank
     data = (tmp_path / name).read_bytes()
-    assert record == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert record == file_record(fsspec.filesystem("file"), str(tmp_path / name))
     for key, value in state.items():  # each tensor's memory, as it is
         if isinstance(value, torch.Tensor):
             assert bytes(tensor_bytes(value)) in data, key
@@ -246,7 +245,9 @@ def test_a_checkpoint_in_dcps_own_layout_still_loads(tmp_path: Path) -> None:
     state = {k: v for k, v in odd_state().items() if isinstance(v, torch.Tensor)}
     folder = tmp_path / "step_000000004"
     dcp.save(state, checkpoint_id=str(folder), no_dist=True)
-    files = {p.name: file_record(fsspec.filesystem("file"), str(p)) for p in folder.iterdir()}
+    fs = fsspec.filesystem("file")
+    whole = {"sha256": ""}  # format 1 hashed each file whole
+    files = {p.name: file_record(fs, str(p), whole) for p in folder.iterdir()}
     manifest = {"format": 1, "step": 4, "files": files, "world_size": 1, "tensors": sorted(state)}
     (folder / MANIFEST).write_text(json.dumps(manifest))
     manager = CheckpointManager(f"file://{tmp_path}", keep=2)
