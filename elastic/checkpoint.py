@@ -129,10 +129,12 @@ class Failure:
     kind: str  # the exception's class name
     text: str
     errno: int | None
+    abandoned: bool  # the round was left (SaveAbandoned): no failure of the save itself
 
     @classmethod
     def of(cls, error: BaseException) -> Failure:
-        return cls(type(error).__name__, str(error), getattr(error, "errno", None))
+        errno_ = getattr(error, "errno", None)
+        return cls(type(error).__name__, str(error), errno_, isinstance(error, SaveAbandoned))
 
     def __str__(self) -> str:
         return f"{self.kind}: {self.text}"
@@ -314,7 +316,7 @@ class CheckpointManager:
             dist.all_gather_object(gathered, {**mine, **(shared or {})}, group=group)
             failures = {r: g["failed"] for r, g in enumerate(gathered) if "failed" in g}
         if failures:
-            if any(f.kind == SaveAbandoned.__name__ for f in failures.values()):
+            if any(f.abandoned for f in failures.values()):
                 raise SaveAbandoned(f"the save of step {step} was abandoned")
             reason = "; ".join(f"rank {r}: {f}" for r, f in sorted(failures.items()))
             if rank == 0:  # every rank is past its writes by now

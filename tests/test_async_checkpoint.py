@@ -268,6 +268,43 @@ def test_a_rounds_later_saves_stage_only_each_ranks_share_replay_dcps_plan_and_s
         (root / f"step_{step:09d}" / MANIFEST).unlink()
 
 
+def _grown_main(rank: int, port: int, url: str, out: str) -> None:
+    """Two saves in one round, the second of a state with one tensor more (an optimizer's state
+    appears after its first step); which steps DCP planned."""
+    group = _join(rank, port)
+    manager = CheckpointManager(url, keep=2)
+    saver = BackgroundSaver(EventLog(out, f"rank{rank}"))
+    planned = []
+    dcp_save = checkpoint.dcp.save
+
+    def counted_save(*args: Any, **kwargs: Any) -> Any:
+        planned.append(step)
+        return dcp_save(*args, **kwargs)
+
+    checkpoint.dcp.save = counted_save  # type: ignore[assignment]
+    for step in (1, 2):
+        tensors = state(step) | ({"momentum": torch.full((50,), float(step))} if step == 2 else {})
+        saver.start(manager, step, tensors, {}, group, 1, lambda: False)
+        saver.wait(lambda: False)
+    Path(out, f"planned{rank}.json").write_text(json.dumps(planned))
+    dist.destroy_process_group()
+
+
+def test_a_state_that_grew_within_a_round_is_planned_anew(tmp_path: Path) -> None:
+    """The round's plan names the tensors of its first save: a save of more is planned by DCP
+    again, and loads whole."""
+    url = f"file://{tmp_path}/ckpt"
+    mp.spawn(_grown_main, args=(free_port(), url, str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"planned{rank}.json").read_text()) == [1, 2]
+    info = CheckpointManager(url, keep=2).newest_valid()
+    assert info is not None and info.step == 2
+    expected = state(2) | {"momentum": torch.full((50,), 2.0)}
+    loaded = {k: torch.zeros_like(v) for k, v in expected.items()}
+    CheckpointManager(url, keep=2).load(info, loaded)
+    assert all(torch.equal(loaded[k], v) for k, v in expected.items())
+
+
 class _NothingRefilled:
     abandoned = False
 
