@@ -6,11 +6,10 @@ later one. After the first save of a round a rank copies only its share, the ten
 write: DCP splits the replicated tensors among the ranks the same way at every save of a round
 (a save that finds otherwise fails, and the next copies everything); it then writes them as DCP
 planned them at the round's first save, without DCP (``elastic.checkpoint.Plan``). A thread of
-its own then
-writes the copy out and commits it (:meth:`elastic.checkpoint.CheckpointManager.save`) on the
-round's save group, a gloo group beside the training group (``Communicator.save_group``), so
-that the save's collectives never interleave with training's and a peer frozen in the middle of
-a save holds only the save.
+its own writes the copy out and commits it (:meth:`elastic.checkpoint.CheckpointManager.save`)
+on the round's save group, a gloo group beside the training group (``Communicator.save_group``),
+so that the save's collectives never interleave with training's and a peer frozen in the middle
+of a save holds only the save.
 
 The rules that keep a background save safe:
 

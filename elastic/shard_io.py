@@ -11,9 +11,8 @@ as the pickle DCP's planner made of it. So:
 
 - The file is the state's memory verbatim. Its digest is taken from that memory, in pieces on
   threads of its own, while the writer writes it (``elastic.manifest.PieceDigest``), with no
-  copy and no read-back. The caller keeps the memory
-  unchanged until the write returns (the staged copy of a background save is,
-  ``elastic.checkpoint.SaveGuard``).
+  copy and no read-back. The caller keeps the memory unchanged until the write returns (the
+  staged copy of a background save is, ``elastic.checkpoint.SaveGuard``).
 - Loading reads each item's bytes into a tensor of the dtype and chunk shape that ``.metadata``
   records, and narrows it to what the loading rank asks for, so resharding works as with DCP's
   reader.
