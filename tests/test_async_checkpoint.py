@@ -204,12 +204,17 @@ def test_the_per_rank_hashes_catch_a_flipped_byte_in_any_ranks_shard(tmp_path: P
     assert len(skipped) == 2 and "__1_0.distcp" in skipped[0] and "__0_0.distcp" in skipped[1]
 
 
+def grown(step: int) -> dict[str, torch.Tensor]:
+    return {"momentum": torch.full((50,), float(step))}
+
+
 def _share_main(rank: int, port: int, url: str, out: str) -> None:
-    """Three saves in round 1, three in round 2, each of another state, of which rank 1 cannot
-    write the second (a folder stands where its shard goes); what each staged, and which steps
-    DCP planned."""
+    """Three saves in round 1, four in round 2, each of another state, of which rank 1 cannot
+    write the second (a folder stands where its shard goes) and the last has one tensor more (an
+    optimizer's state appears after its first step); what each staged, and which steps DCP
+    planned."""
     group = _join(rank, port)
-    manager = CheckpointManager(url, keep=6)
+    manager = CheckpointManager(url, keep=7)
     saver = BackgroundSaver(EventLog(out, f"rank{rank}"))
     planned = []
     dcp_save = checkpoint.dcp.save
@@ -221,9 +226,11 @@ def _share_main(rank: int, port: int, url: str, out: str) -> None:
     checkpoint.dcp.save = counted_save  # type: ignore[assignment]
     tensors = state(1)
     copied = []
-    for step, round_ in ((1, 1), (2, 1), (3, 1), (4, 2), (5, 2), (6, 2)):
+    for step, round_ in ((1, 1), (2, 1), (3, 1), (4, 2), (5, 2), (6, 2), (7, 2)):
         for name, value in state(step).items():
             tensors[name].copy_(value)
+        if step == 7:
+            tensors = tensors | grown(step)
         if step == 5 and rank == 1:
             trap = Path(url.removeprefix("file://"), f"step_{step:09d}", "__1_0.distcp")
             trap.mkdir(parents=True)
@@ -239,7 +246,8 @@ def test_a_rounds_later_saves_stage_only_each_ranks_share_replay_dcps_plan_and_s
 ) -> None:
     """After a round's first save, each rank stages only the tensors DCP gave it to write, and
     writes them without DCP, as DCP planned them then; a replayed save that fails on one rank
-    fails on both, and the next save plans anew. Every save loads to its step's values."""
+    fails on both, and the next save plans anew, as does a save of a state that grew. Every save
+    loads to its step's values."""
     url = f"file://{tmp_path}/ckpt"
     mp.spawn(_share_main, args=(free_port(), url, str(tmp_path)), nprocs=2, join=True)
     whole = sum(t.numel() * t.element_size() for t in state(0).values())
@@ -249,7 +257,8 @@ def test_a_rounds_later_saves_stage_only_each_ranks_share_replay_dcps_plan_and_s
         assert copied[0] == whole and copied[3] == whole  # a round's first save
         assert 0 < copied[1] == copied[2] == copied[4] < whole
         assert copied[5] == whole  # after the failed save
-        assert seen[rank]["planned"] == [1, 4, 6]
+        assert copied[6] == whole + 50 * 4  # all of a state that grew
+        assert seen[rank]["planned"] == [1, 4, 6, 7]
     assert seen[0]["copied"][1] + seen[1]["copied"][1] == whole  # the shares split the state
     failed = [e for e in read_events(tmp_path) if e["event"] == "checkpoint_failed"]
     assert [e["step"] for e in failed] == [5]
@@ -258,51 +267,15 @@ def test_a_rounds_later_saves_stage_only_each_ranks_share_replay_dcps_plan_and_s
     assert not (root / "step_000000005").exists()
     metadata = (root / "step_000000001" / ".metadata").read_bytes()
     assert all((root / f"step_{s:09d}" / ".metadata").read_bytes() == metadata for s in (2, 3))
-    manager = CheckpointManager(url, keep=6)
-    for step in (6, 4, 3, 2):  # every tensor holds its step's value
+    manager = CheckpointManager(url, keep=7)
+    for step in (7, 6, 4, 3, 2):  # every tensor holds its step's value
         info = manager.newest_valid()
         assert info is not None and info.step == step
-        loaded = {k: torch.zeros_like(v) for k, v in state(0).items()}
+        expected = state(step) | (grown(step) if step == 7 else {})
+        loaded = {k: torch.zeros_like(v) for k, v in expected.items()}
         manager.load(info, loaded)
-        assert all(torch.equal(loaded[k], v) for k, v in state(step).items())
+        assert all(torch.equal(loaded[k], v) for k, v in expected.items())
         (root / f"step_{step:09d}" / MANIFEST).unlink()
-
-
-def _grown_main(rank: int, port: int, url: str, out: str) -> None:
-    """Two saves in one round, the second of a state with one tensor more (an optimizer's state
-    appears after its first step); which steps DCP planned."""
-    group = _join(rank, port)
-    manager = CheckpointManager(url, keep=2)
-    saver = BackgroundSaver(EventLog(out, f"rank{rank}"))
-    planned = []
-    dcp_save = checkpoint.dcp.save
-
-    def counted_save(*args: Any, **kwargs: Any) -> Any:
-        planned.append(step)
-        return dcp_save(*args, **kwargs)
-
-    checkpoint.dcp.save = counted_save  # type: ignore[assignment]
-    for step in (1, 2):
-        tensors = state(step) | ({"momentum": torch.full((50,), float(step))} if step == 2 else {})
-        saver.start(manager, step, tensors, {}, group, 1, lambda: False)
-        saver.wait(lambda: False)
-    Path(out, f"planned{rank}.json").write_text(json.dumps(planned))
-    dist.destroy_process_group()
-
-
-def test_a_state_that_grew_within_a_round_is_planned_anew(tmp_path: Path) -> None:
-    """The round's plan names the tensors of its first save: a save of more is planned by DCP
-    again, and loads whole."""
-    url = f"file://{tmp_path}/ckpt"
-    mp.spawn(_grown_main, args=(free_port(), url, str(tmp_path)), nprocs=2, join=True)
-    for rank in (0, 1):
-        assert json.loads((tmp_path / f"planned{rank}.json").read_text()) == [1, 2]
-    info = CheckpointManager(url, keep=2).newest_valid()
-    assert info is not None and info.step == 2
-    expected = state(2) | {"momentum": torch.full((50,), 2.0)}
-    loaded = {k: torch.zeros_like(v) for k, v in expected.items()}
-    CheckpointManager(url, keep=2).load(info, loaded)
-    assert all(torch.equal(loaded[k], v) for k, v in expected.items())
 
 
 class _NothingRefilled:
