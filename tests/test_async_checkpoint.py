@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic import async_checkpoint, checkpoint
-from elastic.async_checkpoint import BackgroundSaver
+from elastic.async_checkpoint import BackgroundSaver, copy_host
 from elastic.checkpoint import MANIFEST, CheckpointManager, _ShardWriter
 from elastic.events import EventLog, read_events
 from launcher.embedded_etcd import free_port
@@ -294,3 +295,44 @@ def test_a_save_asked_to_write_a_tensor_it_did_not_stage_fails(tmp_path: Path) -
     writer = _ShardWriter(str(tmp_path), _NothingRefilled())
     with pytest.raises(CheckpointException, match="not staged for this save"):
         dcp.save(state(1), storage_writer=writer, no_dist=True)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_staging_copies_host_tensors_of_every_layout_exactly(threads: int) -> None:
+    """Contiguous tensors of every size and dtype go by memmove, shared among ``threads``
+    threads; transposed, strided and channels-last ones by copy_; the staged copy equals the
+    sources in every case, and a mismatched pair is refused rather than copied."""
+    torch.manual_seed(0)
+    sources = [
+        torch.randn(1000, 300),
+        torch.randn(300, 1000).t(),
+        torch.randn(64, 3, 3, 3).to(memory_format=torch.channels_last),
+        torch.randn(20)[::2],
+        torch.arange(7),
+        torch.rand(5) > 0.5,
+        torch.empty(0),
+        torch.tensor(3.5, dtype=torch.float64),
+    ]
+    staged = [torch.zeros(s.shape, dtype=s.dtype) for s in sources]
+    pool = ThreadPoolExecutor(threads - 1) if threads > 1 else None
+    copy_host(staged, sources, pool, threads)
+    assert all(torch.equal(d, s) for d, s in zip(staged, sources, strict=True))
+    with pytest.raises(ValueError, match=r"staging \(6,\) torch.float32 into \(4,\)"):
+        copy_host([torch.zeros(4)], [torch.ones(6)], pool, threads)
+    if pool:
+        pool.shutdown()
+
+
+def test_a_tensor_whose_shape_changed_under_the_same_name_is_staged_anew(tmp_path: Path) -> None:
+    """A name whose tensor changed shape (or dtype) makes the whole staged copy new, and all of
+    it refilled, even when the save asks for one rank's share only."""
+    saver = BackgroundSaver(EventLog(tmp_path, "rank0"))
+    saver._stage({"w": torch.ones(4), "b": torch.zeros(2)}, None)
+    fresh, replaced, copied = saver._stage(
+        {"w": torch.ones(6), "b": torch.ones(2)}, frozenset({"w"})
+    )
+    assert replaced and len(fresh) == 2 and copied == 32
+    assert torch.equal(saver._staged["w"], torch.ones(6))
+    assert torch.equal(saver._staged["b"], torch.ones(2))
+    _, replaced, copied = saver._stage({"w": torch.ones(6), "b": torch.ones(2)}, frozenset({"w"}))
+    assert not replaced and copied == 24
