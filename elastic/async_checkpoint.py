@@ -93,7 +93,8 @@ def copy_host(
     """``staged[i].copy_(sources[i])`` for host tensors of the same shape and dtype, on the
     calling thread and ``threads - 1`` of ``pool``'s (with ``pool`` None, on the calling thread
     alone), each with a share of the tensors, largest first. The contiguous ones are copied by
-    glibc's ``memmove``, which releases the GIL; the rest by ``copy_``, on the calling thread.
+    glibc's ``memmove``, which releases the GIL; the rest (and any not in host memory) by
+    ``copy_``, on the calling thread.
 
     Why not ``torch._foreach_copy_``: on the CPU it copies the tensors one after the other, each
     split among torch's threads and joined again. For the ResNet-50 state (205 MB, 481 tensors,
@@ -109,7 +110,8 @@ def copy_host(
                 f"staging {tuple(source.shape)} {source.dtype} into "
                 f"{tuple(destination.shape)} {destination.dtype}"
             )
-        if not (source.is_contiguous() and destination.is_contiguous()):
+        on_host = source.device.type == destination.device.type == "cpu"
+        if not (on_host and source.is_contiguous() and destination.is_contiguous()):
             rest.append((destination, source))
         elif source.nbytes:
             least = loads.index(min(loads))
@@ -205,15 +207,16 @@ class BackgroundSaver:
             share = None
         names = list(tensors.keys() if share is None else share)
         staged, sources = [self._staged[n] for n in names], [tensors[n].detach() for n in names]
-        if any(t.is_cuda for t in sources):
-            # One call for all: the ResNet-50 state's 481 copy_ calls took 1-2 ms more.
-            torch._foreach_copy_(staged, sources, non_blocking=True)
-            torch.cuda.current_stream().synchronize()  # the copies into pinned memory are done
-        else:
+        if all(t.device.type == "cpu" for t in sources):
             threads = torch.get_num_threads()
             if self._copiers is None and threads > 1:
                 self._copiers = ThreadPoolExecutor(threads - 1, thread_name_prefix="staging")
             copy_host(staged, sources, self._copiers, threads)
+        else:
+            # One call for all: the ResNet-50 state's 481 copy_ calls took 1-2 ms more.
+            torch._foreach_copy_(staged, sources, non_blocking=True)
+            if any(t.is_cuda for t in sources):
+                torch.cuda.current_stream().synchronize()  # the copies into pinned memory are done
         copied = sum(t.nbytes for t in staged)
         return frozenset(t.data_ptr() for t in staged), replaced, copied
 
