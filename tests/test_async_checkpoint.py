@@ -26,7 +26,7 @@ from elastic import async_checkpoint, checkpoint
 from elastic.async_checkpoint import BackgroundSaver, copy_host
 from elastic.checkpoint import MANIFEST, CheckpointManager, _ShardWriter
 from elastic.events import EventLog, read_events
-from launcher.embedded_etcd import free_port
+from tests.conftest import served_store
 
 GROUP_TIMEOUT = timedelta(seconds=30)
 
@@ -37,7 +37,7 @@ def state(seed: int) -> dict[str, torch.Tensor]:
 
 
 def _join(rank: int, port: int) -> dist.ProcessGroup:
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=GROUP_TIMEOUT)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=GROUP_TIMEOUT)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=GROUP_TIMEOUT)
     return dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT)
 
@@ -86,12 +86,11 @@ def test_a_process_killed_at_each_phase_of_a_background_save_never_leaves_a_wron
     """The newest checkpoint that loads is step 10 only when the kill came after its commit,
     and it holds what was staged, not what training wrote afterwards; otherwise step 5."""
     url = f"file://{tmp_path}/ckpt"
-    ranks = mp.spawn(
-        _phase_main, args=(free_port(), url, str(tmp_path), phase), nprocs=2, join=False
-    )
     survivor = 0 if phase in ("staging", "write") else 1
-    for p in ranks.processes:
-        p.join(60)
+    with served_store() as port:
+        ranks = mp.spawn(_phase_main, args=(port, url, str(tmp_path), phase), nprocs=2, join=False)
+        for p in ranks.processes:
+            p.join(60)
     codes = [p.exitcode for p in ranks.processes]
     assert codes[survivor] == 0 and codes[1 - survivor] == -signal.SIGKILL, codes
     assert (tmp_path / f"survivor{survivor}").exists()
@@ -137,29 +136,30 @@ def test_a_peer_frozen_mid_save_holds_only_the_save_and_an_abandoned_save_never_
     tmp_path: Path,
 ) -> None:
     url = f"file://{tmp_path}/ckpt"
-    ranks = mp.spawn(_frozen_main, args=(free_port(), url, str(tmp_path)), nprocs=2, join=False)
-    frozen = ranks.processes[1]
-    try:
-        report = tmp_path / "rank0.json"
-        deadline = time.monotonic() + 20
-        while not report.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert report.exists(), "rank 0 was held by its frozen peer"
-        assert json.loads(report.read_text())["returned"] < 2.0
-        # Rank 1 stops itself, maybe after rank 0 has reported: a SIGCONT sent before that is
-        # lost, and rank 1 then stays stopped.
-        deadline = time.monotonic() + 20
-        while not _stopped(frozen.pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _stopped(frozen.pid), "rank 1 never froze"
-        os.kill(frozen.pid, signal.SIGCONT)
-        for p in ranks.processes:
-            p.join(40)
-        assert [p.exitcode for p in ranks.processes] == [0, 0]
-    finally:
-        for p in ranks.processes:
-            if p.is_alive():
-                p.kill()
+    with served_store() as port:
+        ranks = mp.spawn(_frozen_main, args=(port, url, str(tmp_path)), nprocs=2, join=False)
+        frozen = ranks.processes[1]
+        try:
+            report = tmp_path / "rank0.json"
+            deadline = time.monotonic() + 20
+            while not report.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert report.exists(), "rank 0 was held by its frozen peer"
+            assert json.loads(report.read_text())["returned"] < 2.0
+            # Rank 1 stops itself, maybe after rank 0 has reported: a SIGCONT sent before that is
+            # lost, and rank 1 then stays stopped.
+            deadline = time.monotonic() + 20
+            while not _stopped(frozen.pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert _stopped(frozen.pid), "rank 1 never froze"
+            os.kill(frozen.pid, signal.SIGCONT)
+            for p in ranks.processes:
+                p.join(40)
+            assert [p.exitcode for p in ranks.processes] == [0, 0]
+        finally:
+            for p in ranks.processes:
+                if p.is_alive():
+                    p.kill()
     assert not list((tmp_path / "ckpt").rglob(MANIFEST))  # never committed
     names = {e["event"] for e in read_events(tmp_path)}
     assert not names & {"checkpoint_saved", "checkpoint_failed"}  # abandoned is neither
@@ -191,8 +191,8 @@ def test_the_per_rank_hashes_catch_a_flipped_byte_in_any_ranks_shard(tmp_path: P
                 data = bytearray(path.read_bytes())
                 data[len(data) // 2] ^= 0xFF
                 path.write_bytes(bytes(data))
-        args = (free_port(), url, str(tmp_path), action)
-        mp.spawn(_flip_main, args=args, nprocs=2, join=True)
+        with served_store() as port:
+            mp.spawn(_flip_main, args=(port, url, str(tmp_path), action), nprocs=2, join=True)
     manifest = json.loads((tmp_path / "ckpt" / "step_000000005" / MANIFEST).read_text())
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= manifest["files"].keys()
     for rank in (0, 1):
@@ -250,7 +250,8 @@ def test_a_rounds_later_saves_stage_only_each_ranks_share_replay_dcps_plan_and_s
     fails on both, and the next save plans anew, as does a save of a state that grew. Every save
     loads to its step's values."""
     url = f"file://{tmp_path}/ckpt"
-    mp.spawn(_share_main, args=(free_port(), url, str(tmp_path)), nprocs=2, join=True)
+    with served_store() as port:
+        mp.spawn(_share_main, args=(port, url, str(tmp_path)), nprocs=2, join=True)
     whole = sum(t.numel() * t.element_size() for t in state(0).values())
     seen = [json.loads((tmp_path / f"copied{rank}.json").read_text()) for rank in (0, 1)]
     for rank in (0, 1):

@@ -25,7 +25,7 @@ from elastic.checkpoint import (
 from elastic.events import EventLog, read_events
 from elastic.shard_io import ShardReader, ShardWriter, tensor_bytes
 from elastic.state import TrainState
-from launcher.embedded_etcd import free_port
+from tests.conftest import served_store
 
 
 def make_state(seed: int) -> TrainState:
@@ -50,9 +50,7 @@ def _rank_main(
     seed: int | list[int],
     out: str,
 ) -> None:
-    store = dist.TCPStore(
-        "127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=60)
-    )
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     events = EventLog(out, f"rank{rank}")
     manager = CheckpointManager(url, keep=2, events=events)
@@ -99,12 +97,13 @@ def run_ranks(
     step: int | list[int] = 0,
     seed: int | list[int] = 0,
 ) -> None:
-    mp.spawn(
-        _rank_main,
-        args=(world, free_port(), action, url, step, seed, str(out)),
-        nprocs=world,
-        join=True,
-    )
+    with served_store() as port:
+        mp.spawn(
+            _rank_main,
+            args=(world, port, action, url, step, seed, str(out)),
+            nprocs=world,
+            join=True,
+        )
 
 
 def expected(seed: int) -> dict[str, list]:

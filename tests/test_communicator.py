@@ -30,7 +30,7 @@ from elastic.communicator import (
     round_end,
 )
 from elastic.control import Assignment
-from launcher.embedded_etcd import free_port
+from tests.conftest import served_store
 
 
 def assignment(number: int) -> Assignment:
@@ -122,11 +122,9 @@ def round_of_two(rank: int, port: int, **settings: Any) -> Communicator:
 def on_two_ranks(tmp_path: Path, main: Callable[..., None], *args: Any) -> dict[str, Any]:
     """``main(rank, port, *args, out)`` in two processes beside a store of their own; what
     rank 0 wrote to ``out``."""
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     out = tmp_path / "rank0.json"
-    mp.spawn(main, args=(port, *args, str(out)), nprocs=2, join=True)
-    del store
+    with served_store() as port:
+        mp.spawn(main, args=(port, *args, str(out)), nprocs=2, join=True)
     return json.loads(out.read_text())
 
 

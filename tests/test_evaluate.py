@@ -23,7 +23,7 @@ from elastic.evaluate import (
     shard,
     use_last_batch_stats,
 )
-from launcher.embedded_etcd import free_port
+from tests.conftest import served_store
 
 # --- shards ----------------------------------------------------------------------------------
 
@@ -121,9 +121,7 @@ def test_top5_with_fewer_than_five_classes_counts_every_sample() -> None:
 
 
 def _rank_main(rank: int, world: int, port: int, action: str, out: str) -> None:
-    store = dist.TCPStore(
-        "127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=60)
-    )
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     guard = Recorder()
     found: dict[str, object] = {}
@@ -149,7 +147,8 @@ def _rank_main(rank: int, world: int, port: int, action: str, out: str) -> None:
 
 
 def run_ranks(world: int, action: str, out: Path) -> list[dict]:
-    mp.spawn(_rank_main, args=(world, free_port(), action, str(out)), nprocs=world, join=True)
+    with served_store() as port:
+        mp.spawn(_rank_main, args=(world, port, action, str(out)), nprocs=world, join=True)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]
 
 

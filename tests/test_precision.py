@@ -32,7 +32,7 @@ from elastic.precision import (
     resolve_precision,
 )
 from elastic.state import TrainState
-from launcher.embedded_etcd import free_port
+from tests.conftest import served_store
 
 CPU = torch.device("cpu")
 GPU = torch.device("cuda", 0)  # only a name here: the tests that use it never touch a GPU
@@ -59,10 +59,8 @@ def assignment(rank: int, port: int) -> Assignment:
 def spawn_with_store(fn: Callable[..., None], *args: object) -> None:
     """Run ``fn(rank, port, *args)`` on two ranks that enter a round through a Communicator;
     the TCPStore master is the agent's, so it lives here."""
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    mp.spawn(fn, args=(port, *args), nprocs=2, join=True)
-    del store
+    with served_store() as port:
+        mp.spawn(fn, args=(port, *args), nprocs=2, join=True)
 
 
 # --- decisions -----------------------------------------------------------------------------------
@@ -162,9 +160,7 @@ def test_the_scaler_state_copied_into_a_fresh_one_is_the_state_it_scales_with() 
 
 
 def _checkpoint_main(rank: int, world: int, port: int, action: str, url: str, out: str) -> None:
-    store = dist.TCPStore(
-        "127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=60)
-    )
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     model = tiny_model(seed=1 if action == "save" else 99)
     mixed = MixedPrecision(Precision.fp16, CPU)
@@ -190,8 +186,9 @@ def _checkpoint_main(rank: int, world: int, port: int, action: str, url: str, ou
 def test_the_scaler_state_saved_at_two_ranks_loads_at_one(tmp_path: Path) -> None:
     url = f"file://{tmp_path}/ckpt"
     for world, action in ((2, "save"), (1, "load")):
-        args = (world, free_port(), action, url, str(tmp_path))
-        mp.spawn(_checkpoint_main, args=args, nprocs=world, join=True)
+        with served_store() as port:
+            args = (world, port, action, url, str(tmp_path))
+            mp.spawn(_checkpoint_main, args=args, nprocs=world, join=True)
     got = json.loads((tmp_path / "loaded0.json").read_text())
     assert got["step"] == 3
     assert got["scaler"]["scale"] == 1024.0 and got["scaler"]["_growth_tracker"] == 7

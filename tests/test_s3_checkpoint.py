@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 from elastic.checkpoint import MANIFEST, CheckpointManager
 from elastic.events import EventLog, read_events
 from launcher.embedded_etcd import free_port
+from tests.conftest import served_store
 
 BUCKET = "ckpt"
 
@@ -79,7 +80,7 @@ def state(seed: int, numel: int = 50_000) -> dict[str, torch.Tensor]:
 
 def _rank(rank: int, world: int, port: int, url: str, out: str, action: str) -> None:
     timeout = timedelta(seconds=60)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timeout)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     manager = CheckpointManager(url, keep=3, events=EventLog(out, f"rank{rank}"))
     if action == "load":
@@ -95,7 +96,8 @@ def _rank(rank: int, world: int, port: int, url: str, out: str, action: str) -> 
 
 
 def run(world: int, url: str, out: Path, action: str) -> None:
-    mp.spawn(_rank, args=(world, free_port(), url, str(out), action), nprocs=world, join=True)
+    with served_store() as port:
+        mp.spawn(_rank, args=(world, port, url, str(out), action), nprocs=world, join=True)
 
 
 def test_checkpoints_on_s3_commit_reshard_and_catch_a_flipped_byte(s3: str, tmp_path: Path) -> None:
@@ -137,18 +139,19 @@ def test_a_process_killed_during_an_upload_leaves_nothing_that_loads(
     url = f"s3://{BUCKET}/job"
     run(1, url, tmp_path, "5")
     client = boto3.client("s3", endpoint_url=s3)
-    ctx = mp.spawn(_rank, args=(1, free_port(), url, str(tmp_path), "big"), nprocs=1, join=False)
-    saver = ctx.processes[0]
-    try:
-        deadline = time.monotonic() + 60
-        while not client.list_multipart_uploads(Bucket=BUCKET).get("Uploads"):
-            assert saver.is_alive() and time.monotonic() < deadline, "no upload was seen"
-            time.sleep(0.02)
-        os.kill(saver.pid, signal.SIGKILL)
-        saver.join(10)
-    finally:
-        if saver.is_alive():
-            saver.kill()
+    with served_store() as port:
+        ctx = mp.spawn(_rank, args=(1, port, url, str(tmp_path), "big"), nprocs=1, join=False)
+        saver = ctx.processes[0]
+        try:
+            deadline = time.monotonic() + 60
+            while not client.list_multipart_uploads(Bucket=BUCKET).get("Uploads"):
+                assert saver.is_alive() and time.monotonic() < deadline, "no upload was seen"
+                time.sleep(0.02)
+            os.kill(saver.pid, signal.SIGKILL)
+            saver.join(10)
+        finally:
+            if saver.is_alive():
+                saver.kill()
     assert saver.exitcode == -signal.SIGKILL
     run(1, url, tmp_path, "load")
     loaded = json.loads((tmp_path / "loaded0.json").read_text())
