@@ -122,7 +122,10 @@ def _frozen_main(rank: int, port: int, url: str, out: str) -> None:
     returned = time.perf_counter() - t0
     if rank == 0:
         saver.abandon()  # the agent moved this rank to a round without the frozen one
-        Path(out, "rank0.json").write_text(json.dumps({"held": held, "returned": returned}))
+        # Renamed into place: the test reads it as soon as it exists (written in place, it was
+        # once read empty, between its creation and its write).
+        Path(out, "rank0.tmp").write_text(json.dumps({"held": held, "returned": returned}))
+        os.replace(Path(out, "rank0.tmp"), Path(out, "rank0.json"))
     saver.wait(lambda: False)
     Path(out, f"done{rank}").write_text("done")
     os._exit(0)
