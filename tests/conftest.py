@@ -102,8 +102,7 @@ def served_store() -> Iterator[int]:
     """The port of a TCPStore that this process serves while in the block, for ranks spawned in
     it to join as clients (``is_master=False``). The port is the one the OS gave the store as
     it bound it. A port picked first (``free_port``) and bound by a spawned rank seconds later
-    is in the ephemeral range meanwhile: any socket may take it, and a rank that connects before
-    the port is listened on may even be connected to itself."""
+    is free meanwhile, for any other socket bound to an OS-chosen port to take."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
