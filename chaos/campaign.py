@@ -70,8 +70,6 @@ class CampaignConfig:
     # so that the network kinds can cut or slow its links (chaos/netns.py).
     netns: bool = False
     slow_mbit: float = 300.0  # slow_network's rate
-    baseline: bool = True  # measure the fault-free rate at each world size, for the goodput
-    baseline_steps: int = 30  # steps of each fault-free run
     out_dir: str = ""  # "" = <run_dir>/chaos
     # Attach to a running job (job_id, cluster.etcd_endpoints, run_dir: where its events are)
     # instead of launching one: faults are requested through etcd (the job needs chaos.allow).
@@ -133,15 +131,6 @@ def problems(c: CampaignConfig, nodes: int) -> list[str]:
     if c.etcd_members not in (1, 3):
         found.append(
             problem("campaign.etcd_members", c.etcd_members, "etcd runs 1 or 3 here", "set 1 or 3")
-        )
-    if c.baseline_steps < 5:
-        found.append(
-            problem(
-                "campaign.baseline_steps",
-                c.baseline_steps,
-                "too few steps to measure a steady rate",
-                "set it to at least 5",
-            )
         )
     return found
 

@@ -5,15 +5,16 @@ Overrides that start with ``campaign`` choose and tune the campaign (``conf/camp
 schema in :mod:`chaos.campaign`); every other override is the job's, exactly as for ``python -m
 launcher``. By default the command starts an etcd of its own for a local job (so that it can
 start killed nodes again), launches the job with ``trainer.record_samples=true`` (the invariants
-need every rank's samples), carries out the schedule (:mod:`chaos.runner`), measures the
-fault-free rate at each world size the job ran at (``campaign.baseline``), and writes
-``report.json``, ``summary.txt`` and ``timeline.png`` to ``<run_dir>/chaos/``.
+need every rank's samples), carries out the schedule (:mod:`chaos.runner`), judges the job's
+event log (:mod:`chaos.verdict`: the invariants, each recovery, the goodput at the job's own
+fault-free pace), and writes ``report.json``, ``summary.txt`` and ``timeline.png`` to
+``<run_dir>/chaos/``.
 
 With ``campaign.attach=true`` it launches nothing: it joins the running job named by
 ``job_id``, ``cluster.etcd_endpoints`` and ``run_dir`` (where the job's config and events are: a
 shared file system, or this machine), and requests each fault from the target node's agent
 through etcd; the job must have been started with ``chaos.allow=true`` and
-``trainer.record_samples=true``. The fault-free rates then come from the job's own steps.
+``trainer.record_samples=true``.
 
 It exits 1 if an invariant broke, 2 on bad input.
 """
@@ -38,7 +39,7 @@ from chaos import netns
 from chaos.campaign import CampaignConfig, ChaosCommandConfig, problems
 from chaos.runner import CampaignRunner
 from chaos.timeline import draw
-from chaos.verdict import fault_free_rate, judge, needed_sizes, observed_rates, summary
+from chaos.verdict import judge, summary
 from elastic import config
 from elastic.config import ClusterMode, Config, ConfigError
 from elastic.events import EventFollower, read_events
@@ -48,7 +49,7 @@ from launcher.etcd import EtcdUnavailable, connect, etcd_security
 
 ConfigStore.instance().store(name="chaos_schema", node=ChaosCommandConfig)
 
-JOB_TIMEOUT_S = 6 * 3600.0  # a campaign's job, or a fault-free run, that runs longer is stopped
+JOB_TIMEOUT_S = 6 * 3600.0  # a campaign's job that runs longer is stopped
 RECORD_SAMPLES = "trainer.record_samples=true"  # the invariants need every rank's samples
 ANY = "0.0.0.0"  # etcd for nodes in namespaces: every address of this machine
 
@@ -75,53 +76,6 @@ def compose_campaign(overrides: list[str]) -> CampaignConfig:
 
 def launcher_argv(job: list[str], *more: str) -> list[str]:
     return [sys.executable, "-m", "launcher", *job, *more]
-
-
-def run_job(argv: list[str], out: Path) -> int:
-    with open(out, "w") as f:
-        return subprocess.run(
-            argv, stdout=f, stderr=subprocess.STDOUT, timeout=JOB_TIMEOUT_S
-        ).returncode
-
-
-def baseline_rates(
-    cfg: Config,
-    campaign: CampaignConfig,
-    job: list[str],
-    endpoints: list[str],
-    sizes: list[int],
-    samples_per_epoch: int,
-    out_dir: Path,
-) -> dict[int, float]:
-    """The fault-free samples/s of the same job at each world size in ``sizes``: one short run
-    each, on the same etcd under another job id, with checkpoints of its own."""
-    rates = {}
-    for world in sizes:
-        run_dir = out_dir / f"baseline-{world}"
-        epochs = campaign.baseline_steps * world * cfg.data.batch_size / samples_per_epoch
-        print(
-            f"chaos: fault-free run at {world} nodes ({campaign.baseline_steps} steps)", flush=True
-        )
-        code = run_job(
-            launcher_argv(
-                job,
-                f"job_id={cfg.job_id}-baseline{world}",
-                f"run_dir={run_dir}",
-                f"cluster.nodes={world}",
-                f"cluster.etcd_endpoints=[{','.join(endpoints)}]",
-                f"checkpoint.url=file://{run_dir / 'checkpoints'}",
-                f"trainer.epochs={epochs}",
-                "trainer.record_samples=true",  # as in the campaign: the same work per step
-            ),
-            out_dir / f"baseline-{world}.out",
-        )
-        if code != 0:
-            raise RuntimeError(
-                f"the fault-free run at {world} nodes exited with {code}; see "
-                f"{out_dir / f'baseline-{world}.out'}"
-            )
-        rates[world] = fault_free_rate(read_events(run_dir))
-    return rates
 
 
 def main(argv: list[str]) -> int:
@@ -248,13 +202,7 @@ def launch(cfg: Config, campaign: CampaignConfig, job: list[str]) -> int:
         job_cfg = config.load(run_dir / "config.yaml")
         if untrained := nothing_to_judge(events, out_dir):
             return refuse([untrained])
-        rates = None
-        if campaign.baseline:
-            sizes = needed_sizes(events, job_cfg.cluster.nodes, job_cfg.cluster.min_nodes)
-            started = next(e for e in events if e["event"] == "training_started")
-            per_epoch = round(started["total_samples"] / job_cfg.trainer.epochs)
-            rates = baseline_rates(job_cfg, campaign, job, endpoints, sizes, per_epoch, out_dir)
-    return report(events, job_cfg, rates, out_dir, campaign)
+    return report(events, job_cfg, out_dir, campaign)
 
 
 def attach(cfg: Config, campaign: CampaignConfig) -> int:
@@ -316,21 +264,15 @@ def attach(cfg: Config, campaign: CampaignConfig) -> int:
     events = read_events(run_dir)
     if untrained := nothing_to_judge(events, out_dir):
         return refuse([untrained])
-    rates = observed_rates(events, config.max_nodes(job_cfg))
-    return report(events, job_cfg, rates, out_dir, campaign, "the job's own steps")
+    return report(events, job_cfg, out_dir, campaign)
 
 
 def report(
-    events: list[dict[str, Any]],
-    job_cfg: Config,
-    rates: dict[int, float] | None,
-    out_dir: Path,
-    campaign: CampaignConfig,
-    rates_from: str = "fault-free runs",
+    events: list[dict[str, Any]], job_cfg: Config, out_dir: Path, campaign: CampaignConfig
 ) -> int:
     """Judge the campaign (whose job trained: :func:`nothing_to_judge`), write its report,
     summary and picture; the exit code."""
-    verdict = judge(events, job_cfg, rates, rates_from)
+    verdict = judge(events, job_cfg)
     (out_dir / "report.json").write_text(verdict.to_json())
     text = summary(verdict)
     (out_dir / "summary.txt").write_text(text + "\n")

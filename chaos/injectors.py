@@ -22,7 +22,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import fsspec
 import psutil
 
 from chaos.netns import PEER_LINK, LocalNetwork
@@ -183,22 +182,28 @@ def kill_embedded_etcd_member(run_dir: str | os.PathLike[str], member: int) -> f
 
 def corrupt_shard(run_dir: str | os.PathLike[str], url: str) -> float:
     """Flip one byte in the middle of the largest shard of the newest committed checkpoint at
-    ``url``, as a disk or a copy gone bad would: its manifest's hash no longer matches, so a
-    load must refuse it and take an older one (the verdict checks that none such was loaded)."""
-    fs, root = fsspec.core.url_to_fs(url.rstrip("/"))
-    for folder in candidates(fs, root):
+    ``url``, as a disk or a copy gone bad would, then verify that checkpoint as every load does
+    (:meth:`CheckpointManager.verify`) and log the answer (``checkpoint_verified``): a load must
+    refuse it, and in-place recovery never loads one, so the fault is judged here (the verdict
+    also checks that no such checkpoint was loaded later)."""
+    from elastic.checkpoint import CheckpointManager  # torch: only for this fault
+
+    manager = CheckpointManager(url, keep=1)
+    for folder in candidates(manager.fs, manager.root):
         try:
-            files = json.loads(fs.cat_file(f"{folder}/{MANIFEST}"))["files"]
+            files = json.loads(manager.fs.cat_file(f"{folder}/{MANIFEST}"))["files"]
         except (OSError, ValueError, KeyError):
             continue  # not committed
         name = max(files, key=lambda n: files[n]["size"])
-        data = bytearray(fs.cat_file(f"{folder}/{name}"))
+        data = bytearray(manager.fs.cat_file(f"{folder}/{name}"))
         if not data:
             continue
         data[len(data) // 2] ^= 0xFF
         target = f"{folder.rsplit('/', 1)[-1]}/{name}"
         sent = log_event(run_dir, "fault_injected", kind="checkpoint", target=target)
-        fs.pipe_file(f"{folder}/{name}", bytes(data))
+        manager.fs.pipe_file(f"{folder}/{name}", bytes(data))
+        refused = manager.verify(folder)
+        log_event(run_dir, "checkpoint_verified", kind="checkpoint", target=target, refused=refused)
         return sent
     raise TargetNotFound(f"no committed checkpoint at {url} yet")
 

@@ -1,20 +1,25 @@
 """The verdict of a campaign, from the run's event log: the invariants, each fault's recovery,
 and the goodput.
 
-Goodput is the samples trained and kept per second over the campaign, divided by what a
-fault-free run of the same job trains per second at the same world sizes::
+Goodput is the samples trained and kept, as a fraction of what the same job trains at its own
+fault-free pace in the same time::
 
-    goodput = kept samples / sum over steps of (fault-free rate at the step's world size)
-                                               x (time since the step before)
+    goodput = kept samples / sum over steps of max(the samples the step trained,
+                                                   pace at its world size x its time)
 
-"Kept" is the samples the last step has trained (a rollback to a checkpoint loses the samples
-after it). Each step's time counts at the rate of the world that trained it, so a stall (the
-time from a fault to the first step of the next round: detection, rendezvous, rebuild, sync)
-and redone steps cost goodput, and a world made smaller by a dead node does not. The fault-free
-rate at each world size is measured by a fault-free run of the same job (``campaign.baseline``).
+The pace at each world size is the campaign's own: the median samples/s between consecutive
+steps of one round (:func:`pace`), so no separate fault-free run is needed and none can be slow
+or fast on a day of its own. "Kept" is the samples the last step has trained (a rollback to a
+checkpoint loses the samples after it). A stall (the time from a fault to the first step of the
+next round: detection, rendezvous, rebuild, sync) and redone steps cost goodput, and a world made
+smaller by a dead node does not. Each step counts at least the samples it trained, so a step
+faster than the pace earns no credit against a slow one: the kept samples never exceed the
+reference, and goodput is at most 100 % by construction. The steps the pace leaves out
+(checkpoint stalls, evaluations, the jitter of shared cores) are charged too, so a fault-free
+stretch of the same job scores a little under 100 % (:attr:`Verdict.fault_free_goodput`).
 
 The second figure, goodput of the nodes up, also charges the time a repaired node takes to train
-again: each moment counts at the rate of the nodes that were up then (a killed or departed node
+again: each moment counts at the pace of the nodes that were up then (a killed or departed node
 is down until the campaign starts it again, a frozen one until it is thawed).
 """
 
@@ -32,6 +37,7 @@ from chaos.invariants import (
     sample_violations,
 )
 from chaos.report import recovery
+from elastic import config
 from elastic.config import Config
 
 DOWN_SIGNALS = ("SIGKILL", "SIGSTOP", "SIGTERM")  # a node given one of these is not up
@@ -59,12 +65,14 @@ class Verdict:
     skipped: list[dict[str, Any]]  # faults that were due but could not be carried out
     kept_samples: int
     seconds: float
-    rates: dict[int, float]  # world size -> fault-free samples/s
-    reference_samples: float | None  # what fault-free runs would have trained meanwhile
-    goodput: float | None
+    rates: dict[int, float]  # world size -> the campaign's own fault-free pace, samples/s
+    reference_samples: float | None  # what the job trains at that pace in the same time
+    goodput: float | None  # None: no world size trained two steps in a row (no pace)
     goodput_of_nodes_up: float | None
+    # The same goodput over the steps before the first fault: what this definition gives the
+    # job when nothing goes wrong (checkpoint stalls, evaluations, jitter); None without one.
+    fault_free_goodput: float | None = None
     segments: list[tuple[float, float, int]] = field(default_factory=list)  # nodes up
-    rates_from: str = "fault-free runs"  # or "the job's own steps" (attached to a job)
 
     @property
     def ok(self) -> bool:
@@ -72,6 +80,17 @@ class Verdict:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self) | {"ok": self.ok}, indent=1)
+
+
+@dataclass(frozen=True)
+class Interval:
+    """The time from one step to the next, the world size that trained the later one and the
+    samples it trained (0: time in which the job trained nothing, such as a dead job's)."""
+
+    start: float
+    end: float
+    world: int
+    samples: int
 
 
 def capacity(events: list[dict[str, Any]], nodes: int, t0: float, t1: float) -> list[tuple]:
@@ -100,30 +119,28 @@ def capacity(events: list[dict[str, Any]], nodes: int, t0: float, t1: float) -> 
     return [s for s in segments if s[1] > s[0]]
 
 
-def world_segments(events: list[dict[str, Any]]) -> list[tuple[float, float, int]]:
-    """``(previous step's time, step's time, its world size)`` for every step after the first:
-    the time each step took, stalls included, at the world size that trained it."""
-    steps = sorted((e for e in events if e["event"] == "step"), key=lambda e: e["ts"])
-    return [(a["ts"], b["ts"], b["world_size"]) for a, b in zip(steps, steps[1:], strict=False)]
+def steps_of(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ``step`` events (rank 0's: one per step trained), in time order."""
+    return sorted((e for e in events if e["event"] == "step"), key=lambda e: e["ts"])
 
 
-def fault_free_rate(events: list[dict[str, Any]]) -> float:
-    """Samples per second of a fault-free run, over its whole training (checkpoints and
-    evaluations included, as in the campaign), from its first step to its last."""
-    steps = [e for e in events if e["event"] == "step"]
-    if len(steps) < 2:
-        raise ValueError("a fault-free run needs at least two steps to give a rate")
-    first, last = steps[0], steps[-1]
-    return (last["samples"] - first["samples"]) / (last["ts"] - first["ts"])
+def intervals(events: list[dict[str, Any]]) -> list[Interval]:
+    """One :class:`Interval` for every step event after the first: the time since the one
+    before, stalls included, at the world size that trained it, and the samples gained (none
+    after a rollback)."""
+    steps = steps_of(events)
+    return [
+        Interval(a["ts"], b["ts"], b["world_size"], max(0, b["samples"] - a["samples"]))
+        for a, b in zip(steps, steps[1:], strict=False)
+    ]
 
 
-def observed_rates(events: list[dict[str, Any]], nodes: int) -> dict[int, float]:
-    """Fault-free rates from a campaign's own steps, where no fault-free run can be started (a
-    job attached to): at each world size, the median rate between consecutive steps of one
-    round, which leaves out stalls, and checkpoints and evaluations too (so it errs high, and
-    goodput low). Every world size up to ``nodes`` that never trained two steps in a row is
-    scaled from the nearest one that did."""
-    steps = sorted((e for e in events if e["event"] == "step"), key=lambda e: e["ts"])
+def pace(events: list[dict[str, Any]], nodes: int) -> dict[int, float]:
+    """The job's own fault-free pace: at each world size, the median samples/s between
+    consecutive steps of one round, which leaves out stalls (and, being a median, checkpoint
+    and evaluation steps). Every world size up to ``nodes`` that never trained two steps in a
+    row is scaled from the nearest one that did."""
+    steps = steps_of(events)
     by_size: dict[int, list[float]] = {}
     for a, b in zip(steps, steps[1:], strict=False):
         if a["round"] == b["round"] and b["ts"] > a["ts"]:
@@ -141,51 +158,61 @@ def observed_rates(events: list[dict[str, Any]], nodes: int) -> dict[int, float]
 
 
 def goodput(
-    kept: int, segments: list[tuple[float, float, int]], rates: dict[int, float], min_nodes: int
+    kept: int,
+    spans: list[Interval],
+    rates: dict[int, float],
+    min_nodes: int,
+    up: list[tuple[float, float, int]] | None = None,
 ) -> tuple[float, float]:
-    """``(reference samples, goodput)``; a world below ``min_nodes`` trains nothing."""
+    """``(reference samples, goodput)`` of ``kept`` samples trained over ``spans``. Each span
+    counts at the pace of the world size that trained it, or, with ``up`` (:func:`capacity`),
+    of the nodes up meanwhile (a world below ``min_nodes`` trains nothing), and never less than
+    the samples it trained: so goodput is at most 1."""
     reference = 0.0
-    for start, end, up in segments:
-        if up >= min_nodes:
-            reference += rates[up] * (end - start)
+    for s in spans:
+        if up is None:
+            fault_free = rates[s.world] * (s.end - s.start)
+        else:
+            fault_free = sum(
+                rates[n] * (min(b, s.end) - max(a, s.start))
+                for a, b, n in up
+                if n >= min_nodes and b > s.start and a < s.end
+            )
+        reference += max(s.samples, fault_free)
     return reference, (kept / reference if reference > 0 else 0.0)
-
-
-def world_sizes(segments: list[tuple[float, float, int]], min_nodes: int) -> list[int]:
-    """The world sizes a fault-free rate is needed for."""
-    return sorted({up for _, _, up in segments if up >= min_nodes}, reverse=True)
-
-
-def needed_sizes(events: list[dict[str, Any]], nodes: int, min_nodes: int) -> list[int]:
-    """Every world size either goodput needs a fault-free rate for."""
-    t0, t1, _ = training_span(events)
-    both = world_segments(events) + capacity(events, nodes, t0, t1)
-    return world_sizes(both, min_nodes)
 
 
 def training_span(events: list[dict[str, Any]]) -> tuple[float, float, int]:
     """``(first step's time, last step's time, samples kept between them)``."""
-    steps = [e for e in events if e["event"] == "step"]
+    steps = steps_of(events)
     if len(steps) < 2:
         raise ValueError("the campaign's job trained fewer than two steps")
-    last = max(steps, key=lambda e: e["ts"])
-    return steps[0]["ts"], last["ts"], last["samples"] - steps[0]["samples"]
+    return steps[0]["ts"], steps[-1]["ts"], steps[-1]["samples"] - steps[0]["samples"]
 
 
 def checkpoint_violations(events: list[dict[str, Any]]) -> list[str]:
     """Checkpoints loaded that had been rejected (incomplete, or failing their manifest), or
-    that this run never committed."""
-    bad, rejected, committed = [], set(), set()
+    that this run never committed; and shards the campaign corrupted that their verification
+    did not refuse (or that were never verified)."""
+    bad, rejected, committed, verified = [], set(), set(), {}
     for e in events:
         if e["event"] == "checkpoint_skipped":
             rejected.add(e["url"])
         elif e["event"] == "checkpoint_saved":
             committed.add(e["url"])
+        elif e["event"] == "checkpoint_verified":
+            verified[e["target"]] = e["refused"]
         elif e["event"] == "checkpoint_loaded":
             if e["url"] in rejected:
                 bad.append(f"step {e['step']}: loaded {e['url']}, which failed its manifest")
             elif e["url"] not in committed:
                 bad.append(f"step {e['step']}: loaded {e['url']}, which no rank committed")
+    for e in events:
+        if e["event"] == "fault_injected" and e.get("kind") == "checkpoint":
+            if e["target"] not in verified:
+                bad.append(f"{e['target']} was corrupted and never verified")
+            elif verified[e["target"]] is None:
+                bad.append(f"{e['target']} was corrupted and its verification passed it")
     return bad
 
 
@@ -234,33 +261,47 @@ def fault_results(events: list[dict[str, Any]]) -> list[FaultResult]:
     return results
 
 
-def judge(
-    events: list[dict[str, Any]],
-    cfg: Config,
-    rates: dict[int, float] | None,
-    rates_from: str = "fault-free runs",
-) -> Verdict:
-    """The verdict; ``rates`` None: no fault-free rates, no goodput."""
+def judge(events: list[dict[str, Any]], cfg: Config) -> Verdict:
+    """The verdict, the goodput at the job's own pace (:func:`pace`)."""
     t0, t1, kept = training_span(events)
     segments = capacity(events, cfg.cluster.nodes, t0, t1)
-    reference, ratio, ratio_up = None, None, None
-    if rates is not None:
+    rates = pace(events, config.max_nodes(cfg))
+    reference = ratio = ratio_up = fault_free = None
+    if rates:
         min_nodes = cfg.cluster.min_nodes
-        reference, ratio = goodput(kept, world_segments(events), rates, min_nodes)
-        ratio_up = goodput(kept, segments, rates, min_nodes)[1]
+        spans = intervals(events)
+        reference, ratio = goodput(kept, spans, rates, min_nodes)
+        ratio_up = goodput(kept, spans, rates, min_nodes, up=segments)[1]
+        fault_free = fault_free_goodput(events, spans, rates, min_nodes)
     return Verdict(
         violations=invariants(events, cfg),
         faults=fault_results(events),
         skipped=[e for e in events if e["event"] == "fault_skipped"],
         kept_samples=kept,
         seconds=t1 - t0,
-        rates=rates or {},
+        rates=rates,
         reference_samples=reference,
         goodput=ratio,
         goodput_of_nodes_up=ratio_up,
+        fault_free_goodput=fault_free,
         segments=segments,
-        rates_from=rates_from,
     )
+
+
+FAULT_FREE_STEPS = 10  # fewer steps before the first fault say nothing of the job's own jitter
+
+
+def fault_free_goodput(
+    events: list[dict[str, Any]], spans: list[Interval], rates: dict[int, float], min_nodes: int
+) -> float | None:
+    """The goodput of the steps before the first fault (all of them, without one): what the
+    definition charges a job that nothing happens to. None when fewer than
+    ``FAULT_FREE_STEPS`` steps came first."""
+    first = min((e["ts"] for e in events if e["event"] == "fault_injected"), default=float("inf"))
+    before = [s for s in spans if s.end < first]
+    if len(before) < FAULT_FREE_STEPS:
+        return None
+    return goodput(sum(s.samples for s in before), before, rates, min_nodes)[1]
 
 
 def summary(v: Verdict) -> str:
@@ -286,18 +327,23 @@ def summary(v: Verdict) -> str:
         lines.append(f"  skipped: {s['kind']} {s['target']}: {s['reason']}")
     lines.append(f"training: {v.kept_samples} samples kept in {v.seconds:.1f} s")
     if v.goodput is None:
-        lines.append("goodput: not measured (campaign.baseline=false)")
+        lines.append("goodput: not measured (no world size trained two steps in a row)")
     else:
         rates = ", ".join(f"{w} nodes {r:.1f}/s" for w, r in sorted(v.rates.items()))
         lines.append(
             f"goodput: {100 * v.goodput:.1f} % ({v.kept_samples} kept / "
-            f"{v.reference_samples:.0f} a fault-free run would have trained at the same world "
-            f"sizes; fault-free {rates}, from {v.rates_from})"
+            f"{v.reference_samples:.0f} the job trains at its own fault-free pace in the same "
+            f"time at the same world sizes; pace {rates})"
         )
         lines.append(
             f"goodput of the nodes up: {100 * (v.goodput_of_nodes_up or 0):.1f} % (also charges "
             "the time a repaired node takes to train again)"
         )
+        if v.fault_free_goodput is not None:
+            lines.append(
+                f"goodput before the first fault: {100 * v.fault_free_goodput:.1f} % (what the "
+                "definition charges checkpoints, evaluations and jitter)"
+            )
     median = statistics.median([f.stall_s for f in v.faults if f.stall_s is not None] or [0])
     lines.append(f"median stall {median:.2f} s; verdict: {'PASS' if v.ok else 'FAIL'}")
     return "\n".join(lines)

@@ -439,7 +439,7 @@ class CheckpointManager:
         process reads every file (the health check, the tools); a job's ranks share the work
         in :meth:`restore`."""
         for path in self._candidates():
-            reason = self._verify(path, 0, 1)
+            reason = self.verify(path)
             if reason is None:
                 return self._info(path)
             self._set_aside(path, reason)
@@ -482,7 +482,7 @@ class CheckpointManager:
         info = None
         for path in listing[0]:
             reasons: list[Any] = [None] * world
-            mine = self._verify(path, rank, world)
+            mine = self.verify(path, rank, world)
             with self._collective("checkpoint restore"):
                 dist.all_gather_object(reasons, mine)
             reason = next((r for r in reasons if r is not None), None)
@@ -506,9 +506,9 @@ class CheckpointManager:
                 )
         return info
 
-    def _verify(self, path: str, rank: int, world: int) -> str | None:
+    def verify(self, path: str, rank: int = 0, world: int = 1) -> str | None:
         """None if ``path`` has a manifest and rank ``rank``'s share (of ``world``) of the files
-        it lists match it, else the reason."""
+        it lists match it, else the reason a load refuses it (the whole folder by default)."""
         try:
             manifest = json.loads(self.fs.cat_file(f"{path}/{MANIFEST}"))
         except FileNotFoundError:

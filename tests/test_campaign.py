@@ -8,23 +8,25 @@ import json
 import shutil
 from pathlib import Path
 
+import fsspec
 import pytest
 
 from chaos.campaign import CampaignConfig, FaultKind, FaultSpec, pick, problems, schedule
 from chaos.cli import nothing_to_judge, split
 from chaos.injectors import TargetNotFound, clear_disk, corrupt_shard, fill_disk
 from chaos.runner import due
-from chaos.timeline import phases
+from chaos.timeline import levels, phases, smoothed
 from chaos.verdict import (
+    Interval,
     capacity,
     checkpoint_violations,
-    fault_free_rate,
+    fault_free_goodput,
     goodput,
-    observed_rates,
-    world_segments,
-    world_sizes,
+    intervals,
+    pace,
 )
 from elastic.events import read_events
+from elastic.manifest import FORMAT, file_record
 
 from .conftest import small_tmpfs
 
@@ -82,7 +84,6 @@ def test_a_campaign_that_cannot_run_names_each_key_and_its_fix() -> None:
             FaultSpec(kind=FaultKind.fill_disk, at_step=1, duration_s=-1),
         ],
         etcd_members=2,
-        baseline_steps=2,
     )
     found = problems(bad, nodes=3)
     keys = [p.split("=")[0] for p in found]
@@ -92,7 +93,6 @@ def test_a_campaign_that_cannot_run_names_each_key_and_its_fix() -> None:
         "campaign.faults[2].duration_s",
         "campaign.faults[3].duration_s",
         "campaign.etcd_members",
-        "campaign.baseline_steps",
     ]
     assert all("Fix:" in p for p in found)
     empty = problems(CampaignConfig(), nodes=3)
@@ -121,8 +121,6 @@ def test_the_nodes_up_follow_kills_freezes_thaws_and_restarts() -> None:
     segments = capacity(events, 3, 0.0, 50.0)
     assert segments == [(0.0, 10.0, 3), (10.0, 13.0, 2), (13.0, 30.0, 3), (30.0, 34.0, 2),
                         (34.0, 50.0, 3)]  # fmt: skip
-    assert world_sizes(segments, min_nodes=1) == [3, 2]
-    assert world_sizes(segments, min_nodes=3) == [3]
 
 
 def test_the_nodes_up_at_first_are_the_first_rounds_whatever_their_names() -> None:
@@ -133,35 +131,59 @@ def test_the_nodes_up_at_first_are_the_first_rounds_whatever_their_names() -> No
     assert capacity(events, 2, 0.0, 20.0) == [(0.0, 10.0, 2), (10.0, 20.0, 1)]
 
 
-def test_rates_observed_in_the_campaign_leave_out_stalls_and_scale_to_unseen_sizes() -> None:
-    def step(ts: float, samples: int, world: int, rnd: int) -> dict:
-        return {"event": "step", "ts": ts, "samples": samples, "world_size": world, "round": rnd}
+def step(ts: float, samples: int, world: int, rnd: int = 1) -> dict:
+    return {"event": "step", "ts": ts, "samples": samples, "world_size": world, "round": rnd}
 
-    steps = [step(0.0, 0, 2, 1), step(1.0, 20, 2, 1), step(2.0, 40, 2, 1), step(3.0, 60, 2, 1)]
+
+def test_the_pace_leaves_out_stalls_and_scales_to_unseen_sizes() -> None:
+    steps = [step(0.0, 0, 2), step(1.0, 20, 2), step(2.0, 40, 2), step(3.0, 60, 2)]
     steps += [step(9.0, 70, 1, 2), step(10.0, 80, 1, 2)]  # the 6 s stall between rounds is left out
-    assert observed_rates(steps, nodes=3) == {2: 20.0, 1: 10.0, 3: 30.0}  # 3 scaled from 2
-    assert observed_rates(steps[:1], nodes=3) == {}
-
-
-def test_goodput_charges_lost_time_but_not_the_capacity_of_dead_nodes() -> None:
-    segments = [(0.0, 10.0, 3), (10.0, 20.0, 2)]
-    rates = {3: 30.0, 2: 20.0}
-    reference, ratio = goodput(500, segments, rates, min_nodes=1)
-    assert reference == 500.0 and ratio == 1.0  # trained all a fault-free run would have
-    assert goodput(450, segments, rates, min_nodes=1)[1] == pytest.approx(0.9)
-    assert goodput(300, segments, rates, min_nodes=3) == (300.0, 1.0)  # 2 nodes cannot train
+    assert pace(steps, nodes=3) == {2: 20.0, 1: 10.0, 3: 30.0}  # 3 scaled from 2
+    assert pace(steps[:1], nodes=3) == {}
 
 
 def test_each_step_counts_at_the_world_size_that_trained_it_stall_included() -> None:
-    steps = [{"event": "step", "ts": t, "world_size": w} for t, w in ((0.0, 3), (1.0, 3), (4.0, 2))]
-    assert world_segments(steps) == [(0.0, 1.0, 3), (1.0, 4.0, 2)]  # the stall, at world 2
+    steps = [step(0.0, 0, 3), step(1.0, 30, 3), step(4.0, 50, 2, 2), step(5.0, 40, 2, 3)]
+    assert intervals(steps) == [
+        Interval(0.0, 1.0, 3, 30),
+        Interval(1.0, 4.0, 2, 20),  # the stall, at world 2
+        Interval(4.0, 5.0, 2, 0),  # a rollback gains nothing
+    ]
 
 
-def test_the_fault_free_rate_spans_the_run_from_its_first_step_to_its_last() -> None:
-    steps = [{"event": "step", "ts": t, "samples": s} for t, s in ((1.0, 24), (2.0, 48), (5.0, 96))]
-    assert fault_free_rate(steps) == pytest.approx(18.0)
-    with pytest.raises(ValueError, match="two steps"):
-        fault_free_rate(steps[:1])
+def test_goodput_charges_lost_time_but_not_the_capacity_of_dead_nodes() -> None:
+    spans = [Interval(0.0, 10.0, 3, 300), Interval(10.0, 20.0, 2, 200)]
+    rates = {3: 30.0, 2: 20.0}
+    assert goodput(500, spans, rates, min_nodes=1) == (500.0, 1.0)  # all the pace allows
+    assert goodput(450, spans, rates, min_nodes=1)[1] == pytest.approx(0.9)  # 50 redone
+    stalled = [Interval(0.0, 10.0, 3, 300), Interval(10.0, 15.0, 2, 0), *spans[1:]]
+    assert goodput(500, stalled, rates, min_nodes=1) == (600.0, pytest.approx(5 / 6))
+
+
+def test_goodput_never_exceeds_one_a_fast_step_earning_no_credit_for_a_slow_one() -> None:
+    rates = {2: 20.0}
+    fast_and_slow = [Interval(0.0, 0.5, 2, 20), Interval(0.5, 2.0, 2, 20)]  # 0.5 s and 1.5 s
+    reference, ratio = goodput(40, fast_and_slow, rates, min_nodes=1)
+    assert reference == 50.0 and ratio == 0.8  # not 40 / (20 x 2 s) = 1.0
+    assert goodput(20, [Interval(0.0, 0.1, 2, 20)], rates, min_nodes=1)[1] == 1.0
+
+
+def test_goodput_of_the_nodes_up_counts_each_moment_at_the_pace_of_the_nodes_up() -> None:
+    spans = [Interval(0.0, 10.0, 2, 200), Interval(10.0, 20.0, 2, 200)]
+    up = [(0.0, 5.0, 3), (5.0, 20.0, 2)]  # a third node was up for the first 5 s
+    rates = {3: 30.0, 2: 20.0}
+    assert goodput(400, spans, rates, min_nodes=1, up=up) == (450.0, pytest.approx(400 / 450))
+    assert goodput(400, spans, rates, min_nodes=3, up=up) == (400.0, 1.0)  # 2 cannot train
+
+
+def test_the_fault_free_goodput_is_that_of_the_steps_before_the_first_fault() -> None:
+    steps = [step(float(t), 10 * t, 1) for t in range(12)]
+    steps += [step(12.5, 120, 1)]  # a slow step after the fault: not counted
+    fault = {"event": "fault_injected", "ts": 11.5}
+    spans = intervals(steps)
+    assert fault_free_goodput([*steps, fault], spans, {1: 10.0}, min_nodes=1) == 1.0
+    early = {"event": "fault_injected", "ts": 5.5}
+    assert fault_free_goodput([*steps, early], spans, {1: 10.0}, min_nodes=1) is None
 
 
 def test_a_loaded_checkpoint_must_be_committed_and_not_rejected() -> None:
@@ -191,18 +213,36 @@ def test_a_recovery_is_drawn_as_consecutive_phases() -> None:
     assert phases({"detected": 0.1}) == []  # training never started again: nothing to draw
 
 
+def test_the_smoothed_rate_spans_its_window_and_a_rollback_is_no_negative_rate() -> None:
+    times = [0.0, 1.0, 2.0, 3.0, 4.0]
+    samples = [0, 10, 30, 60, 20]  # the last step after a rollback
+    assert smoothed(times, samples, window_s=2.0) == [0.0, 10.0, 15.0, 25.0, 0.0]
+
+
+def test_labels_close_together_are_stacked_and_never_overlap() -> None:
+    spans = [(0.0, 10.0), (5.0, 15.0), (12.0, 20.0), (16.0, 25.0), (40.0, 50.0)]
+    rows = levels(spans)
+    assert rows == [0, 1, 0, 1, 0]
+    for (a, b), r in zip(spans, rows, strict=True):
+        for (c, d), q in zip(spans, rows, strict=True):
+            assert (a, b) == (c, d) or r != q or b < c or d < a
+
+
 def committed_checkpoint(root: Path, step: int, shard: bytes, commit: bool = True) -> Path:
+    """A checkpoint folder whose manifest records its files as a save does."""
     folder = root / f"step_{step:09d}"
     folder.mkdir(parents=True)
     (folder / "__0_0.distcp").write_bytes(shard)
     (folder / ".metadata").write_bytes(b"m")
     if commit:
-        files = {"__0_0.distcp": {"size": len(shard)}, ".metadata": {"size": 1}}
-        (folder / "manifest.json").write_text(json.dumps({"step": step, "files": files}))
+        fs = fsspec.filesystem("file")
+        files = {n: file_record(fs, str(folder / n)) for n in ("__0_0.distcp", ".metadata")}
+        manifest = {"format": FORMAT, "step": step, "files": files}
+        (folder / "manifest.json").write_text(json.dumps(manifest))
     return folder
 
 
-def test_a_corrupted_shard_is_the_largest_of_the_newest_committed_checkpoint(
+def test_a_corrupted_shard_is_the_largest_of_the_newest_committed_checkpoint_and_refused(
     tmp_path: Path,
 ) -> None:
     root = tmp_path / "ckpt"
@@ -212,10 +252,20 @@ def test_a_corrupted_shard_is_the_largest_of_the_newest_committed_checkpoint(
     corrupt_shard(tmp_path / "run", f"file://{root}")
     assert (newest / "__0_0.distcp").read_bytes() == b"bbbb" + bytes([ord("b") ^ 0xFF]) + b"bbbb"
     assert (root / "step_000000005" / "__0_0.distcp").read_bytes() == b"a" * 9
-    hit = read_events(tmp_path / "run")[-1]
+    hit, verified = read_events(tmp_path / "run")[-2:]
     assert hit["kind"] == "checkpoint" and hit["target"] == "step_000000010/__0_0.distcp"
+    assert verified["event"] == "checkpoint_verified" and verified["target"] == hit["target"]
+    assert verified["refused"] == "__0_0.distcp does not match its checksum"
+    assert checkpoint_violations([hit, verified]) == []
     with pytest.raises(TargetNotFound, match="no committed checkpoint"):
         corrupt_shard(tmp_path / "run", f"file://{tmp_path / 'none'}")
+
+
+def test_a_corrupted_shard_that_passed_or_missed_its_verification_is_a_violation() -> None:
+    hit = {"event": "fault_injected", "kind": "checkpoint", "target": "step_000000010/a"}
+    passed = {"event": "checkpoint_verified", "target": hit["target"], "refused": None}
+    assert "verification passed it" in checkpoint_violations([hit, passed])[0]
+    assert "never verified" in checkpoint_violations([hit])[0]
 
 
 def test_a_disk_is_filled_only_where_it_is_small_and_its_ballast_goes_after(tmp_path: Path) -> None:
