@@ -21,20 +21,25 @@ Six fault kinds, each injected ``--repeats`` times into a fresh 3-node job of ea
   round's collectives fail after ``--pg-timeout-s``, the majority evicts it, and its link comes
   up again once they recovered. Ours only: the peer script runs its nodes on loopback.
 
-Stall and redone steps are defined the same way for both (chaos/report.py and the peer's
-README): from the fault until a survivor completes a step beyond the one in flight; steps trained
-again because the job rolled back. Both checkpoint every ``--ckpt-every`` steps and see the fault
+The peer runs twice for each fault (bench/torchrun_peer.py): at torchrun's defaults (what most
+users run) and tuned as a careful user would (no shared rendezvous store, keep-alives every 1 s
+with 3 missed allowed, a 1 s last call, a 10 s gloo timeout). Its node0 is started first and
+its other nodes once node0's agent serves the c10d store, so ``kill_rank0`` kills the store's
+node. Stall and redone steps are defined the same way for both (chaos/report.py): from the fault
+until a survivor completes a step beyond the one in flight; steps trained again because the job
+rolled back. Both checkpoint every ``--ckpt-every`` steps and see the fault
 at step ``--kill-at``. Step time: the peer's step is padded with ``STEP_SLEEP`` to our measured
 step time (the peer trains a small MLP on random data; ours the default ResNet-18 on JPEGs, whose
 state is larger, so a state transfer costs us more than it would cost the peer). The stall
 counts the step in flight as lost, which a planned leave does not lose; ours is also given as
 the time lost against the pace before the fault (chaos/report.py), which the peer does not report.
 
-    ./dev.sh bench                                  # everything: 6 kinds x 5 faults x 2 runtimes
+    ./dev.sh bench                                  # everything: 6 kinds x 5 faults x 3 rows
+    ./dev.sh bench --faults kill,kill_rank0,freeze --repeats 3   # the peer comparisons
     ./dev.sh bench --faults kill --repeats 2 --skip-peer
 
-The peer is ``shared/bench/peer_torchrun/run.sh`` beside this checkout; it needs torchrun on PATH
-(./dev.sh bench puts the project's venv first).
+The peer's ``train.py`` is ``shared/bench/peer_torchrun/`` beside this checkout; it needs
+torchrun on PATH (./dev.sh bench puts the project's venv first).
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -54,6 +59,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from torchrun_peer import PEERS, Peer, PeerSettings  # noqa: E402
 
 from chaos.injectors import (  # noqa: E402
     heal,
@@ -195,29 +202,42 @@ def run_ours_partitioned(run_dir: Path, args: argparse.Namespace) -> Recovery:
     return recovery(read_events(run_dir), fault_ts)
 
 
-RESULT = re.compile(r"stall_s=(?P<stall>[\d.]+).*redone_steps=(?P<redone>-?\d+)")
-
-
-def run_peer(fault: str, args: argparse.Namespace, step_sleep: float) -> Outcome:
-    env = {
-        **os.environ,
-        "KILL_AT": str(args.kill_at),
-        "CKPT_EVERY": str(args.ckpt_every),
-        "STEPS": str(args.steps),
-        "STEP_SLEEP": f"{step_sleep:.3f}",
-        "WAIT_DS": str(round((args.freeze_wait_s if fault == "freeze" else args.peer_wait_s) * 10)),
-    }
-    if fault in ("freeze", "leave"):
-        env["SIG"] = "STOP" if fault == "freeze" else "TERM"
-    victim = "host" if fault == "kill_rank0" else "other"
-    out = subprocess.run(
-        ["bash", str(args.peer), victim], env=env, capture_output=True, text=True, timeout=1200
-    ).stdout
-    line = next((ln for ln in out.splitlines() if ln.startswith("RESULT")), "no RESULT line")
-    match = RESULT.search(line)
-    if match is None:
-        return Outcome(None, None, line)
-    return Outcome(float(match["stall"]), int(match["redone"]), line)
+def run_peer(
+    work: Path, fault: str, args: argparse.Namespace, settings: PeerSettings, step_sleep: float
+) -> Outcome:
+    """The torchrun peer (3 nodes, ``--nnodes=2:3``, ``--max-restarts=3``, as the shared
+    peer's run.sh) with the same fault at the same step; waits until it made progress again
+    or ``--peer-wait-s`` (``--freeze-wait-s`` for a freeze) passed."""
+    peer = Peer(
+        work / f"peer-{fault}-{time.monotonic_ns()}",
+        args.peer / "train.py",
+        settings,
+        steps=args.steps,
+        step_sleep=step_sleep,
+        ckpt_every=args.ckpt_every,
+        nnodes="2:3",
+        max_restarts=3,
+    )
+    try:
+        peer.start_all()
+        deadline = time.monotonic() + 600
+        while peer.max_step() < args.kill_at:
+            if time.monotonic() > deadline or not peer.running():
+                return Outcome(None, None, f"never reached step {args.kill_at}: see {peer.work}")
+            time.sleep(0.05)
+        victim = "node0" if fault == "kill_rank0" else "node2"  # node0 hosts the c10d store
+        sig = {"freeze": signal.SIGSTOP, "leave": signal.SIGTERM}.get(fault, signal.SIGKILL)
+        fault_ts = peer.signal(victim, sig)
+        wait = args.freeze_wait_s if fault == "freeze" else args.peer_wait_s
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and peer.running():
+            if peer.recovery(fault_ts, victim).stall_s is not None:
+                break
+            time.sleep(0.2)
+        found = peer.recovery(fault_ts, victim)
+        return Outcome(found.stall_s, found.redone_steps, found.detail)
+    finally:
+        peer.stop()
 
 
 def fmt(seconds: float | None) -> str:
@@ -260,7 +280,10 @@ def main() -> None:
         help="how long a frozen node stays frozen when the job makes no progress",
     )
     parser.add_argument(
-        "--peer", type=Path, default=REPO.parent / "shared" / "bench" / "peer_torchrun" / "run.sh"
+        "--peer",
+        type=Path,
+        default=REPO.parent / "shared" / "bench" / "peer_torchrun",
+        help="the folder of the peer's train.py",
     )
     parser.add_argument(
         "--etcd-down-s", type=float, default=5.0, help="how long etcd_restart keeps etcd down"
@@ -281,11 +304,13 @@ def main() -> None:
     if "partition" in faults and why_not:
         print(f"partition: skipped, network namespaces are not available here ({why_not})")
         faults.remove("partition")
-    if not args.skip_peer and not args.peer.exists():
-        parser.error(f"--peer: {args.peer} not found (or pass --skip-peer)")
+    if not args.skip_peer and not (args.peer / "train.py").exists():
+        parser.error(f"--peer: {args.peer}/train.py not found (or pass --skip-peer)")
+    if not args.skip_peer and shutil.which("torchrun") is None:
+        parser.error("torchrun is not on PATH: run ./dev.sh bench, or put .venv/bin first")
 
     ours: dict[str, list[Recovery]] = {f: [] for f in faults}
-    peer: dict[str, list[Outcome]] = {f: [] for f in faults}
+    peer: dict[str, dict[str, list[Outcome]]] = {f: {p.name: [] for p in PEERS} for f in faults}
     step_times: list[float] = []
     with tempfile.TemporaryDirectory(prefix="bench-recovery-") as tmp:
         for fault in faults:
@@ -302,9 +327,11 @@ def main() -> None:
                 )
                 if not args.skip_peer and fault not in PEERLESS:
                     # The peer's step: ~10 ms of MLP compute, padded to our step time.
-                    out = run_peer(fault, args, max(0.0, statistics.median(step_times) - 0.01))
-                    peer[fault].append(out)
-                    print(f"{fault:10} peer #{i + 1}: {out.detail}", flush=True)
+                    sleep = max(0.0, statistics.median(step_times) - 0.01)
+                    for settings in PEERS:
+                        out = run_peer(Path(tmp), fault, args, settings, sleep)
+                        peer[fault][settings.name].append(out)
+                        print(f"{fault:10} {settings.name} #{i + 1}: {out.detail}", flush=True)
 
     print(
         f"\n3 nodes x 1 CPU worker, fault at step {args.kill_at}, checkpoint every "
@@ -312,15 +339,17 @@ def main() -> None:
         f"our step time {statistics.median(step_times):.3f} s (the peer's padded to it)"
     )
     print(
-        f"{'fault':34}{'runtime':10}{'p50 stall':>12}{'p90 stall':>10}{'redone p50':>12}"
+        f"{'fault':34}{'runtime':20}{'p50 stall':>12}{'p90 stall':>10}{'redone p50':>12}"
         f"{'recovered':>11}{'peer/ours':>11}"
     )
     for fault in faults:
         mine = [Outcome(r.stall_s, r.redone_steps, "") for r in ours[fault]]
         line, our_p50 = summary(mine)
-        print(f"{FAULTS[fault]:34}{'elastic':10}{line}")
-        if peer[fault]:
-            line, peer_p50 = summary(peer[fault])
+        print(f"{FAULTS[fault]:34}{'elastic':20}{line}")
+        for name, outcomes in peer[fault].items():
+            if not outcomes:
+                continue
+            line, peer_p50 = summary(outcomes)
             if our_p50 is None:
                 ratio = "-"
             elif peer_p50 is None:
@@ -328,9 +357,9 @@ def main() -> None:
                 ratio = f">{wait / our_p50:.0f}x"
             else:
                 ratio = f"{peer_p50 / our_p50:.1f}x"
-            print(f"{'':34}{'torchrun':10}{line}{ratio:>11}")
-        elif fault in PEERLESS:
-            print(f"{'':34}{'torchrun':10}  not run: {PEERLESS[fault]}")
+            print(f"{'':34}{name:20}{line}{ratio:>11}")
+        if fault in PEERLESS:
+            print(f"{'':34}{'torchrun':20}  not run: {PEERLESS[fault]}")
     print(
         "\nour recovery breakdown, p50 seconds (detected/round_formed: from the fault; lost: the"
         " delay against the pace before the fault)"
