@@ -1,63 +1,120 @@
-"""Steady-state training throughput: this project's trainer next to a plain DDP loop, in one run.
+"""Steady-state training throughput: this project's trainer next to a plain DDP loop, with and
+without checkpoints in the measured window.
 
 What the runtime adds to every step (the elastic sampler's plans, the abortable comm hook, the
-per-sample weights, heartbeats and step events) must cost next to nothing: the goal is an
-overhead of at most 2 % in samples/s against plain DDP with the same model, batch and world size.
-This prints both figures, measured on this machine in one run, and the overhead; it says whether
-the goal is met and does not assert it.
+per-sample weights, heartbeats and step events) and what its background checkpoints take from a
+busy trainer (staging, the DCP write and its sha256 hashing, on the trainer's own cores) must
+cost next to nothing: the goal is an overhead of at most 2 % in samples/s against plain DDP with
+the same model, batch and world size. This measures both runtimes in one run, pair by pair, and
+prints each overhead with a 95 % confidence interval; it says whether the goal is met and does
+not assert it.
+
+The runtimes:
 
 - Ours: a real job, ``python -m launcher`` (agents, embedded etcd, workers), on the CPU as
   ``cluster.nodes=<procs>`` simulated nodes of one worker each, on CUDA as one node with one worker
   per GPU. Its rank 0 writes a ``step`` event after every step; the time of step k is that event's
-  timestamp.
+  timestamp. Checkpoints: ``checkpoint.every_steps`` at the interval of the row
+  (``checkpoint.interval=fixed``), saved in the background as in any job.
 - The peer: the training loop of torchvision's reference ``references/classification/train.py``:
   ``torch.multiprocessing`` processes in one gloo (CPU) or NCCL (CUDA) group, a DataLoader over an
   ImageFolder with a DistributedSampler, ``image.to(device)``, autocast (and a GradScaler for
-  fp16), ``DistributedDataParallel`` as the reference builds it (no comm hook), SGD, and
-  ``loss.item()`` every step; no agent, no events. It also sets ``cudnn.benchmark`` as the
-  reference does, and skips the reference's accuracy metrics (which would only slow the peer).
-  The time of step k is taken on rank 0 after it.
+  fp16), SGD, and ``loss.item()`` every step; no agent, no events. It sets ``cudnn.benchmark`` as
+  the reference does, and skips the reference's accuracy metrics (which would only slow the
+  peer). The time of step k is taken on rank 0 after it. Checkpoints as the reference saves
+  them: rank 0 alone, synchronously, ``torch.save`` of the model's and the optimizer's state
+  dicts (and the GradScaler's) to ``checkpoint.pth``, here followed by an fsync as in
+  ``bench/checkpoint.py``, while the other ranks go on and wait in the next all-reduce. (The
+  reference also writes ``model_<epoch>.pth`` each time; leaving that out only flatters the peer.)
 
-- The peer again, with an idle etcd server running beside it (``--no-etcd-row`` leaves this out).
-  Our local cluster runs its embedded etcd on the same cores as the workers, and etcd wakes up
-  every 100 ms (raft ticks) even when nothing changes. On a machine whose cores the workers
-  saturate (2 CPU workers on 2 cores), those wake-ups alone slow a synchronous job: measured
-  here, an idle etcd slowed the plain loop by about 9 %. On bare metal etcd runs on its own
-  machines, and GPU workers leave cores free, so the overhead that belongs to the trainer is
-  ours against this row; both overheads are printed.
+DDP at parity: the peer's ``DistributedDataParallel`` gets every option ``Communicator.wrap``
+gives ours, so that the overhead measured is the runtime's and not a DDP setting's:
+``forward_sync_buffers=False`` (DDP's default broadcasts the buffers, batch-norm statistics,
+from rank 0 before every forward: a blocking collective per step that ours does not run) and
+``init_sync=False`` (no parameter broadcast at construction; every rank seeds its model alike
+instead, as ours makes its replicas identical by its state sync; a one-time cost outside the
+window either way). Not its comm hook: ours all-reduces through an abortable hook whose cost is
+part of what this measures; the peer keeps DDP's built-in all-reduce.
 
-Both use the same model, per-worker batch, precision, channels_last, images, transforms, loader
-processes and intra-op threads. Only the steady state counts: the first ``--warmup-steps`` steps
-(start-up, the first step's allocations and cudnn autotuning, DDP's bucket rebuild) are skipped,
-and samples/s is the samples of the next ``--steps`` steps over the wall time from the end of the
-last skipped step to the end of the window, the same window for both. Our job checkpoints only
-after the window (a checkpoint's stall is measured on its own) and evaluates only at the end.
+The rows, each run ``--repeats`` times for both runtimes:
 
-    .venv/bin/python bench/throughput.py --steps 30 --warmup-steps 5 --repeats 1   # quick, CPU
-    .venv/bin/python bench/throughput.py                                           # CPU defaults
+- no saves: neither runtime checkpoints in the window (ours checkpoints only after it);
+- saves every N: ``checkpoint.every_steps`` of the job's configuration (conf/checkpoint/
+  default.yaml: 20), ours in the background, the peer with its synchronous save;
+- saves every ``--aggressive-every`` steps (default 5): the same, at an interval where saves
+  follow each other closely (on 2 cores a save may not finish before the next is due).
+
+and the overheads printed: ours against the peer in the same row (like with like), and ours with
+saves against the peer without (what fault tolerance costs against a job that never saves).
+
+The window. Only the steady state counts: the first ``--warmup-steps`` steps are skipped; samples/s
+is the samples of the next ``--steps`` steps over the wall time from the end of the last skipped
+step to the end of the window, the same window for every row. The warm-up holds start-up, the
+first step's allocations and cudnn autotuning, DDP's bucket rebuild and the round's first save at
+the default interval, which stages the whole state and plans the DCP write where later saves copy
+only their share and replay the plan: it is more than the default interval (30 > 20). The window
+is a multiple of both intervals, so that every row's window holds exactly ``steps / interval``
+saves, and at least twice the default interval (40 steps: saves at steps 40 and 60 of 70).
+
+CPU time per sample: the user + system CPU seconds of each runtime's whole process tree over the
+same window (ours: the launcher, agents, etcd and workers; the peer: its training processes; both
+with their loader processes), sampled every 0.25 s and interpolated at the window's edges, per
+sample trained. Unlike wall time it does not grow when other processes take the cores, so it
+varies less from run to run; its overhead is what ours costs in CPU, which on a machine whose
+cores the workers fill is also what it costs in time. Ours is broken down into workers, launcher
+and agents, and etcd: on such a machine the embedded etcd's CPU is taken from the trainers (on
+bare metal etcd has machines of its own).
+
+The noise. Single runs on a shared 2-core VM spread by about +-10 %. Each row's two runtimes run
+back to back, in alternating order from one repeat to the next, so that a slow minute hits both
+runtimes of a pair. Each overhead is the mean of the per-pair overheads with a 95 % t interval
+(``+1.2 % [-0.8, +3.2]``): the true overhead lies in it with 95 % confidence, assuming the pairs
+are independent and their differences roughly normal. Ours with saves against the peer without
+pairs the runs of one repeat, a minute or two apart rather than back to back: expect a wider
+interval there. An interval wider than the goal resolves nothing: the goal counts as met only
+where the whole interval lies at or below 2 %, missed only where it lies above. Each line also
+says how many pairs an interval of +-``--target-ci-pct`` (default 2) would take at the spread
+these pairs showed; rerun with that many ``--repeats``.
+
+An earlier version also ran the peer beside an idle etcd, to separate the embedded etcd's share
+on saturated cores. Its runs could not resolve that share against the run-to-run spread (the
+overhead against it came out larger than against the plain peer), and they cost a third of the
+runtime: the etcd's CPU share, printed for every row, now tells it at no cost.
+
+    .venv/bin/python bench/throughput.py                                # CPU defaults
+    .venv/bin/python bench/throughput.py --steps 20 --warmup-steps 12 --repeats 2 \\
+        checkpoint.every_steps=10                                       # quick look, CPU
     .venv/bin/python bench/throughput.py --device cuda --model resnet50 --batch-size 128 \\
-        --image-size 256 --crop-size 224 --loader-workers -1 --steps 100 --warmup-steps 20
+        --image-size 256 --crop-size 224 --loader-workers -1 --steps 100 --warmup-steps 30
 
-Arguments after the options are Hydra overrides for both runtimes (``data=imagenet
-data.root=/data/imagenet``). On a machine with one GPU each runtime runs a single process.
+The CPU defaults (3 rows x 2 runtimes x 6 repeats, 70 steps each) take about 15 minutes on 2
+quiet cores: a run of ours is about 15 s of start-up and shutdown besides its steps, one of the
+peer about 4 s. Arguments after the options are Hydra overrides for both runtimes
+(``data=imagenet data.root=/data/imagenet``, ``checkpoint.every_steps=50``). On a machine with
+one GPU each runtime runs a single process.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import itertools
 import json
+import math
 import os
 import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -65,8 +122,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 from torchvision import datasets, models
-
-from launcher.embedded_etcd import EmbeddedEtcd
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -80,26 +135,171 @@ from elastic.sampler import ElasticSampler, SamplerState  # noqa: E402
 from launcher.compose import UsageError, compose  # noqa: E402
 
 GOAL_PCT = 2.0
-TIMEOUT_S = 1800.0
+TIMEOUT_S = 1800.0  # one run of either runtime, start to exit
+CPU_SAMPLE_S = 0.25  # how often the process trees' CPU times are read
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The 97.5th percentile of Student's t with 1..30 degrees of freedom (two-sided 95 %).
+T975 = (
+    *(12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228),
+    *(2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086),
+    *(2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042),
+)
+Z975 = statistics.NormalDist().inv_cdf(0.975)
+
+
+# --- the statistics --------------------------------------------------------------------------
+
+
+def t975(df: int) -> float:
+    """Student's t quantile for a two-sided 95 % interval: the table up to 30 degrees of freedom,
+    past it the Cornish-Fisher expansion around the normal quantile (within 1e-4 there)."""
+    if df < 1:
+        raise ValueError(f"a t interval needs at least 1 degree of freedom, not {df}")
+    if df <= len(T975):
+        return T975[df - 1]
+    z = Z975
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
+@dataclass(frozen=True)
+class Interval:
+    """The mean of paired differences with its 95 % t interval (``half`` None: one pair)."""
+
+    mean: float
+    half: float | None
+    needed: int | None  # pairs for a half-width of the target at the observed spread
+
+    def verdict(self, goal: float) -> str:
+        """Met only if the whole interval lies at or below ``goal``, missed only above it."""
+        if self.half is None:
+            return "unresolved: one pair has no interval"
+        if self.mean + self.half <= goal:
+            return "met"
+        if self.mean - self.half > goal:
+            return "NOT met"
+        return "unresolved: the interval straddles it"
+
+    def __str__(self) -> str:
+        if self.half is None:
+            return f"{self.mean:+.1f} %"
+        low, high = self.mean - self.half, self.mean + self.half
+        return f"{self.mean:+.1f} % [{low:+.1f}, {high:+.1f}]"
+
+
+def paired(differences: list[float], target: float) -> Interval:
+    """The 95 % t interval of the mean of ``differences`` (one per pair of runs), and how many
+    pairs would make it ``target`` wide on either side at their standard deviation."""
+    mean = statistics.fmean(differences)
+    if len(differences) < 2:
+        return Interval(mean, None, None)
+    sd = statistics.stdev(differences)
+    half = t975(len(differences) - 1) * sd / math.sqrt(len(differences))
+    needed = next(n for n in itertools.count(2) if t975(n - 1) * sd / math.sqrt(n) <= target)
+    return Interval(mean, half, needed)
+
+
+# --- the measured window ---------------------------------------------------------------------
+
+CpuSample = tuple[float, dict[str, float]]  # (time.time(), CPU seconds so far by role)
+
+
+def cpu_at(samples: list[CpuSample], t: float) -> dict[str, float]:
+    """The CPU seconds by role at time ``t``, interpolated between the samples around it."""
+    times = [s[0] for s in samples]
+    i = bisect.bisect_right(times, t)
+    if not 0 < i < len(samples):
+        raise RuntimeError(
+            f"no CPU sample on both sides of {t:.3f} (sampled {times[0]:.3f}..{times[-1]:.3f})"
+            if samples
+            else "the process tree's CPU was never sampled"
+        )
+    (t0, before), (t1, after) = samples[i - 1], samples[i]
+    f = (t - t0) / (t1 - t0)
+    return {
+        role: before.get(role, 0.0) + f * (after.get(role, 0.0) - before.get(role, 0.0))
+        for role in before.keys() | after.keys()
+    }
 
 
 @dataclass(frozen=True)
 class Window:
-    """One run's steady state: samples/s and seconds per step over the measured steps."""
+    """One run's steady state: samples/s, seconds per step, and CPU seconds per sample by role
+    (the process tree's groups: ours has workers, launcher and agents, etcd)."""
 
     samples_per_s: float
     step_s: float
+    cpu: dict[str, float]
+
+    @property
+    def cpu_per_sample(self) -> float:
+        return sum(self.cpu.values())
 
 
-def window(ends: list[float], samples: list[int], warmup: int, steps: int) -> Window:
-    """The steady state from the step end times and global samples of steps 1, 2, ...: steps
-    ``warmup + 1`` to ``warmup + steps``, timed from the end of step ``warmup``."""
+def window(
+    ends: list[float], samples: list[int], warmup: int, steps: int, cpu: list[CpuSample]
+) -> Window:
+    """The steady state from the step end times (time.time()) and global samples of steps 1, 2,
+    ...: steps ``warmup + 1`` to ``warmup + steps``, timed from the end of step ``warmup``, and the
+    process tree's CPU over the same span."""
     last = warmup + steps
     if len(ends) < last:
         raise RuntimeError(f"only {len(ends)} steps were timed; {last} are needed")
-    seconds = ends[last - 1] - ends[warmup - 1]
-    return Window(sum(samples[warmup:last]) / seconds, seconds / steps)
+    start, end = ends[warmup - 1], ends[last - 1]
+    count = sum(samples[warmup:last])
+    before, after = cpu_at(cpu, start), cpu_at(cpu, end)
+    used = {role: (after[role] - before.get(role, 0.0)) / count for role in after}
+    return Window(count / (end - start), (end - start) / steps, used)
+
+
+class TreeCPU:
+    """The user + system CPU seconds of the process trees under ``roots``, summed by
+    ``role(process)``, read every :data:`CPU_SAMPLE_S` in a thread while in the ``with`` block.
+
+    A process is found at the first reading after it starts and counted at its last reading
+    after it exits; the window's processes live through it. Its role is asked at every reading,
+    so a process that execs (the lifeline's) is counted under what it became."""
+
+    def __init__(self, roots: list[int], role: Callable[[psutil.Process], str]) -> None:
+        self.samples: list[CpuSample] = []
+        self._roots = roots
+        self._role = role
+        self._procs: dict[int, psutil.Process] = {}
+        self._last: dict[int, tuple[str, float]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tree-cpu", daemon=True)
+
+    def __enter__(self) -> TreeCPU:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10 * CPU_SAMPLE_S)
+
+    def _run(self) -> None:
+        while True:
+            self._sample()
+            if self._stop.wait(CPU_SAMPLE_S):
+                return
+
+    def _sample(self) -> None:
+        t0 = time.time()
+        for pid in self._roots:
+            with contextlib.suppress(psutil.Error):
+                root = self._procs.get(pid) or psutil.Process(pid)
+                for proc in (root, *root.children(recursive=True)):
+                    self._procs.setdefault(proc.pid, proc)
+        for pid, proc in self._procs.items():
+            with contextlib.suppress(psutil.Error):
+                times = proc.cpu_times()
+                self._last[pid] = (self._role(proc), times.user + times.system)
+        totals: dict[str, float] = {}
+        for role, seconds in self._last.values():
+            totals[role] = totals.get(role, 0.0) + seconds
+        self.samples.append(((t0 + time.time()) / 2, totals))
+
+
+# --- the job both runtimes train -------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -117,17 +317,32 @@ class Setup:
     dataset_size: int
     warmup: int
     steps: int
+    intervals: tuple[int, ...]  # the rows' checkpoint intervals in steps; 0: no saves
 
     @property
     def total_steps(self) -> int:
         return self.warmup + self.steps
 
 
+def row_name(every: int) -> str:
+    """A row by its checkpoint interval, as the output names it."""
+    return f"saves every {every} steps" if every else "no saves"
+
+
 # --- ours ------------------------------------------------------------------------------------
 
 
-def run_ours(setup: Setup, work: Path) -> Window:
-    """One job of this project, trained for exactly ``setup.total_steps`` steps."""
+def our_role(proc: psutil.Process) -> str:
+    """The part of our job a process of its tree is: a worker (and its loader processes, which
+    share its command line), etcd, or the launcher and its agents."""
+    if proc.name() == "etcd":
+        return "etcd"
+    return "workers" if "elastic.trainer" in proc.cmdline() else "launcher and agents"
+
+
+def run_ours(setup: Setup, work: Path, every: int) -> Window:
+    """One job of this project, trained for exactly ``setup.total_steps`` steps, checkpointing
+    every ``every`` steps (0: only at its end, after the window)."""
     run_dir = work / f"ours-{time.monotonic_ns()}"
     world = setup.procs
     # The job's length in samples: those of its first total_steps steps (the last step of an
@@ -144,28 +359,31 @@ def run_ours(setup: Setup, work: Path) -> Window:
         else ["cluster.nodes=1", f"cluster.workers_per_node={world}"]
     )
     log_path = work / f"{run_dir.name}.log"
+    argv = [
+        sys.executable,
+        "-m",
+        "launcher",
+        *setup.overrides,
+        *shape,
+        f"job_id={run_dir.name}",
+        f"run_dir={run_dir}",
+        f"trainer.epochs={samples / setup.dataset_size!r}",
+        "trainer.log_every=1",
+        "trainer.eval_every_epochs=0",
+        f"checkpoint.every_steps={every or setup.total_steps + 1}",
+        "checkpoint.interval=fixed",
+        "checkpoint.every_minutes=0",
+    ]
+    env = {**os.environ, "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"}
     with open(log_path, "wb") as log:
-        code = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "launcher",
-                *setup.overrides,
-                *shape,
-                f"job_id={run_dir.name}",
-                f"run_dir={run_dir}",
-                f"trainer.epochs={samples / setup.dataset_size!r}",
-                "trainer.log_every=1",
-                "trainer.eval_every_epochs=0",
-                f"checkpoint.every_steps={setup.total_steps + 1}",
-            ],
-            cwd=work,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            timeout=TIMEOUT_S,
-            env={**os.environ, "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"},
-            check=False,
-        ).returncode
+        proc = subprocess.Popen(argv, cwd=work, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            with TreeCPU([proc.pid], our_role) as cpu:
+                code = proc.wait(timeout=TIMEOUT_S)
+        finally:
+            if proc.poll() is None:  # timed out: its agents and workers die with it (lifeline)
+                proc.kill()
+                proc.wait(timeout=60)
     steps = sorted((e for e in read_events(run_dir) if e["event"] == "step"), key=lambda e: e["ts"])
     numbers = [e["step"] for e in steps]
     if code != 0 or numbers != list(range(1, setup.total_steps + 1)):
@@ -176,9 +394,8 @@ def run_ours(setup: Setup, work: Path) -> Window:
         )
     if {e["world_size"] for e in steps} != {world}:
         raise RuntimeError(f"our job did not train at world size {world} throughout")
-    return window(
-        [e["ts"] for e in steps], [e["step_samples"] for e in steps], setup.warmup, setup.steps
-    )
+    ends, counts = [e["ts"] for e in steps], [e["step_samples"] for e in steps]
+    return window(ends, counts, setup.warmup, setup.steps, cpu.samples)
 
 
 # --- the peer: a plain DDP loop, as torchvision's reference train.py -------------------------
@@ -200,8 +417,19 @@ class PlainJob:
     channels_last: bool
     steps: int
     world: int
+    save_every: int  # rank 0 saves after every this many steps; 0: never
+    checkpoint: str  # the file it saves to
     store: str  # the FileStore the group bootstraps through
     result: str  # where rank 0 writes its step times
+
+
+def plain_save(state: dict[str, object], path: str) -> None:
+    """The reference's ``utils.save_on_master``, on rank 0, made durable as bench/checkpoint.py
+    makes its ``torch.save`` figure."""
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def plain_worker(rank: int, job: PlainJob) -> None:
@@ -230,14 +458,21 @@ def plain_worker(rank: int, job: PlainJob) -> None:
             persistent_workers=workers > 0,
             prefetch_factor=PREFETCH_FACTOR if workers > 0 else None,
         )
+        torch.manual_seed(job.seed)  # identical replicas without DDP's init_sync broadcast
         model = models.get_model(job.model, weights=None, num_classes=len(dataset.classes))
         model = model.to(device)
         layout = torch.channels_last if job.channels_last else torch.preserve_format
         if job.channels_last:
             model = model.to(memory_format=torch.channels_last)
-        model = DistributedDataParallel(model, device_ids=[rank] if cuda else None)
+        # Communicator.wrap's options (the module docstring says why), without its comm hook.
+        ddp = DistributedDataParallel(
+            model,
+            device_ids=[rank] if cuda else None,
+            forward_sync_buffers=False,
+            init_sync=False,
+        )
         criterion = nn.CrossEntropyLoss()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
         dtype = AUTOCAST[job.precision]
         scaler = torch.amp.GradScaler(device.type) if dtype is torch.float16 else None
         ends: list[float] = []
@@ -252,7 +487,7 @@ def plain_worker(rank: int, job: PlainJob) -> None:
                     else contextlib.nullcontext()
                 )
                 with autocast:
-                    output = model(image)
+                    output = ddp(image)
                     loss = criterion(output, target)
                 optimizer.zero_grad()
                 if scaler is not None:
@@ -263,10 +498,15 @@ def plain_worker(rank: int, job: PlainJob) -> None:
                     loss.backward()
                     optimizer.step()
                 loss.item()  # the reference logs the loss of every step: a host sync, as ours
-                ends.append(time.perf_counter())
+                ends.append(time.time())  # the clock of our step events and TreeCPU's samples
                 samples.append(image.shape[0] * job.world)
                 if len(ends) == job.steps:
                     break
+                if rank == 0 and job.save_every and len(ends) % job.save_every == 0:
+                    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+                    if scaler is not None:
+                        state["scaler"] = scaler.state_dict()
+                    plain_save({**state, "epoch": epoch, "step": len(ends)}, job.checkpoint)
             if len(ends) == job.steps:
                 break
         if rank == 0:
@@ -275,7 +515,8 @@ def plain_worker(rank: int, job: PlainJob) -> None:
         dist.destroy_process_group()
 
 
-def run_plain(setup: Setup, work: Path) -> Window:
+def run_plain(setup: Setup, work: Path, every: int) -> Window:
+    """One run of the plain loop, rank 0 saving every ``every`` steps (0: never)."""
     name = f"plain-{time.monotonic_ns()}"
     cfg = setup.cfg
     job = PlainJob(
@@ -291,12 +532,26 @@ def run_plain(setup: Setup, work: Path) -> Window:
         channels_last=setup.channels_last,
         steps=setup.total_steps,
         world=setup.procs,
+        save_every=every,
+        checkpoint=str(work / f"{name}.pth"),
         store=str(work / f"{name}.store"),
         result=str(work / f"{name}.json"),
     )
-    mp.spawn(plain_worker, args=(job,), nprocs=setup.procs, join=True)
+    context = mp.spawn(plain_worker, args=(job,), nprocs=setup.procs, join=False)
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        with TreeCPU([p.pid for p in context.processes], lambda proc: "workers") as cpu:
+            while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"the plain loop did not finish within {TIMEOUT_S:.0f} s")
+    finally:
+        for p in context.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=60)
+    Path(job.checkpoint).unlink(missing_ok=True)
     result = json.loads(Path(job.result).read_text())
-    return window(result["ends"], result["samples"], setup.warmup, setup.steps)
+    return window(result["ends"], result["samples"], setup.warmup, setup.steps, cpu.samples)
 
 
 # --- the command -----------------------------------------------------------------------------
@@ -329,6 +584,9 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Setup:
         parser.error(str(exc))
     if args.image_size is not None and not cfg.data.synthetic:
         parser.error("--image-size sizes the generated images: it needs data.synthetic=true")
+    every, aggressive = cfg.checkpoint.every_steps, args.aggressive_every
+    if problem := window_problem(args.steps, args.warmup_steps, every, aggressive):
+        parser.error(problem)
     if cfg.data.synthetic:
         ensure_synthetic(cfg.data)
     cores = os.cpu_count() or 1
@@ -351,7 +609,36 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Setup:
         dataset_size=len(datasets.ImageFolder(str(train_root(cfg.data)))),
         warmup=args.warmup_steps,
         steps=args.steps,
+        intervals=(0, every, aggressive),
     )
+
+
+def window_problem(steps: int, warmup: int, every: int, aggressive: int) -> str | None:
+    """What keeps this window from holding whole checkpoint intervals, the default one at least
+    twice, with the round's first save at the default interval in the warm-up (see the module
+    docstring); None when nothing does."""
+    if not 1 <= aggressive < every:
+        return (
+            f"--aggressive-every {aggressive}: give a checkpoint interval in steps shorter than "
+            f"checkpoint.every_steps ({every}), e.g. --aggressive-every {max(1, every // 4)}"
+        )
+    lcm = math.lcm(every, aggressive)
+    if steps % lcm or steps < 2 * every:
+        fit = max(lcm, -(-2 * every // lcm) * lcm)
+        return (
+            f"--steps {steps}: the window must be a multiple of both checkpoint intervals "
+            f"(checkpoint.every_steps={every}, --aggressive-every {aggressive}) and at least "
+            f"twice checkpoint.every_steps, so that every row holds whole intervals; e.g. "
+            f"--steps {fit}"
+        )
+    if warmup <= every:
+        return (
+            f"--warmup-steps {warmup}: the warm-up must hold the first save at "
+            f"checkpoint.every_steps={every} (a round's first save stages the whole state and "
+            f"plans the write; later ones do not): give more than {every}, e.g. "
+            f"--warmup-steps {every + every // 2}"
+        )
+    return None
 
 
 def reproduce(args: argparse.Namespace, setup: Setup) -> str:
@@ -368,23 +655,114 @@ def reproduce(args: argparse.Namespace, setup: Setup) -> str:
         f"--steps={setup.steps}",
         f"--warmup-steps={setup.warmup}",
         f"--repeats={args.repeats}",
+        f"--aggressive-every={args.aggressive_every}",
+        f"--target-ci-pct={args.target_ci_pct:g}",
         f"--model={cfg.model.name}",
         f"--batch-size={cfg.data.batch_size}",
         f"--precision={cfg.trainer.precision}",
         "--channels-last" if setup.channels_last else "--no-channels-last",
         f"--loader-workers={cfg.data.loader_workers}",
         f"--crop-size={cfg.data.crop_size}",
-        "--etcd-row" if args.etcd_row else "--no-etcd-row",
     ]
     if cfg.data.synthetic:
         words.append(f"--image-size={cfg.data.generate.image_size}")
-    return shlex.join([*words, *args.overrides])
+    overrides = list(args.overrides)
+    if not any(o.startswith("checkpoint.every_steps=") for o in overrides):
+        overrides.append(f"checkpoint.every_steps={cfg.checkpoint.every_steps}")
+    return shlex.join([*words, *overrides])
+
+
+@dataclass(frozen=True)
+class Runs:
+    """Every run, by row (its checkpoint interval) and runtime, in repeat order."""
+
+    ours: dict[int, list[Window]]
+    plain: dict[int, list[Window]]
+
+
+def measure(setup: Setup, repeats: int, work: Path) -> Runs:
+    """Every row's pair of runs, ``repeats`` times; within a pair the runtime that goes first
+    alternates from one repeat to the next."""
+    runs = Runs({e: [] for e in setup.intervals}, {e: [] for e in setup.intervals})
+    runtimes = (("ours", run_ours, runs.ours), ("plain", run_plain, runs.plain))
+    began = time.monotonic()
+    for i in range(repeats):
+        for every in setup.intervals:
+            for label, run, into in runtimes if i % 2 == 0 else runtimes[::-1]:
+                t0 = time.monotonic()
+                into[every].append(w := run(setup, work, every))
+                print(
+                    f"repeat {i + 1}/{repeats}, {row_name(every)}, {label}: "
+                    f"{w.samples_per_s:.1f} samples/s, {w.cpu_per_sample * 1000:.1f} CPU ms/sample "
+                    f"({time.monotonic() - t0:.0f} s)",
+                    flush=True,
+                )
+        done = time.monotonic() - began
+        if i + 1 < repeats:
+            left = done / (i + 1) * (repeats - i - 1)
+            print(f"{done / 60:.1f} min so far, about {left / 60:.0f} min left", flush=True)
+    return runs
+
+
+def report(args: argparse.Namespace, setup: Setup, runs: Runs) -> None:
+    """The medians of every row, ours' CPU by process, and each overhead with its interval."""
+    cfg = setup.cfg
+    print(
+        f"\nsteady state: steps {setup.warmup + 1}-{setup.total_steps} (the first {setup.warmup} "
+        f"skipped), {setup.procs} processes x {cfg.data.batch_size} images, {cfg.model.name}, "
+        f"{cfg.data.crop_size} px crops of {setup.dataset_size} images, {setup.precision}, "
+        f"channels_last {'on' if setup.channels_last else 'off'}, {setup.device}, "
+        f"{setup.loader_workers} loader processes and {setup.threads} threads per process; "
+        f"medians of {args.repeats} runs"
+    )
+    print(f"{'row':44}{'samples/s':>10}{'ms/step':>9}{'CPU ms/sample':>15}   runs (samples/s)")
+    for every in setup.intervals:
+        for label, by_row in (("ours", runs.ours), ("plain DDP", runs.plain)):
+            each = by_row[every]
+            rate = statistics.median(w.samples_per_s for w in each)
+            step_ms = statistics.median(w.step_s for w in each) * 1000
+            cpu_ms = statistics.median(w.cpu_per_sample for w in each) * 1000
+            runs_text = " ".join(f"{w.samples_per_s:.1f}" for w in each)
+            name = f"{label}, {row_name(every)}"
+            print(f"{name:44}{rate:>10.1f}{step_ms:>9.1f}{cpu_ms:>15.2f}   {runs_text}")
+
+    print("\nours' CPU ms per sample by process (medians):")
+    for every in setup.intervals:
+        parts = (
+            f"{role} {statistics.median(w.cpu.get(role, 0.0) for w in runs.ours[every]) * 1000:.2f}"
+            for role in ("workers", "launcher and agents", "etcd")
+        )
+        print(f"- {row_name(every)}: " + ", ".join(parts))
+
+    target = args.target_ci_pct
+    print(
+        f"\noverhead of ours: mean of the {args.repeats} per-pair overheads [95 % t interval]; "
+        f"pairs a +-{target:g} % interval needs at this spread; goal <= {GOAL_PCT:g} % in "
+        "samples/s"
+    )
+    comparisons = [(every, every) for every in setup.intervals]
+    comparisons += [(every, 0) for every in setup.intervals if every]
+    for mine, theirs in comparisons:
+        pairs = list(zip(runs.ours[mine], runs.plain[theirs], strict=True))
+        wall = paired([(1 - o.samples_per_s / p.samples_per_s) * 100 for o, p in pairs], target)
+        cpu = paired([(o.cpu_per_sample / p.cpu_per_sample - 1) * 100 for o, p in pairs], target)
+        cost = ", what fault tolerance costs" if mine and not theirs else ""
+        print(f"- ours ({row_name(mine)}) against plain DDP ({row_name(theirs)}{cost}):")
+        print(f"    samples/s: {wall}{needs(wall)}; goal: {wall.verdict(GOAL_PCT)}")
+        print(f"    CPU time per sample: {cpu}{needs(cpu)}")
+    print(f"reproduce (from the repository root): {reproduce(args, setup)}")
+
+
+def needs(interval: Interval) -> str:
+    """The pairs the target width needs, where the pairs so far give a spread to judge by."""
+    return "" if interval.needed is None else f", {interval.needed} pairs for the target"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        epilog="The defaults are the main job's (conf/config.yaml, conf/data/synthetic.yaml).",
+        epilog="The defaults are the main job's (conf/config.yaml, conf/data/synthetic.yaml, "
+        "conf/checkpoint/default.yaml).",
     )
     parser.add_argument(
         "--device",
@@ -399,19 +777,38 @@ def main() -> int:
         help="training processes of each runtime (default: 2 on cpu, one per visible GPU)",
     )
     parser.add_argument(
-        "--steps", type=int, default=40, help="steps measured, after the warm-up (default: 40)"
+        "--steps",
+        type=int,
+        default=40,
+        help="steps measured, after the warm-up: a multiple of both checkpoint intervals and at "
+        "least twice checkpoint.every_steps (default: 40)",
     )
     parser.add_argument(
         "--warmup-steps",
         type=int,
-        default=10,
-        help="steps trained first and not measured: start-up, first-step costs (default: 10)",
+        default=30,
+        help="steps trained first and not measured: start-up, first-step costs, the round's "
+        "first save; more than checkpoint.every_steps (default: 30)",
     )
     parser.add_argument(
         "--repeats",
         type=int,
-        default=3,
-        help="runs of each runtime, alternating; the table shows the medians (default: 3)",
+        default=6,
+        help="pairs of runs of each row, the runtime that goes first alternating (default: 6)",
+    )
+    parser.add_argument(
+        "--aggressive-every",
+        type=int,
+        default=5,
+        help="the aggressive row's checkpoint interval in steps; the other row's is "
+        "checkpoint.every_steps (default: 5)",
+    )
+    parser.add_argument(
+        "--target-ci-pct",
+        type=float,
+        default=GOAL_PCT,
+        help="the half-width of the 95 %% interval for which the bench tells how many pairs "
+        f"are needed (default: {GOAL_PCT:g})",
     )
     parser.add_argument("--model", help="any torchvision classification model (model.name)")
     parser.add_argument("--batch-size", type=int, help="images per process and step")
@@ -441,13 +838,6 @@ def main() -> int:
         "--crop-size", type=int, help="random-resized crop the model sees (data.crop_size)"
     )
     parser.add_argument(
-        "--etcd-row",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="also run the plain loop beside an idle etcd server, as ours runs beside its "
-        "embedded one (default: on)",
-    )
-    parser.add_argument(
         "overrides",
         nargs="*",
         help="Hydra overrides for both runtimes, e.g. data=imagenet data.root=/data/imagenet",
@@ -456,56 +846,12 @@ def main() -> int:
     for name in ("steps", "warmup_steps", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.target_ci_pct <= 0:
+        parser.error("--target-ci-pct must be above 0, e.g. --target-ci-pct 2")
     setup = resolve(args, parser)
-    cfg = setup.cfg
-
-    ours: list[Window] = []
-    plain: list[Window] = []
-    beside: list[Window] = []
     with tempfile.TemporaryDirectory(prefix="bench-throughput-") as tmp:
-        for i in range(args.repeats):
-            ours.append(run_ours(setup, Path(tmp)))
-            plain.append(run_plain(setup, Path(tmp)))
-            line = (
-                f"run {i + 1}: ours {ours[-1].samples_per_s:.1f} samples/s, "
-                f"plain DDP {plain[-1].samples_per_s:.1f} samples/s"
-            )
-            if args.etcd_row:
-                etcd_dir = Path(tmp) / f"etcd-{i}"
-                with EmbeddedEtcd(etcd_dir / "data", etcd_dir / "etcd.log"):
-                    beside.append(run_plain(setup, Path(tmp)))
-                line += f", plain DDP beside an idle etcd {beside[-1].samples_per_s:.1f}"
-            print(line, flush=True)
-
-    def rate(runs: list[Window]) -> float:
-        return statistics.median(w.samples_per_s for w in runs)
-
-    def overhead(label: str, peer: list[Window]) -> str:
-        pct = (rate(peer) - rate(ours)) / rate(peer) * 100
-        verdict = "met" if pct <= GOAL_PCT else "NOT met"
-        return f"overhead of ours{label}: {pct:+.1f} % (goal <= {GOAL_PCT:g} %: {verdict})"
-
-    print(
-        f"\nsteady state: steps {setup.warmup + 1}-{setup.total_steps} (the first {setup.warmup} "
-        f"skipped), {setup.procs} processes x {cfg.data.batch_size} images, {cfg.model.name}, "
-        f"{cfg.data.crop_size} px crops of {setup.dataset_size} images, {setup.precision}, "
-        f"channels_last {'on' if setup.channels_last else 'off'}, {setup.device}, "
-        f"{setup.loader_workers} loader processes and {setup.threads} threads per process; "
-        f"median of {args.repeats} runs"
-    )
-    print(f"{'runtime':32}{'samples/s':>11}{'ms/step':>10}   runs (samples/s)")
-    rows = [("elastic (ours)", ours), ("plain DDP (torchvision style)", plain)]
-    if beside:
-        rows.append(("plain DDP beside an idle etcd", beside))
-    for label, runs in rows:
-        step_ms = statistics.median(w.step_s for w in runs) * 1000
-        each = " ".join(f"{w.samples_per_s:.1f}" for w in runs)
-        print(f"{label:32}{rate(runs):>11.1f}{step_ms:>10.1f}   {each}")
-    print(overhead("", plain))
-    if beside:
-        label = " against the plain loop beside an idle etcd (the trainer's own share)"
-        print(overhead(label, beside))
-    print(f"reproduce (from the repository root): {reproduce(args, setup)}")
+        runs = measure(setup, args.repeats, Path(tmp))
+    report(args, setup, runs)
     return 0
 
 
