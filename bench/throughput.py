@@ -26,6 +26,8 @@ The runtimes:
   dicts (and the GradScaler's) to ``checkpoint.pth``, here followed by an fsync as in
   ``bench/checkpoint.py``, while the other ranks go on and wait in the next all-reduce. (The
   reference also writes ``model_<epoch>.pth`` each time; leaving that out only flatters the peer.)
+  Each rank runs in a session of its own, as each of our workers does in its agent's: with
+  autogroup scheduling (Linux's default) the CPU of a busy machine is shared among sessions.
 
 DDP at parity: the peer's ``DistributedDataParallel`` gets every option ``Communicator.wrap``
 gives ours, so that the overhead measured is the runtime's and not a DDP setting's:
@@ -433,6 +435,10 @@ def plain_save(state: dict[str, object], path: str) -> None:
 
 
 def plain_worker(rank: int, job: PlainJob) -> None:
+    # A session of its own, as each of our workers runs in its agent's: under the kernel's
+    # autogroup scheduling (on by default) sessions are what the CPU is shared among, and ranks
+    # left in the bench's one session would get half our workers' share of a busy machine.
+    os.setsid()
     torch.set_num_threads(job.threads)
     cuda = job.device == "cuda"
     if cuda:
