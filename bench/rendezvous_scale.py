@@ -355,7 +355,11 @@ def ours_process(
 
 def ours_label(cfg: Any, ttl_overridden: bool) -> str:
     """What our row ran with, and whether that is ``conf/config.yaml``'s defaults."""
-    origin = "--lease-ttl-s, else config.yaml" if ttl_overridden else "conf/config.yaml defaults"
+    origin = (
+        "TTL from --lease-ttl-s, the rest conf/config.yaml's defaults"
+        if ttl_overridden
+        else "conf/config.yaml's defaults"
+    )
     return (
         f"ours: lease TTL {cfg.lease_ttl_s} s (keep-alive every {cfg.lease_ttl_s / 4:g} s), "
         f"settle {cfg.settle_s:g} s ({origin})"
