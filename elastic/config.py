@@ -13,6 +13,7 @@ directory, so every process of a job sees exactly the configuration the launcher
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -213,19 +214,39 @@ class ModelConfig:
     bn_stats: BNStats = BNStats.running
 
 
+class DataSource(Choice):
+    """What a generated ImageFolder (``data.synthetic``) holds (:mod:`elastic.data`)."""
+
+    stripes = "stripes"  # drawn here: each class its own colour and stripe angle, learnt at once
+    # scikit-learn's handwritten digits (load_digits: 1,797 real 8x8 scans), upscaled; needs
+    # pip install '.[digits]'
+    digits = "digits"
+
+
+# The fewest images of one digit in scikit-learn's load_digits (174 to 183 per digit): a
+# balanced split takes at most this many of each, train and validation together.
+DIGITS_PER_CLASS = 174
+
+
 @dataclass
 class SyntheticDataConfig:
-    """How the stand-in ImageFolder of JPEGs is generated when ``data.synthetic`` is on."""
+    """How the ImageFolder of JPEGs is generated (written once at ``data.root``) when
+    ``data.synthetic`` is on: drawn, or a real small data set written out as JPEGs."""
 
+    source: DataSource = DataSource.stripes
+    # stripes: how many classes to draw; digits: the digits 0 to classes - 1 (at most 10).
     classes: int = bounded(
         10, ge=2, why="need two classes to learn", fix="set data.generate.classes=2 or more"
     )
+    # digits: images_per_class + val_images_per_class of each digit, at most DIGITS_PER_CLASS.
     images_per_class: int = bounded(64, ge=1, fix="set data.generate.images_per_class=1 or more")
+    # The side of the square JPEGs (digits: the 8x8 scans upscaled bicubically to it).
     image_size: int = bounded(
         40, ge=16, why="too small", fix="set data.generate.image_size=16 or more"
     )
+    # stripes: the images' random stream; digits: which images of each digit go to which split.
     seed: int = 0
-    # The validation split (<root>/val/<class>/*.jpg), drawn from the same classes.
+    # The validation split (<root>/val/<class>/*.jpg): the same classes, never the same image.
     val_images_per_class: int = bounded(
         16, ge=1, fix="set data.generate.val_images_per_class=1 or more"
     )
@@ -248,6 +269,11 @@ class DataConfig:
         ge=16,
         why="too small for a ResNet",
         fix="set data.crop_size to 16 or more (224 for ImageNet)",
+    )
+    # The random-resized crop's smallest share of the image's area (Inception's 0.08 on
+    # ImageNet): an image whose class one stroke cannot tell (a digit) needs more of it.
+    min_crop_scale: float = bounded(
+        0.08, gt=0, le=1, fix="set data.min_crop_scale to a share in (0, 1], e.g. 0.08"
     )
     # Per worker.
     batch_size: int = bounded(32, ge=1, fix="set data.batch_size (per worker) to 1 or more")
@@ -725,6 +751,46 @@ def etcd_security_problems(c: ClusterConfig) -> list[str]:
     return problems
 
 
+# Refused by validate and by elastic.data's writer alike (which a caller may reach unvalidated).
+NO_SCIKIT_LEARN = problem(
+    "data.generate.source",
+    "digits",
+    "the digits come with scikit-learn, which is not installed",
+    "pip install '.[digits]' (scikit-learn), or use data.generate.source=stripes",
+)
+
+
+def digits_problems(g: SyntheticDataConfig, val_dir: str) -> list[str]:
+    """What keeps ``data.generate`` from a balanced split of scikit-learn's digits: more classes
+    than the 10 digits, more images of a digit than the scarcest digit has, no scikit-learn."""
+    problems = []
+    if g.classes > 10:
+        problems.append(
+            problem(
+                "data.generate.classes",
+                g.classes,
+                "the digits are 10 classes (0 to 9)",
+                "set data.generate.classes=10 or fewer (the digits 0 to classes - 1)",
+            )
+        )
+    wanted = g.images_per_class + (g.val_images_per_class if val_dir else 0)
+    if wanted > DIGITS_PER_CLASS:
+        held_out = f" and {g.val_images_per_class} held out" if val_dir else ""
+        problems.append(
+            problem(
+                "data.generate.images_per_class",
+                g.images_per_class,
+                f"{g.images_per_class} images of each digit to train on{held_out} make "
+                f"{wanted}, and the scarcest digit has {DIGITS_PER_CLASS}",
+                "lower data.generate.images_per_class or data.generate.val_images_per_class "
+                f"until they add up to {DIGITS_PER_CLASS} at most",
+            )
+        )
+    if importlib.util.find_spec("sklearn") is None:
+        problems.append(NO_SCIKIT_LEARN)
+    return problems
+
+
 def validate(cfg: Config) -> None:
     """Raise :class:`ConfigError` listing every value that cannot work, each with its fix.
 
@@ -820,6 +886,8 @@ def validate(cfg: Config) -> None:
                 'set data.val_dir="" to train without validation, or point it at the validation '
                 "split sorted into class folders (<data.root>/<data.val_dir>/<class>/<image>)",
             )
+    elif d.generate.source == DataSource.digits:
+        problems += digits_problems(d.generate, d.val_dir)
 
     o = cfg.optim
     need(

@@ -1,9 +1,12 @@
-"""The ImageFolder pipeline and the synthetic stand-in for ImageNet.
+"""The ImageFolder pipeline and the small data sets that stand in for ImageNet.
 
 No data set can be downloaded on the machines this is developed and tested on, so the default job
-generates a small ImageFolder of JPEGs once: each class has its own colour and stripe orientation,
-blurred by noise, which a ResNet learns in a few epochs. Its validation split is drawn from the
-same classes with a random stream of its own, so no image is in both. The real path is the same
+generates a small ImageFolder of JPEGs once (``data.generate.source``). ``stripes``: each class
+has its own colour and stripe orientation, blurred by noise, which a ResNet learns in a few
+epochs; its validation split is drawn from the same classes with a random stream of its own, so
+no image is in both. ``digits``: scikit-learn's handwritten digits, real scans that no one here
+made, in a fixed seeded split of each digit's images, upscaled to JPEGs a ResNet crop can take;
+accuracy on them says more than on stripes that differ in colour. The real path is the same
 code with ``data.root`` pointing at ImageNet's ``train/<wnid>/*.JPEG`` and ``val/<wnid>/*.JPEG``.
 
 Augmentation is seeded per sample from (seed, epoch, index): a sample gets the same crop whatever
@@ -24,7 +27,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 from torchvision import datasets, transforms
 
-from elastic.config import DataConfig, SyntheticDataConfig
+from elastic.config import NO_SCIKIT_LEARN, DataConfig, DataSource, SyntheticDataConfig
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -41,7 +44,8 @@ def val_root(cfg: DataConfig) -> Path | None:
 
 
 def ensure_synthetic(cfg: DataConfig) -> bool:
-    """Generate the synthetic ImageFolder at ``cfg.root`` unless it is already there.
+    """Generate the ImageFolder of ``cfg.generate`` (stripes or digits) at ``cfg.root`` unless
+    it is already there.
 
     Returns True when it generated. The folder is built under a temporary name and renamed into
     place, so concurrent callers (several local nodes, or a killed run) never see half of it.
@@ -66,21 +70,20 @@ def ensure_synthetic(cfg: DataConfig) -> bool:
     root.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=root.name + ".tmp-", dir=root.parent))
     try:
-        g = cfg.generate
-        _generate(tmp / cfg.train_dir, g, g.images_per_class, np.random.default_rng(g.seed))
-        if cfg.val_dir:
-            # A stream of its own: the same classes, never the same image as in train.
-            val_rng = np.random.default_rng([g.seed, 1])
-            _generate(tmp / cfg.val_dir, g, g.val_images_per_class, val_rng)
+        if cfg.generate.source == DataSource.digits:
+            _write_digits(tmp, cfg)
+        else:
+            _write_stripes(tmp, cfg)
         (tmp / SPEC_FILE).write_text(json.dumps(spec))
         if root.exists():
             root.rmdir()  # empty, checked above
         os.rename(tmp, root)
     except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
         if spec_path.exists() and json.loads(spec_path.read_text()) == spec:
             return False  # another process won the race with the same data
         raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # whatever failed; renamed into place, it is gone
     return True
 
 
@@ -89,6 +92,7 @@ def _spec(cfg: DataConfig) -> dict[str, object]:
     g = cfg.generate
     return {
         "version": 2,  # 2: the validation split
+        "source": str(g.source),
         "train_dir": cfg.train_dir,
         "classes": g.classes,
         "images_per_class": g.images_per_class,
@@ -100,7 +104,20 @@ def _spec(cfg: DataConfig) -> dict[str, object]:
     }
 
 
-def _generate(out: Path, g: SyntheticDataConfig, per_class: int, rng: np.random.Generator) -> None:
+def _write_stripes(tmp: Path, cfg: DataConfig) -> None:
+    """The stripes' train split and, with ``data.val_dir``, their validation split under
+    ``tmp``."""
+    g = cfg.generate
+    _draw_stripes(tmp / cfg.train_dir, g, g.images_per_class, np.random.default_rng(g.seed))
+    if cfg.val_dir:
+        # A stream of its own: the same classes, never the same image as in train.
+        val_rng = np.random.default_rng([g.seed, 1])
+        _draw_stripes(tmp / cfg.val_dir, g, g.val_images_per_class, val_rng)
+
+
+def _draw_stripes(
+    out: Path, g: SyntheticDataConfig, per_class: int, rng: np.random.Generator
+) -> None:
     """``per_class`` JPEGs of each class under ``out/class_<c>/``; the class fixes the colour,
     the stripes' orientation and frequency, ``rng`` the jitter, phase and noise of each image."""
     size = g.image_size
@@ -122,11 +139,52 @@ def _generate(out: Path, g: SyntheticDataConfig, per_class: int, rng: np.random.
             Image.fromarray(pixels, "RGB").save(folder / f"img_{i:05d}.jpg", quality=90)
 
 
-def imagenet_transform(crop_size: int) -> transforms.Compose:
-    """The standard ImageNet training transforms (random-resized crop, flip, normalise)."""
+def _write_digits(tmp: Path, cfg: DataConfig) -> None:
+    """scikit-learn's digits 0 to ``classes - 1`` under ``tmp/<split>/digit_<d>/``: of each
+    digit, ``images_per_class`` images for training and ``val_images_per_class`` others for
+    validation, picked by a permutation seeded with ``seed`` (the same split on every machine).
+
+    Each 8x8 scan (16 grey levels) is upscaled bicubically to ``image_size`` and saved as a
+    greyscale JPEG named by its index in ``load_digits``, so a split can be traced back to the
+    source. A balanced split keeps every epoch's classes even, as ImageNet's nearly are.
+    """
+    try:
+        from sklearn.datasets import load_digits  # an optional extra: only this source needs it
+    except ImportError as exc:
+        raise ImportError(NO_SCIKIT_LEARN) from exc
+    g = cfg.generate
+    digits = load_digits()
+    splits = [(cfg.train_dir, g.images_per_class)]
+    if cfg.val_dir:
+        splits.append((cfg.val_dir, g.val_images_per_class))
+    rng = np.random.default_rng(g.seed)
+    for digit in range(g.classes):
+        chosen = rng.permutation(np.flatnonzero(digits.target == digit))
+        wanted = sum(n for _, n in splits)
+        if wanted > len(chosen):
+            raise ValueError(
+                f"data.generate: {wanted} images of digit {digit} wanted (images_per_class + "
+                f"val_images_per_class), scikit-learn has {len(chosen)}: lower them"
+            )
+        start = 0
+        for split, count in splits:
+            folder = tmp / split / f"digit_{digit}"
+            folder.mkdir(parents=True)
+            for index in chosen[start : start + count]:
+                grey = (digits.images[index] * (255 / 16)).round().astype(np.uint8)
+                image = Image.fromarray(grey, "L").resize(
+                    (g.image_size, g.image_size), Image.Resampling.BICUBIC
+                )
+                image.save(folder / f"img_{index:05d}.jpg", quality=95)
+            start += count
+
+
+def imagenet_transform(crop_size: int, min_crop_scale: float = 0.08) -> transforms.Compose:
+    """The standard ImageNet training transforms (random-resized crop, flip, normalise); the
+    crop covers ``min_crop_scale`` to all of the image's area (``data.min_crop_scale``)."""
     return transforms.Compose(
         [
-            transforms.RandomResizedCrop(crop_size),
+            transforms.RandomResizedCrop(crop_size, scale=(min_crop_scale, 1.0)),
             transforms.RandomHorizontalFlip(),
             transforms.ToTensor(),
             transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
@@ -158,7 +216,7 @@ class SeededImageFolder(Dataset[tuple[torch.Tensor, int]]):
                 f"{root} is not a directory: data.root must hold <data.train_dir>/<class>/<image>"
             )
         self.folder = datasets.ImageFolder(str(root))
-        self.transform = imagenet_transform(cfg.crop_size)
+        self.transform = imagenet_transform(cfg.crop_size, cfg.min_crop_scale)
         self.seed = seed
 
     @property
