@@ -1,10 +1,13 @@
-"""The training the runtime protects still learns: the seeds' large-batch recipes on real
-learnable data, with a node killed mid-run, reach a stated validation accuracy while every
-invariant of a chaos run holds.
+"""The training the runtime protects still learns, on real data that no one here made:
+scikit-learn's handwritten digits (1,000 scans to train on, 740 others held out), trained by the
+real job with Akiba et al.'s RMSprop warm-up and bf16 gradients in the all-reduce, in fp32 (fp16
+and bf16 autocast cannot train on a CPU here: :mod:`chaos.convergence` says why).
 
-The data is the synthetic ImageFolder (10 classes of 64 JPEGs, 16 more per class held out for
-validation); the global batch is a tenth of the epoch, large for the data set as 32k is for
-ImageNet. One job per optimizer, each killing one of its two nodes after a third of the run.
+A run with a node SIGKILLed halfway and started again (it rejoins, the state sent from the
+survivor's memory) is compared with a fault-free run of the same seed: both must reach a stated
+top-1 on the held-out split, and their final top-1 must agree within a stated tolerance, while
+every invariant of a chaos run holds for the faulted one. ``bench/convergence.py`` draws both
+runs' curves (docs/convergence-digits.png).
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from chaos.injectors import kill_node, node_with_rank
+from chaos import convergence
+from chaos.convergence import EPOCHS, SAMPLES_PER_EPOCH, VAL_IMAGES, Trial
 from chaos.invariants import (
     history_violations,
     lr_violations,
@@ -21,71 +25,65 @@ from chaos.invariants import (
     sample_violations,
 )
 from elastic import config
-from elastic.events import read_events
 
-from .conftest import launch, output
-from .test_e2e import wait_event, wait_exit
-
-SAMPLES_PER_EPOCH = 640
-EPOCHS = 8
-STEPS_PER_EPOCH = 10  # 2 nodes x 32 images
-# The top-1 each recipe must reach on the 160 held-out images (chance: 10 %). Measured on a
-# 2-core machine (2026-11-23), evaluations after epochs 2/4/6/8: goyal 0.669, 0.863, 0.963, 0.981
-# (margin 8 points); lars 0.919, 0.988, 0.994, 1.000 (margin 10 points).
-RECIPES = {
-    "goyal": (
-        0.90,
-        [
-            "optim=goyal",
-            "optim.lr=0.4",  # 0.1 at the global batch of 64
-            "optim.warmup_epochs=1",
-            "optim.milestones_epochs=[6]",
-        ],
-    ),
-    "lars": (
-        0.90,
-        [
-            "optim=lars",
-            "optim.lr=2.0",
-            "optim.warmup_epochs=1",
-            "optim.weight_decay=1e-4",
-            "model.bn_stats=last_batch",  # Akiba's BN: evaluated with the last batch's statistics
-        ],
-    ),
-}
+# The top-1 both runs must reach on the 740 held-out scans after 8 epochs (chance: 10 %), and
+# how far apart their final top-1 may be. Measured on a 2-core machine (2026-11-26), final top-1
+# of the fault-free run / of the run with a node killed at epoch 4 and back 0.7-0.9 epochs
+# later, for trainer.seed 0, 1, 2: 0.957 / 0.934, 0.938 / 0.931, 0.947 / 0.947, differences of
+# 2.3, 0.7 and 0.0 points; the seeds' own spread is 1.9 points. TOLERANCE is 1.7 points above
+# the largest difference, THRESHOLD 3.1 points below the lowest top-1. Broken by hand, a
+# recovery that lost what the model had learnt (its weights redrawn, the same on every rank, at
+# each state sync from memory, which no invariant notices) ended at 0.888: 6.9 points below
+# its fault-free run, and below THRESHOLD.
+THRESHOLD = 0.90
+TOLERANCE = 0.04
 
 
-@pytest.mark.parametrize("recipe", list(RECIPES))
-def test_a_large_batch_recipe_learns_through_a_node_kill(tmp_path: Path, recipe: str) -> None:
-    threshold, overrides = RECIPES[recipe]
-    run_dir = tmp_path / "run"
-    proc = launch(
-        run_dir,
-        "data.generate.images_per_class=64",
-        "data.batch_size=32",
-        f"trainer.epochs={EPOCHS}",
-        "trainer.eval_every_epochs=2",
-        "trainer.record_samples=true",
-        "checkpoint.every_steps=20",
-        *overrides,
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory: pytest.TempPathFactory, etcd_endpoint: str) -> Trial:
+    return convergence.run(
+        tmp_path_factory.mktemp("fault-free") / "run", etcd_endpoint, fault=False
     )
-    kill_at = EPOCHS * STEPS_PER_EPOCH // 3
-    wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["step"] >= kill_at)
-    victim = next(f"node{i}" for i in range(2) if f"node{i}" != node_with_rank(run_dir, 0))
-    fault = kill_node(run_dir, victim)
-    assert wait_exit(proc, run_dir) == 0, output(run_dir)[-3000:]
 
-    events = read_events(run_dir)
-    cfg = config.load(run_dir / "config.yaml")
+
+def test_a_fault_free_run_of_the_digits_job_learns(fault_free: Trial) -> None:
+    evaluated = fault_free.evaluations
+    assert [e["evaluation"] for e in evaluated] == list(range(1, EPOCHS + 1))
+    assert all(e["count"] == VAL_IMAGES for e in evaluated)
+    assert fault_free.final_top1 >= THRESHOLD, [round(e["top1"], 3) for e in evaluated]
+
+
+def test_a_node_killed_and_started_again_learns_as_much_as_the_fault_free_run(
+    tmp_path: Path, etcd_endpoint: str, fault_free: Trial
+) -> None:
+    run = convergence.run(tmp_path / "run", etcd_endpoint, fault=True)
+    events = run.events
+    cfg = config.load(run.run_dir / "config.yaml")
     assert lr_violations(events, cfg, SAMPLES_PER_EPOCH) == []
     assert sample_violations(events, SAMPLES_PER_EPOCH, EPOCHS * SAMPLES_PER_EPOCH) == []
     assert replica_violations(events) == []
     assert history_violations(events) == []
+
+    # The survivor trained alone after the kill, the node started again took the state from
+    # its memory (not from a checkpoint), and both trained to the end.
+    alone = [e for e in run.steps if e["world_size"] == 1]
+    assert alone and all(e["ts"] > run.killed for e in alone)
+    synced = [
+        e
+        for e in events
+        if e["event"] == "state_synced" and e["node"] == run.victim and e["ts"] > run.rejoined
+    ]
+    assert synced and synced[0]["step"] > 0 and synced[0]["source"] >= 0
     done = next(e for e in events if e["event"] == "training_done")
-    assert done["world_size"] == 1 and done["ts"] > fault
-    evaluated = [e for e in events if e["event"] == "evaluated"]
-    assert [e["evaluation"] for e in evaluated] == [1, 2, 3, 4]  # every 2 epochs, none twice
-    assert all(e["count"] == 160 for e in evaluated)  # every held-out image counted once
-    final = evaluated[-1]
-    print(f"{recipe}: top-1 {final['top1']:.4f} (threshold {threshold})")
-    assert final["top1"] >= threshold, [round(e["top1"], 3) for e in evaluated]
+    assert done["world_size"] == 2 and done["samples_seen"] == EPOCHS * SAMPLES_PER_EPOCH
+    evaluated = run.evaluations
+    assert [e["evaluation"] for e in evaluated] == list(range(1, EPOCHS + 1))  # none twice
+    assert all(e["count"] == VAL_IMAGES for e in evaluated)
+
+    curves = {
+        "fault-free": [round(e["top1"], 3) for e in fault_free.evaluations],
+        "faulted": [round(e["top1"], 3) for e in evaluated],
+    }
+    print(f"top-1 per epoch: {curves}")
+    assert run.final_top1 >= THRESHOLD, curves
+    assert abs(run.final_top1 - fault_free.final_top1) <= TOLERANCE, curves
