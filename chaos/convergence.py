@@ -9,14 +9,15 @@ warm-up (``optim=akiba``: per-element second moments that the state sync must ca
 gradients in the all-reduce (``comm.grad_dtype=bf16``).
 
 It computes in fp32, as ``trainer.precision=auto`` does on a CPU. fp16 is accepted there and
-runs (autocast in fp16, a GradScaler that skips the first steps and halves its scale), but
-torch 2.14's oneDNN has no fast fp16 kernel for a convolution's weight gradient on the CPU
-(``ONEDNN_VERBOSE=1`` names ``ref:any``, 0.67 s against 1.7 ms for the forward of a 64x64 3x3
-convolution): a ResNet-18 step of 32 images took 17-27 s instead of 0.26 s, so the agent's
-watchdog (``rendezvous.watchdog_s``) took the workers for frozen at step 1, three times, and
-quarantined both nodes. bf16 ran, a little slower than fp32, but two of three runs of this job
-turned to NaN, one at step 33 after 32 steps whose losses were bit for bit those of a run that
-stayed finite (a nondeterministic CPU kernel, not a fault: no fp32 run here did).
+runs (autocast in fp16, a GradScaler whose state the checkpoints carry), but torch 2.14's oneDNN
+has no fast fp16 kernel for a convolution's weight gradient on the CPU (``ONEDNN_VERBOSE=1``
+names ``ref:any``: 0.67 s against 1.7 ms for the forward of a 64x64 3x3 convolution). A step of
+this job took 6-7 s instead of 0.3 s (the run 14 minutes instead of one); with 32-pixel crops
+17-27 s, longer than the agent's watchdog (``rendezvous.watchdog_s=10``), which took the
+workers for frozen at step 1, three times, and quarantined both nodes. bf16 ran, a little slower
+than fp32, but two of three runs of this job turned to NaN, one at step 33 after 32 steps whose
+losses were bit for bit those of a run that stayed finite (nondeterminism in a bf16 CPU kernel,
+it seems, not the fault: none of the fp32 runs here did).
 
 The etcd the job uses is the caller's, not one the launcher embeds: the node started again is
 this process's child, not the launcher's, and may still be ending when the launcher has ended

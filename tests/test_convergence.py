@@ -1,7 +1,7 @@
 """The training the runtime protects still learns, on real data that no one here made:
 scikit-learn's handwritten digits (1,000 scans to train on, 740 others held out), trained by the
-real job with Akiba et al.'s RMSprop warm-up and bf16 gradients in the all-reduce, in fp32 (fp16
-and bf16 autocast cannot train on a CPU here: :mod:`chaos.convergence` says why).
+real job with Akiba et al.'s RMSprop warm-up and bf16 gradients in the all-reduce, in fp32 (on a
+CPU fp16 is twenty times slower and bf16 went NaN: :mod:`chaos.convergence` says why).
 
 A run with a node SIGKILLed halfway and started again (it rejoins, the state sent from the
 survivor's memory) is compared with a fault-free run of the same seed: both must reach a stated
