@@ -356,6 +356,7 @@ def train_round(w: Worker, a: Assignment) -> None:
         first_step = False
         if rank == 0 and progress.step % cfg.trainer.log_every == 0:
             now = time.perf_counter()
+            scaled = w.precision.scaler.is_enabled()  # fp16: the loss scale, a run's health
             events.emit(
                 "step",
                 step=progress.step,
@@ -367,6 +368,7 @@ def train_round(w: Worker, a: Assignment) -> None:
                 lr=lr,
                 world_size=world,
                 samples_per_s=(progress.samples_seen - samples_log) / (now - t_log),
+                **({"loss_scale": w.precision.scaler.get_scale()} if scaled else {}),
             )
             t_log, samples_log = now, progress.samples_seen
         progress = maybe_evaluate(w, a, progress)  # before the save, which records it

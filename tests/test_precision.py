@@ -3,7 +3,7 @@
 The decisions (which precision, which layout, which backend reduces which dtype) are pure and
 tested as such. What involves a process group runs on real two-rank gloo groups: the
 GradScaler's state through a checkpoint across a resize, a skipped fp16 step on every rank, and
-the communicator's hook reducing in bf16 and fp16.
+the communicator's hook reducing in bf16 and fp16. One job trains in fp16 through a node kill.
 """
 
 from __future__ import annotations
@@ -21,10 +21,19 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from chaos.injectors import kill_node, node_with_rank
+from chaos.invariants import (
+    history_violations,
+    lr_violations,
+    replica_violations,
+    sample_violations,
+)
+from elastic import config
 from elastic.checkpoint import CheckpointManager
 from elastic.communicator import Communicator
 from elastic.config import REDUCIBLE, ConfigError, GradDtype, Precision, grad_dtype_problem
 from elastic.control import Assignment
+from elastic.events import read_events
 from elastic.precision import (
     MixedPrecision,
     dtype_of,
@@ -32,7 +41,8 @@ from elastic.precision import (
     resolve_precision,
 )
 from elastic.state import TrainState
-from tests.conftest import served_store
+from tests.conftest import launch, output, served_store
+from tests.test_e2e import SAMPLES_PER_EPOCH, wait_event, wait_exit
 
 CPU = torch.device("cpu")
 GPU = torch.device("cuda", 0)  # only a name here: the tests that use it never touch a GPU
@@ -291,3 +301,51 @@ def test_gradients_reduced_in_a_smaller_dtype_are_the_fp32_mean_within_its_preci
         assert torch.equal(mine.to(dtype).float(), mine)  # it did travel in ``dtype``
         scale = exact.abs().max().item()
         torch.testing.assert_close(mine, exact, rtol=tolerance, atol=tolerance * scale)
+
+
+# --- end to end ----------------------------------------------------------------------------------
+
+# fp16 on a CPU is slow (oneDNN's reference kernel for a convolution's fp16 weight gradient:
+# chaos/convergence.py), so this job trains the smallest crops a ResNet is allowed, one epoch.
+FP16_JOB = [
+    "trainer.precision=fp16",
+    "comm.grad_dtype=bf16",
+    "optim=akiba",
+    "optim.slow_start_epochs=0",
+    "data.generate.image_size=16",
+    "data.crop_size=16",
+    "trainer.epochs=1",
+    "trainer.record_samples=true",
+    "rendezvous.lease_ttl_s=3",
+]
+
+
+def test_fp16_with_akiba_and_bf16_gradients_trains_through_a_node_kill(tmp_path: Path) -> None:
+    """The precision and update of a 32k recipe (recipe=resnet50_32k_akiba: fp16, RMSprop warm-up,
+    a reduced-precision all-reduce) end to end: a node SIGKILLed mid-run, the survivor trains on
+    with its loss scale, and every invariant holds."""
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, *FP16_JOB)
+    wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["step"] >= 5)
+    victim = next(f"node{i}" for i in range(2) if f"node{i}" != node_with_rank(run_dir, 0))
+    fault = kill_node(run_dir, victim)
+    assert wait_exit(proc, run_dir) == 0, output(run_dir)[-3000:]
+
+    events = read_events(run_dir)
+    cfg = config.load(run_dir / "config.yaml")
+    assert lr_violations(events, cfg, SAMPLES_PER_EPOCH) == []
+    assert sample_violations(events, SAMPLES_PER_EPOCH, SAMPLES_PER_EPOCH) == []
+    assert replica_violations(events) == []
+    assert history_violations(events) == []
+    steps = [e for e in events if e["event"] == "step"]
+    after = [e for e in steps if e["ts"] > fault]
+    assert after and all(e["world_size"] == 1 for e in after)
+    # Every step ran under the GradScaler (fp16 autocast), and its scale is a power of two it
+    # reached by halving (overflowed steps) or doubling, never reset by the recovery to 2^16
+    # unless it was there already.
+    scales = [e["loss_scale"] for e in steps]
+    assert all(s > 0 and float(s).is_integer() and (int(s) & (int(s) - 1)) == 0 for s in scales)
+    before = [e["loss_scale"] for e in steps if e["ts"] < fault]
+    assert after[0]["loss_scale"] in (before[-1], before[-1] / 2, before[-1] * 2), scales
+    done = next(e for e in events if e["event"] == "training_done")
+    assert done["samples_seen"] == SAMPLES_PER_EPOCH
