@@ -97,6 +97,7 @@ class Outcome:
     stall_s: float | None  # None: no progress after the fault
     redone: int | None
     detail: str
+    died: bool = False  # no progress because the job ended (every peer agent exited)
 
 
 def job_overrides(run_dir: Path, args: argparse.Namespace, steps: int) -> list[str]:
@@ -235,7 +236,9 @@ def run_peer(
                 break
             time.sleep(0.2)
         found = peer.recovery(fault_ts, victim)
-        return Outcome(found.stall_s, found.redone_steps, found.detail)
+        died = found.stall_s is None and not peer.running()
+        detail = found.detail + ("; every agent exited" if died else "")
+        return Outcome(found.stall_s, found.redone_steps, detail, died)
     finally:
         peer.stop()
 
@@ -254,7 +257,8 @@ def summary(outcomes: list[Outcome]) -> tuple[str, float | None]:
     stalls = [o.stall_s for o in outcomes if o.stall_s is not None]
     redone = [o.redone for o in outcomes if o.redone is not None]
     if not stalls:
-        return f"{'no progress':>22}{'-':>12}{0:>8}/{len(outcomes)}", None
+        what = "job died" if all(o.died for o in outcomes) else "no progress"
+        return f"{what:>22}{'-':>12}{0:>8}/{len(outcomes)}", None
     p50 = pct(stalls, 0.5)
     return (
         f"{p50:>10.2f} s{pct(stalls, 0.9):>8.2f} s{statistics.median(redone):>12.0f}"
@@ -352,6 +356,8 @@ def main() -> None:
             line, peer_p50 = summary(outcomes)
             if our_p50 is None:
                 ratio = "-"
+            elif peer_p50 is None and all(o.died for o in outcomes):
+                ratio = "-"  # no stall to compare: the job is over
             elif peer_p50 is None:
                 wait = args.freeze_wait_s if fault == "freeze" else args.peer_wait_s
                 ratio = f">{wait / our_p50:.0f}x"
