@@ -4,19 +4,22 @@ and the goodput.
 Goodput is the samples trained and kept, as a fraction of what the same job trains at its own
 fault-free pace in the same time::
 
-    goodput = kept samples / sum over steps of max(the samples the step trained,
-                                                   pace at its world size x its time)
+    goodput = kept samples / sum over windows of max(the samples the window's steps trained,
+                                                     its time x the pace at each step's world size)
 
 The pace at each world size is the campaign's own: the median samples/s between consecutive
 steps of one round (:func:`pace`), so no separate fault-free run is needed and none can be slow
 or fast on a day of its own. "Kept" is the samples the last step has trained (a rollback to a
 checkpoint loses the samples after it). A stall (the time from a fault to the first step of the
-next round: detection, rendezvous, rebuild, sync) and redone steps cost goodput, and a world made
-smaller by a dead node does not. Each step counts at least the samples it trained, so a step
-faster than the pace earns no credit against a slow one: the kept samples never exceed the
-reference, and goodput is at most 100 % by construction. The steps the pace leaves out
-(checkpoint stalls, evaluations, the jitter of shared cores) are charged too, so a fault-free
-stretch of the same job scores a little under 100 % (:attr:`Verdict.fault_free_goodput`).
+next round: detection, rendezvous, rebuild, sync), a hang and redone steps cost goodput, and a
+world made smaller by a dead node does not. The steps are taken in windows of ``WINDOW_S``
+seconds, each counting at least the samples it trained: the kept samples never exceed the
+reference, so goodput is at most 100 % by construction, and within a window the jitter of
+single steps (a checkpoint's copy, a busy core) evens out, which a cap on every step would
+charge in full to a job whose steps are irregular and not to one whose steps are regular. What
+the median leaves out is still charged (checkpoint stalls and evaluations, steps slower than
+usual), so a fault-free stretch of the same job scores a little under 100 %
+(:attr:`Verdict.fault_free_goodput`).
 
 The second figure, goodput of the nodes up, also charges the time a repaired node takes to train
 again: each moment counts at the pace of the nodes that were up then (a killed or departed node
@@ -157,28 +160,42 @@ def pace(events: list[dict[str, Any]], nodes: int) -> dict[int, float]:
     return rates
 
 
+WINDOW_S = 10.0  # goodput's windows: long enough to even out a step's jitter, short next to a fault
+
+
 def goodput(
     kept: int,
     spans: list[Interval],
     rates: dict[int, float],
     min_nodes: int,
     up: list[tuple[float, float, int]] | None = None,
+    window_s: float = WINDOW_S,
 ) -> tuple[float, float]:
     """``(reference samples, goodput)`` of ``kept`` samples trained over ``spans``. Each span
     counts at the pace of the world size that trained it, or, with ``up`` (:func:`capacity`),
-    of the nodes up meanwhile (a world below ``min_nodes`` trains nothing), and never less than
-    the samples it trained: so goodput is at most 1."""
-    reference = 0.0
-    for s in spans:
+    of the nodes up meanwhile (a world below ``min_nodes`` trains nothing); the spans are taken
+    in windows of ``window_s`` seconds (0: each alone), and each window counts at least the
+    samples it trained, so goodput is at most 1."""
+
+    def fault_free(s: Interval) -> float:
         if up is None:
-            fault_free = rates[s.world] * (s.end - s.start)
-        else:
-            fault_free = sum(
-                rates[n] * (min(b, s.end) - max(a, s.start))
-                for a, b, n in up
-                if n >= min_nodes and b > s.start and a < s.end
-            )
-        reference += max(s.samples, fault_free)
+            return rates[s.world] * (s.end - s.start)
+        return sum(
+            rates[n] * (min(b, s.end) - max(a, s.start))
+            for a, b, n in up
+            if n >= min_nodes and b > s.start and a < s.end
+        )
+
+    reference = trained = paced = 0.0
+    opened = spans[0].start if spans else 0.0
+    for s in spans:
+        if s.end - opened > window_s and (trained or paced):  # s would overrun: close the window
+            reference += max(trained, paced)
+            trained = paced = 0.0
+            opened = s.start
+        trained += s.samples
+        paced += fault_free(s)
+    reference += max(trained, paced)
     return reference, (kept / reference if reference > 0 else 0.0)
 
 

@@ -160,12 +160,32 @@ def test_goodput_charges_lost_time_but_not_the_capacity_of_dead_nodes() -> None:
     assert goodput(500, stalled, rates, min_nodes=1) == (600.0, pytest.approx(5 / 6))
 
 
-def test_goodput_never_exceeds_one_a_fast_step_earning_no_credit_for_a_slow_one() -> None:
+def test_goodput_never_exceeds_one_a_fast_window_earning_no_credit_for_a_slow_one() -> None:
     rates = {2: 20.0}
     fast_and_slow = [Interval(0.0, 0.5, 2, 20), Interval(0.5, 2.0, 2, 20)]  # 0.5 s and 1.5 s
-    reference, ratio = goodput(40, fast_and_slow, rates, min_nodes=1)
+    reference, ratio = goodput(40, fast_and_slow, rates, min_nodes=1, window_s=0)  # each alone
     assert reference == 50.0 and ratio == 0.8  # not 40 / (20 x 2 s) = 1.0
     assert goodput(20, [Interval(0.0, 0.1, 2, 20)], rates, min_nodes=1)[1] == 1.0
+
+
+def paced_steps(durations: list[float], t: float = 0.0) -> list[Interval]:
+    """Steps of 20 samples at world size 2 that took ``durations``, from ``t``."""
+    steps = []
+    for d in durations:
+        steps.append(Interval(t, t + d, 2, 20))
+        t += d
+    return steps
+
+
+def test_within_a_window_the_jitter_of_steps_evens_out_and_a_stall_does_not() -> None:
+    rates = {2: 20.0}
+    steps = paced_steps([0.5, 1.5] * 10)  # 20 s of steps, a second apart on average
+    assert goodput(400, steps, rates, min_nodes=1) == (400.0, 1.0)  # two windows, each even
+    assert goodput(400, steps, rates, min_nodes=1, window_s=0)[1] == pytest.approx(400 / 500)
+    stall = Interval(10.0, 15.0, 2, 20)  # 5 s to the first step of the next round
+    stalled = [*steps[:10], stall, *paced_steps([0.5, 1.5] * 5, t=15.0)]
+    reference, ratio = goodput(420, stalled, rates, min_nodes=1)
+    assert reference == 500.0 and ratio == pytest.approx(420 / 500)  # the stall, charged
 
 
 def test_goodput_of_the_nodes_up_counts_each_moment_at_the_pace_of_the_nodes_up() -> None:
