@@ -495,6 +495,14 @@ def etcd_errors() -> tuple[type[BaseException], ...]:
     return (Etcd3Exception, grpc.RpcError, WatchRefused)
 
 
+def lease_gone(exc: BaseException) -> bool:
+    """Whether etcd answered that the lease no longer exists (it expired, or was revoked): for a
+    node leaving, the outcome it wanted."""
+    import grpc
+
+    return isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.NOT_FOUND
+
+
 def denied(exc: BaseException) -> bool:
     """Whether etcd answered and refused the call for lack of permission (the user's role does
     not cover the key): a fact about the settings, which no retry changes."""

@@ -56,7 +56,13 @@ from typing import Any
 
 from elastic.config import RendezvousConfig
 from elastic.events import EventLog
-from launcher.etcd import allow_watch_filters, denied, etcd_errors, read_at_one_revision
+from launcher.etcd import (
+    allow_watch_filters,
+    denied,
+    etcd_errors,
+    lease_gone,
+    read_at_one_revision,
+)
 from launcher.lease import KeepAliveStream, NoAnswer
 
 log = logging.getLogger(__name__)
@@ -610,8 +616,11 @@ class Rendezvous:
         if self._lease is not None:
             try:
                 self._client.revoke_lease(self._lease.id)
-            except Exception as exc:  # the lease may be gone already; it then expires by itself
-                log.warning("could not revoke lease: %s", exc)
+            except Exception as exc:
+                # Not revoked, it expires by itself within its TTL; if it is gone already, its
+                # keys went with it.
+                if not lease_gone(exc):
+                    log.warning("could not revoke lease: %s", exc)
             self._lease = None
 
     def report_failure(self, reason: str) -> None:
