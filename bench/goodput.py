@@ -24,9 +24,10 @@ that is the peer's own behaviour.
 Goodput has one definition for both (chaos/verdict.py): the samples trained and kept, over what
 the job trains at its own fault-free pace in the same time (the median rate between consecutive
 steps of one round, or for the peer of one worker incarnation, at each world size), each 10 s
-of steps counting at least the samples they trained, so it cannot exceed 100 %. A job that dies is charged
-from its last step to the end of our campaign's time, at the full world's pace. The steps before
-the first fault give the definition's figure for a job nothing happens to (checkpoints, jitter).
+of steps counting at least the samples they trained, so it cannot exceed 100 %. A job that dies
+is charged from its last step to the end of our campaign's time, at the full world's pace. The
+steps before the first fault give the definition's figure for a job nothing happens to
+(checkpoints, jitter).
 
     .venv/bin/python bench/goodput.py                        # seeds 1,2,3; about an hour on 2 cores
     .venv/bin/python bench/goodput.py --work-dir /tmp/gp     # keep every job's logs
