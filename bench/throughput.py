@@ -43,8 +43,9 @@ The rows, each run ``--repeats`` times for both runtimes:
 - no saves: neither runtime checkpoints in the window (ours checkpoints only after it);
 - saves every N: ``checkpoint.every_steps`` of the job's configuration (conf/checkpoint/
   default.yaml: 20), ours in the background, the peer with its synchronous save;
-- saves every ``--aggressive-every`` steps (default 5): the same, at an interval where saves
-  follow each other closely (on 2 cores a save may not finish before the next is due).
+- saves every ``--aggressive-every`` steps (default 5; 0 leaves the row out): the same, at an
+  interval where saves follow each other closely (on 2 cores a save may not finish before the
+  next is due).
 
 and the overheads printed: ours against the peer in the same row (like with like), and ours with
 saves against the peer without (what fault tolerance costs against a job that never saves).
@@ -615,7 +616,7 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Setup:
         dataset_size=len(datasets.ImageFolder(str(train_root(cfg.data)))),
         warmup=args.warmup_steps,
         steps=args.steps,
-        intervals=(0, every, aggressive),
+        intervals=(0, every, aggressive) if aggressive else (0, every),
     )
 
 
@@ -623,12 +624,13 @@ def window_problem(steps: int, warmup: int, every: int, aggressive: int) -> str 
     """What keeps this window from holding whole checkpoint intervals, the default one at least
     twice, with the round's first save at the default interval in the warm-up (see the module
     docstring); None when nothing does."""
-    if not 1 <= aggressive < every:
+    if not (aggressive == 0 or 1 <= aggressive < every):
         return (
             f"--aggressive-every {aggressive}: give a checkpoint interval in steps shorter than "
-            f"checkpoint.every_steps ({every}), e.g. --aggressive-every {max(1, every // 4)}"
+            f"checkpoint.every_steps ({every}), e.g. --aggressive-every {max(1, every // 4)}, "
+            "or 0 for no such row"
         )
-    lcm = math.lcm(every, aggressive)
+    lcm = math.lcm(every, aggressive or every)
     if steps % lcm or steps < 2 * every:
         fit = max(lcm, -(-2 * every // lcm) * lcm)
         return (
@@ -807,7 +809,7 @@ def main() -> int:
         type=int,
         default=5,
         help="the aggressive row's checkpoint interval in steps; the other row's is "
-        "checkpoint.every_steps (default: 5)",
+        "checkpoint.every_steps; 0: no aggressive row (default: 5)",
     )
     parser.add_argument(
         "--target-ci-pct",

@@ -79,6 +79,7 @@ def test_window_times_and_charges_the_measured_steps_only() -> None:
 def test_the_default_window_holds_whole_intervals() -> None:
     assert bench.window_problem(40, 30, 20, 5) is None
     assert bench.window_problem(60, 30, 20, 3) is None
+    assert bench.window_problem(40, 30, 20, 0) is None  # no aggressive row
 
 
 @pytest.mark.parametrize(
@@ -89,7 +90,8 @@ def test_the_default_window_holds_whole_intervals() -> None:
         (40, 30, 3, "--steps 40: .* e.g. --steps 60"),  # not a multiple of 3
         (40, 20, 5, "--warmup-steps 20: .* e.g. --warmup-steps 30"),  # the first save in it
         (40, 30, 20, "--aggressive-every 20: .* e.g. --aggressive-every 5"),
-        (40, 30, 0, "--aggressive-every 0: "),
+        (40, 30, -1, "--aggressive-every -1: "),
+        (30, 30, 0, "--steps 30: .* e.g. --steps 40"),  # no aggressive row: whole intervals
     ],
 )
 def test_a_window_that_misjudges_saves_is_refused(
