@@ -3,7 +3,8 @@
 The worker process lives across rounds; only its process group is replaced. For each round the
 group bootstraps through the c10d TCPStore that the agent of the round's first node hosts, under
 a key prefix per round, so groups of different rounds never mix even on the same store. Gloo is
-used on CPU and NCCL on GPU, chosen from the device.
+used on CPU and NCCL on GPU, chosen from the device (``comm.backend=gloo`` puts gloo on GPU
+tensors too: a test aid for simulated nodes that share one GPU).
 
 Why a comm hook: DDP waits for its gradient all-reduce inside ``backward()``, and a collective
 blocked on a frozen peer would hold the worker until the group's timeout. The hook hands DDP a
@@ -81,7 +82,11 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def backend_for(device: torch.device) -> str:
+def backend_for(device: torch.device, requested: str = "auto") -> str:
+    """NCCL on CUDA and gloo on the CPU; ``requested="gloo"`` (``comm.backend``) puts gloo on
+    CUDA tensors too, a test aid for simulated nodes that share one GPU."""
+    if requested == "gloo":
+        return "gloo"
     return "nccl" if device.type == "cuda" else "gloo"
 
 
@@ -89,10 +94,14 @@ class Communicator:
     """Owns the default process group of the current round, and the DDP comm hook over it."""
 
     def __init__(
-        self, device: torch.device, timeout_s: float, grad_dtype: torch.dtype = torch.float32
+        self,
+        device: torch.device,
+        timeout_s: float,
+        grad_dtype: torch.dtype = torch.float32,
+        backend: str = "auto",
     ) -> None:
         self.device = device
-        self.backend = backend_for(device)
+        self.backend = backend_for(device, backend)
         self.grad_dtype = grad_dtype  # what gradients travel in (comm.grad_dtype)
         self.timeout = timedelta(seconds=timeout_s)
         self.assignment: Assignment | None = None
@@ -200,7 +209,7 @@ class Communicator:
             rank=assignment.rank,
             world_size=assignment.world_size,
             timeout=self.timeout,
-            device_id=self.device if self.device.type == "cuda" else None,
+            device_id=self.device if self.backend == "nccl" else None,
             pg_options=options,
         )
 

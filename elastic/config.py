@@ -153,6 +153,15 @@ class GradDtype(Choice):
     fp16 = "fp16"
 
 
+class CommBackend(Choice):
+    """The collective library of the training group."""
+
+    auto = "auto"  # NCCL on CUDA, gloo on the CPU
+    # gloo on CUDA tensors: a test aid, for simulated nodes that share one GPU (NCCL refuses two
+    # ranks on one device); slow, and never for a real job.
+    gloo = "gloo"
+
+
 class OptimizerName(Choice):
     """The update rule (:mod:`elastic.optim`)."""
 
@@ -355,6 +364,7 @@ class CommConfig:
 
     # The all-reduce casts each bucket to this dtype and back, through the abortable hook.
     grad_dtype: GradDtype = GradDtype.fp32
+    backend: CommBackend = CommBackend.auto  # gloo: a test aid on CUDA (see CommBackend)
 
 
 @dataclass
@@ -913,7 +923,17 @@ def validate(cfg: Config) -> None:
         "set optim.nesterov=false, or use optim=sgd",
     )
 
+    need(
+        cfg.comm.backend != CommBackend.gloo or c.device == Device.cuda,
+        "comm.backend",
+        cfg.comm.backend,
+        f"gloo on CUDA tensors is a test aid for simulated nodes that share one GPU, and "
+        f"cluster.device={c.device} (on the CPU the backend is gloo already)",
+        "remove comm.backend=gloo, or set cluster.device=cuda for a test on one GPU",
+    )
     backends = {"cpu": ["gloo"], "cuda": ["nccl"], "auto": ["gloo", "nccl"]}[str(c.device)]
+    if cfg.comm.backend == CommBackend.gloo:
+        backends = ["gloo"]
     problems += [p for b in backends if (p := grad_dtype_problem(b, cfg.comm.grad_dtype))]
 
     k = cfg.checkpoint

@@ -201,7 +201,12 @@ def main() -> int:
     torch.set_num_threads(env.threads)
     events = EventLog(env.run_dir, env.node_id, log, role="worker", local_rank=env.local_rank)
     device = pick_device(cfg.cluster.device, env.local_rank)
-    comm = Communicator(device, cfg.rendezvous.pg_timeout_s, dtype_of(cfg.comm.grad_dtype))
+    comm = Communicator(
+        device,
+        cfg.rendezvous.pg_timeout_s,
+        dtype_of(cfg.comm.grad_dtype),
+        backend=str(cfg.comm.backend),
+    )
     link = AgentLink(Channel.from_environ(), comm)
     precision = MixedPrecision(resolve_precision(cfg.trainer.precision, device), device)
     channels_last = resolve_channels_last(cfg.trainer.channels_last, device)

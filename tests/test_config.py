@@ -116,6 +116,8 @@ def test_health_presets_compose() -> None:
         (["job_id=x.health"], "job_id"),
         (["cluster.embedded_etcd_members=2"], "cluster.embedded_etcd_members"),
         (["rendezvous.etcd_grace_s=0"], "rendezvous.etcd_grace_s"),
+        (["comm.backend=gloo"], "comm.backend"),  # a test aid for one GPU; gloo already on CPU
+        (["comm.backend=gloo", "cluster.device=cpu"], "comm.backend"),
     ],
 )
 def test_bad_values_name_the_key_and_the_fix(overrides: list[str], key: str) -> None:
@@ -333,3 +335,8 @@ def test_configs_ship_in_the_wheel(tmp_path: Path) -> None:
         env={"PYTHONPATH": str(site)},
     )
     assert result.stdout.strip() == "resnet50", result.stderr
+
+
+def test_gloo_on_cuda_is_accepted_as_a_test_aid() -> None:
+    for dtype in ("fp32", "bf16", "fp16"):
+        validate(composed("cluster.device=cuda", "comm.backend=gloo", f"comm.grad_dtype={dtype}"))
