@@ -130,6 +130,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from elastic import config  # noqa: E402
+from elastic.communicator import BUFFERS_PER_REPLICA  # noqa: E402
 from elastic.config import Config  # noqa: E402
 from elastic.data import ensure_synthetic, imagenet_transform, train_root  # noqa: E402
 from elastic.events import read_events  # noqa: E402
@@ -475,8 +476,8 @@ def plain_worker(rank: int, job: PlainJob) -> None:
         ddp = DistributedDataParallel(
             model,
             device_ids=[rank] if cuda else None,
-            forward_sync_buffers=False,
             init_sync=False,
+            **BUFFERS_PER_REPLICA,
         )
         criterion = nn.CrossEntropyLoss()
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)

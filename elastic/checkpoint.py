@@ -58,7 +58,7 @@ from torch.futures import Future
 
 from elastic.events import EventLog
 from elastic.manifest import FORMAT, FORMATS, MANIFEST, candidates, file_record, folder
-from elastic.shard_io import ShardReader, ShardWriter
+from elastic.shard_io import METADATA, ShardReader, ShardWriter
 
 log = logging.getLogger(__name__)
 
@@ -304,7 +304,15 @@ class CheckpointManager:
             except CheckpointException as exc:  # DCP told every rank
                 failures = {r: Failure.of(error) for r, (error, _) in exc.failures.items()}
             else:
-                replay = Plan(planner, planner.plan, writer.results, pickle.dumps(metadata))
+                data = pickle.dumps(metadata)
+                # torch 2.11's FileSystemWriter.finish() fills in a copy of the metadata, not the
+                # one dcp.save returns (which then has no storage_data): take the bytes it wrote.
+                if metadata.storage_data is None and rank == 0:
+                    with writer.fs.create_stream(
+                        writer.fs.concat_path(writer.path, METADATA), "rb"
+                    ) as stream:
+                        data = stream.read()
+                replay = Plan(planner, planner.plan, writer.results, data)
         else:
             try:
                 self._replay(writer, replay, rank == 0)

@@ -28,6 +28,7 @@ worker's own fault.
 # No ``from __future__ import annotations`` here: DDP checks the comm hook's annotations at run
 # time and wants the real GradBucket and Future types, not strings.
 import contextlib
+import inspect
 import logging
 import threading
 import time
@@ -44,6 +45,15 @@ from torch.nn.parallel import DistributedDataParallel
 from elastic.control import Assignment
 
 log = logging.getLogger(__name__)
+
+# DDP's keyword for buffers that stay per replica (no broadcast before every forward): torch
+# 2.11's DDP has no forward_sync_buffers, and its broadcast_buffers=False means the same with
+# init_sync=False; later torch deprecates broadcast_buffers for forward_sync_buffers.
+BUFFERS_PER_REPLICA = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else {"broadcast_buffers": False}
+)
 
 MEET_FIRST_PAUSE_S = 0.005  # a rank waiting for its round's peers looks again after this,
 MEET_POLL_S = 0.1  # doubling up to this: how soon it sees an abort
@@ -221,7 +231,8 @@ class Communicator:
         group = dist.distributed_c10d._get_default_group()
         if not group._get_backend(self.device).supports_shrinking:
             return False
-        dist.shrink_group(excluded, shrink_flags=dist.SHRINK_ABORT)
+        # SHRINK_ABORT is not exported as torch.distributed.SHRINK_ABORT (2.11 to 2.14).
+        dist.shrink_group(excluded, shrink_flags=dist.distributed_c10d.SHRINK_ABORT)
         return True
 
     def abort(self, reason: str, before_round: int | None = None) -> None:
@@ -309,8 +320,8 @@ class Communicator:
         ddp = DistributedDataParallel(
             model,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
-            forward_sync_buffers=False,
             init_sync=False,
+            **BUFFERS_PER_REPLICA,
         )
         ddp.register_comm_hook(None, self._allreduce_hook)
         self._ddp = ddp
