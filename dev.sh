@@ -5,10 +5,17 @@
 #   ./dev.sh test [pytest args...] ruff, then the test suite (what CI runs)
 #   ./dev.sh bench [args...]       the recovery benchmark against the torchrun peer
 #   ./dev.sh gpu-wheels [DIR]      the wheels the offline GPU machine lacks, into DIR (gpu-wheels)
+#   ./dev.sh gpu-proof [OUT]       on the GPU machine: the GPU proof with its own python3 and the
+#                                  wheels of gpu-wheels/, no venv (bench/gpu_proof.py)
 set -euo pipefail
 cd "$(dirname "$0")"
 venv=${ELASTIC_VENV:-.venv}
 python=${PYTHON:-python3}
+
+if [ "${1:-}" = gpu-proof ]; then  # offline: no venv, nothing downloaded
+  shift
+  exec "$python" bench/gpu_proof.py "$@"
+fi
 
 "$python" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
   || { echo "dev.sh: Python 3.10 or newer is needed (found $("$python" --version 2>&1))" >&2; exit 2; }
@@ -32,5 +39,5 @@ case "$command" in
   test) ruff check . && exec python -m pytest -q "$@" ;;
   bench) exec python bench/recovery.py "$@" ;;
   gpu-wheels) exec python bench/gpu_wheels.py prepare "${1:-gpu-wheels}" ;;
-  *) echo "usage: ./dev.sh run|test|bench|gpu-wheels [args...]" >&2; exit 2 ;;
+  *) echo "usage: ./dev.sh run|test|bench|gpu-wheels|gpu-proof [args...]" >&2; exit 2 ;;
 esac

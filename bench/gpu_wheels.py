@@ -59,6 +59,10 @@ GPU_HAS = frozenset(
         "pillow",
     }
 )
+# What travels: the project's own requirements, and the test runner of the GPU proof's gpu tests
+# (the GPU machine has no pytest); not the rest of the test extra (scikit-learn and SciPy alone
+# would take half the 64 MiB).
+ROOTS = (PROJECT, "pytest", "pytest-timeout")
 SDIST_ONLY = frozenset({"etcd3", "antlr4-python3-runtime"})  # PyPI has no wheel: built here
 LIMIT_BYTES = 64 << 20  # what may travel to the GPU machine: the tracked code and the wheels
 MANIFEST = "manifest.json"
@@ -102,7 +106,7 @@ def pins(python_version: str = PYTHON) -> dict[str, str]:
 
     environment = _marker_environment(python_version)
     found: dict[str, str] = {}
-    queue: list[tuple[str, frozenset[str]]] = [(PROJECT, frozenset())]
+    queue: list[tuple[str, frozenset[str]]] = [(name, frozenset()) for name in ROOTS]
     seen: set[tuple[str, frozenset[str]]] = set()
     while queue:
         name, extras = queue.pop()

