@@ -331,6 +331,9 @@ class Communicator:
         self.buckets_this_step = 0
         with self._lock:
             self._works = [w for w in self._works if not w.is_completed()]
+            # Completed futures are abort()'s no longer: kept, one per bucket per step would pile
+            # up for the whole round.
+            self._pending = [f for f in self._pending if not f.done()]
 
     def end_step(self) -> None:
         """After the optimizer step. The first one of a round also settles DDP's buckets.
@@ -400,8 +403,15 @@ class Communicator:
     ) -> torch.futures.Future[torch.Tensor]:
         """A future of ``work`` (a collective of this round in flight) that :meth:`abort`
         completes with :class:`RoundAborted`; a failure of the work is recorded as ``what``'s.
-        ``result`` makes its value once the work is done."""
-        ours: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        ``result`` makes its value once the work is done.
+
+        On CUDA the future names the device: completing it then records an event on the stream
+        that ran ``result`` (after the all-reduce, on a stream that waited for it), and whoever
+        waits on it, DDP before it reads the bucket, waits for that event. Without a device it
+        would complete as soon as NCCL had queued the all-reduce, and DDP would read the bucket
+        before the all-reduce (and the cast back from ``grad_dtype``) had run on the GPU."""
+        devices = [self.device] if self.device.type == "cuda" else None
+        ours: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=devices)
         with self._lock:
             self._works.append(work)  # retired with its group if still in flight (close)
             if self._aborted.is_set():
