@@ -306,6 +306,9 @@ class Communicator:
             log.info("retiring the old group with %d collective(s) in flight", len(in_flight))
             self._retired.append((group, in_flight))
         dist.destroy_process_group()
+        # Destroyed with the rest, but a group lives (threads, sockets) while a reference does;
+        # a save still running holds its own.
+        self.save_group = None
 
     # --- DDP ---------------------------------------------------------------------------------
 

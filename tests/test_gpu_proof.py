@@ -1,0 +1,114 @@
+"""The GPU proof's reduced form on the CPU, so that the one command a GPU machine runs cannot rot
+before a GPU comes (bench/gpu_proof.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def load(name: str) -> ModuleType:
+    """A script of bench/ as a module (bench/ is not a package)."""
+    if (module := sys.modules.get(f"bench_{name}")) is not None:
+        return module
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / f"bench/{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_proof = load("gpu_proof")
+
+
+def test_the_reduced_form_runs_every_built_part_and_reports_each(tmp_path: Path) -> None:
+    out = tmp_path / "proof"
+    done = subprocess.run(
+        [sys.executable, "bench/gpu_proof.py", "--device=cpu", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["device"] == "cpu" and report["state"] == "finished"
+    status = {p["name"]: p["status"] for p in report["parts"]}
+    assert status == {
+        "environment": "ok",
+        "doctor": "ok",
+        "gpu-tests": "ok",
+        "nccl-lifecycle": "ok",
+        "recovery": "ok",
+        "throughput": "ok",
+        "checkpoint": "not built",
+    }
+    parts = {p["name"]: p for p in report["parts"]}
+    assert parts["environment"]["data"]["torch"] == torch.__version__
+    assert parts["doctor"]["headline"].startswith("fit")
+    assert "skipped" in parts["gpu-tests"]["headline"]  # no GPU here: every gpu test skips
+    assert "failed" not in parts["gpu-tests"]["headline"]
+    assert parts["nccl-lifecycle"]["data"]["rounds"]
+    assert "ours, saves every 2 steps" in parts["throughput"]["headline"]
+    assert "plain DDP, no saves" in parts["throughput"]["headline"]
+    markdown = (out / "report.md").read_text()
+    for name in status:
+        assert f"| {name} |" in markdown
+    assert (out / "throughput.log").read_text().startswith("$ ")
+
+
+def test_a_part_past_its_limit_is_killed_and_the_report_says_so(tmp_path: Path) -> None:
+    sleeper = gpu_proof.Part(
+        "sleeper",
+        "sleeps past its limit",
+        1,
+        lambda ctx: [ctx.python, "-c", "import time; print('begun', flush=True); time.sleep(60)"],
+    )
+    ctx = gpu_proof.Context("cpu", tmp_path, sys.executable, {"PATH": "/usr/bin:/bin"})
+    began = time.monotonic()
+    result = gpu_proof.run_part(sleeper, ctx, limit_s=5)
+    assert time.monotonic() - began < 30
+    assert result.status == "timed out" and result.returncode is None
+    assert result.headline.startswith("stopped at its limit of 5 s; ")
+    assert "begun" in result.tail and "KeyboardInterrupt" in result.tail  # SIGINT: clean-ups ran
+    gpu_proof.write_report(ctx, [result], time.monotonic(), 480, done=False)
+    assert "| sleeper | sleeps past its limit | timed out |" in (tmp_path / "report.md").read_text()
+    assert json.loads((tmp_path / "report.json").read_text())["state"].startswith("in progress")
+
+
+def test_unknown_parts_are_refused_with_the_list(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "bench/gpu_proof.py", "--device=cpu", "--parts=doctr", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "--parts: no part doctr; the parts: environment, doctor" in done.stderr
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_throughput_window_of_each_form_is_one_the_bench_accepts(device: str) -> None:
+    throughput = load("throughput")
+    argv = gpu_proof.throughput_argv(gpu_proof.Context(device, Path("/tmp"), "python", {}))
+    option = {a.split("=")[0]: a.split("=")[1] for a in argv if a.startswith("--") and "=" in a}
+    every = int(next(a for a in argv if a.startswith("checkpoint.every_steps=")).split("=")[1])
+    problem = throughput.window_problem(
+        int(option["--steps"]),
+        int(option["--warmup-steps"]),
+        every,
+        int(option["--aggressive-every"]),
+    )
+    assert problem is None
