@@ -10,6 +10,8 @@ at world 1 and 2 (gloo, one process per rank, all on this machine), each figure 
   it; the pruning of older checkpoints comes after the commit and is not counted;
 - ``torch.save`` + fsync: rank 0 saving the same state to one file, the others waiting, which
   is the stall of a DDP job that checkpoints the usual way;
+- DCP's ``async_save`` of the same tensors on the same group: the stall of its call and the time
+  until its future says the checkpoint is written (torch's own background save, as a peer);
 - ``dd``: ``dd bs=4M conv=fsync`` of as many bytes as the checkpoint, the disk's own speed;
 - restore: our verify + load against ``torch.load(weights_only=True)`` and a copy into the model.
 
@@ -23,7 +25,9 @@ Goals (issue 14): our stall at most 10 % of ``torch.save`` + fsync, and the comm
 
     .venv/bin/python bench/checkpoint.py --dir /var/tmp/ckpt-bench
 
-``--copies 4`` saves the state four times over (819 MB, 1924 tensors).
+``--copies 4`` saves the state four times over (819 MB, 1924 tensors). ``--device cuda`` keeps
+the state in GPU memory (a GPU per rank; ours stages it through pinned host memory), as the GPU
+proof runs it with ``--worlds 1``.
 """
 
 from __future__ import annotations
@@ -65,14 +69,21 @@ def resnet50_state() -> TrainState:
     return TrainState(model, build_optimizer(model, OptimConfig()))
 
 
-def _rank(rank: int, world: int, port: int, root: str, repeats: int, copies: int, out: str) -> None:
+def _rank(
+    rank: int, world: int, port: int, root: str, repeats: int, copies: int, out: str, device: str
+) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     timeout = timedelta(seconds=300)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     group = dist.new_group(backend="gloo", timeout=timeout)
     one = resnet50_state().tensors()
-    tensors = {f"{name}#{i}": t.clone() for i in range(copies) for name, t in one.items()}
+    where = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+    tensors = {
+        f"{name}#{i}": t.detach().clone().to(where)
+        for i in range(copies)
+        for name, t in one.items()
+    }
     gc.freeze()  # as the trainer does once its state is built
     events = EventLog(f"{root}/events", f"rank{rank}")
     manager = CheckpointManager(f"file://{root}/ours", keep=2, events=events)
@@ -101,6 +112,7 @@ def _rank(rank: int, world: int, port: int, root: str, repeats: int, copies: int
                 os.fsync(f.fileno())
         dist.barrier()
         plain.append(time.perf_counter() - t0)
+    dcp_stall, dcp_done = dcp_async_saves(tensors, root, repeats, group, where)
     restore, load = [], []
     fresh = {k: torch.empty_like(v) for k, v in tensors.items()}
     for i in range(repeats):
@@ -129,6 +141,8 @@ def _rank(rank: int, world: int, port: int, root: str, repeats: int, copies: int
             "stall": stall,
             "committed": committed,
             "torch_save": plain,
+            "dcp_stall": dcp_stall,
+            "dcp_done": dcp_done,
             "restore": restore,
             "torch_load": load,
             "bytes": sum(f["size"] for f in newest["files"].values()),
@@ -138,6 +152,37 @@ def _rank(rank: int, world: int, port: int, root: str, repeats: int, copies: int
         }
         Path(out).write_text(json.dumps(figures))
     dist.destroy_process_group()
+
+
+def dcp_async_saves(
+    tensors: dict[str, torch.Tensor],
+    root: str,
+    repeats: int,
+    group: dist.ProcessGroup,
+    where: torch.device,
+) -> tuple[list[float], list[float]]:
+    """The same state through DCP's own background save, ``async_save``: how long the call
+    holds training, and until its future says the checkpoint is written. Kept as ours are: the
+    newest two."""
+    from torch.distributed.checkpoint import async_save
+
+    stall, done = [], []
+    for i in range(repeats):
+        dist.barrier()
+        if where.type == "cuda":
+            torch.cuda.synchronize(where)
+        t0 = time.perf_counter()
+        pending = async_save(
+            {"state": tensors}, checkpoint_id=f"{root}/dcp_{i}", process_group=group
+        )
+        stall.append(time.perf_counter() - t0)
+        # Newer torch may answer with a response whose upload future ends the save.
+        getattr(pending, "upload_completion", pending).result()
+        done.append(time.perf_counter() - t0)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(f"{root}/dcp_{i - 2}", ignore_errors=True)
+    return stall, done
 
 
 def dd(root: Path, size: int, n: int, keep: int) -> float:
@@ -165,11 +210,25 @@ def main() -> None:
         "--copies", type=int, default=1, help="save the state this many times over (a bigger one)"
     )
     parser.add_argument("--dir", default=None, help="where to write (default: a temp folder)")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the state lives: cuda saves it from GPU memory (a GPU per rank)",
+    )
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA GPU is visible")
     base = Path(args.dir or tempfile.mkdtemp(prefix="ckpt-bench-"))
     med = statistics.median
     rows = []
-    for world in (int(w) for w in args.worlds.split(",")):
+    worlds = [int(w) for w in args.worlds.split(",")]
+    if args.device == "cuda" and max(worlds) > torch.cuda.device_count():
+        parser.error(
+            f"--worlds {args.worlds}: {torch.cuda.device_count()} GPU(s) visible, one per rank; "
+            f"e.g. --worlds 1"
+        )
+    for world in worlds:
         root = base / f"world{world}"
         shutil.rmtree(root, ignore_errors=True)
         root.mkdir(parents=True)
@@ -177,14 +236,17 @@ def main() -> None:
         print(f"world {world}: {args.repeats} saves and restores of the ResNet-50 state ...")
         mp.spawn(
             _rank,
-            args=(world, free_port(), str(root), args.repeats, args.copies, str(out)),
+            args=(world, free_port(), str(root), args.repeats, args.copies, str(out), args.device),
             nprocs=world,
             join=True,
         )
         rows.append((world, json.loads(out.read_text())))
         shutil.rmtree(root, ignore_errors=True)
     times = f"{args.copies} times over, " if args.copies > 1 else ""
-    print(f"\nResNet-50 training state, {times}median / best of {args.repeats}, this machine:\n")
+    print(
+        f"\nResNet-50 training state in {args.device} memory, {times}median / best of "
+        f"{args.repeats}, this machine:\n"
+    )
     print("| | " + " | ".join(f"world {w}" for w, _ in rows) + " |")
     print("| --- |" + " --- |" * len(rows))
 
@@ -206,6 +268,9 @@ def main() -> None:
     row("our stall", seconds("stall"))
     row("`torch.save` + fsync (the stall)", seconds("torch_save"))
     row("stall ratio ours / torch.save (goal <= 10 %)", ratio("stall", "torch_save", 1))
+    row("DCP `async_save`: stall", seconds("dcp_stall"))
+    row("DCP `async_save`: until written", seconds("dcp_done"))
+    row("stall ratio ours / DCP's", ratio("stall", "dcp_stall", 0))
     row("until committed", seconds("committed"))
     row("`dd bs=4M conv=fsync`, same bytes", seconds("dd"))
     row("commit throughput / dd's (goal >= 80 %)", ratio("dd", "committed", 0))

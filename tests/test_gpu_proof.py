@@ -52,7 +52,7 @@ def test_the_reduced_form_runs_every_built_part_and_reports_each(tmp_path: Path)
         "nccl-lifecycle": "ok",
         "recovery": "ok",
         "throughput": "ok",
-        "checkpoint": "not built",
+        "checkpoint": "ok",
     }
     parts = {p["name"]: p for p in report["parts"]}
     assert parts["environment"]["data"]["torch"] == torch.__version__
@@ -62,6 +62,8 @@ def test_the_reduced_form_runs_every_built_part_and_reports_each(tmp_path: Path)
     assert parts["nccl-lifecycle"]["data"]["rounds"]
     assert "ours, saves every 2 steps" in parts["throughput"]["headline"]
     assert "plain DDP, no saves" in parts["throughput"]["headline"]
+    assert "DCP `async_save`: stall" in parts["checkpoint"]["headline"]
+    assert not (out / "checkpoint-bench").exists()  # the bench's saves are not kept
     markdown = (out / "report.md").read_text()
     for name in status:
         assert f"| {name} |" in markdown
