@@ -392,14 +392,19 @@ class Communicator:
 
         return self._track(work, "gradient all-reduce", result)
 
-    def barrier(self, what: str) -> None:
-        """Wait until every rank of the round has got here, abortably: a gloo barrier cannot be
-        interrupted, and a peer that the agent moved on to a newer round would hold this rank in
-        it for the whole ``rendezvous.pg_timeout_s``."""
-        flag = torch.zeros(1, device=self.device)
+    def all_reduce(self, tensor: torch.Tensor, what: str) -> None:
+        """Sum ``tensor`` over the round's ranks in place, abortably: a blocking all-reduce
+        cannot be interrupted, and a peer frozen or moved on to a newer round would hold this
+        rank in it until the peer came back or for the whole ``rendezvous.pg_timeout_s``.
+        Raises :class:`RoundAborted` as soon as :meth:`abort` is called; a failure is recorded
+        as ``what``'s."""
         with self.collective(what):
-            work = dist.all_reduce(flag, async_op=True)
-        self._track(work, what, lambda: flag).wait()
+            work = dist.all_reduce(tensor, async_op=True)
+        self._track(work, what, lambda: tensor).wait()
+
+    def barrier(self, what: str) -> None:
+        """Wait until every rank of the round has got here, abortably (:meth:`all_reduce`)."""
+        self.all_reduce(torch.zeros(1, device=self.device), what)
 
     def _track(
         self, work: dist.Work, what: str, result: Callable[[], torch.Tensor]

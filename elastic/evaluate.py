@@ -2,9 +2,11 @@
 
 Each rank evaluates a contiguous shard of the validation set (:func:`shard`), so every sample is
 counted exactly once whatever the world size, and the ranks add up their sums with a single
-all-reduce. Only that all-reduce, and the one of :func:`average_bn_stats`, run under the
-communicator's ``collective`` guard: a peer lost there breaks the round like any other
-collective, while a fault of this rank's own (an unreadable JPEG) stays a local fault.
+all-reduce. Only that all-reduce, and the one of :func:`average_bn_stats`, run through the
+communicator (``Communicator.all_reduce``): a peer lost there breaks the round like any other
+collective, a new round announced meanwhile ends it at once (a frozen peer would otherwise hold
+every rank until it thawed), and a fault of this rank's own (an unreadable JPEG) stays a local
+fault.
 
 Batch norm evaluates with running statistics, and DDP keeps those per replica
 (``broadcast_buffers=False``), so before every evaluation :func:`average_bn_stats` averages them
@@ -26,10 +28,9 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import DataLoader, Dataset, Subset
@@ -37,10 +38,11 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from elastic.communicator import RoundAborted
 from elastic.pipeline import Prefetcher
 
-if TYPE_CHECKING:  # an annotation only: importing DCP costs a second in every spawned process
-    from elastic.checkpoint import Collective
-
 TOP_K = 5
+# Sums a tensor over the round's ranks in place; ``what`` names it if it fails. The trainer's is
+# Communicator.all_reduce, which an abort ends at once: a peer frozen in the middle of an
+# evaluation must not hold the others until it thaws.
+AllReduce = Callable[[torch.Tensor, str], None]
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,7 @@ def use_last_batch_stats(model: torch.nn.Module) -> int:
     return len(layers)
 
 
-def average_bn_stats(model: torch.nn.Module, world_size: int, *, collective: Collective) -> None:
+def average_bn_stats(model: torch.nn.Module, world_size: int, *, all_reduce: AllReduce) -> None:
     """Average every batch norm's running mean and variance over the ranks; a collective.
 
     One all-reduce of all of them flattened into a single tensor (a model has a hundred small
@@ -99,8 +101,7 @@ def average_bn_stats(model: torch.nn.Module, world_size: int, *, collective: Col
     if world_size == 1 or not buffers:
         return  # nothing to agree on
     flat = torch.cat([b.detach().reshape(-1) for b in buffers])
-    with collective("BN statistics all-reduce"):
-        dist.all_reduce(flat)
+    all_reduce(flat, "BN statistics all-reduce")
     flat.div_(world_size)
     offset = 0
     for b in buffers:
@@ -116,7 +117,7 @@ def evaluate(
     device: torch.device,
     batch_size: int,
     *,
-    collective: Collective,
+    all_reduce: AllReduce,
     autocast: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
     channels_last: bool = False,
     loader_workers: int = 0,
@@ -165,8 +166,7 @@ def evaluate(
     finally:
         model.train(was_training)
     if world_size > 1:
-        with collective("evaluation all-reduce"):
-            dist.all_reduce(totals)
+        all_reduce(totals, "evaluation all-reduce")
     loss, top1, top5, count = totals.tolist()
     return EvalResult(loss / count, top1 / count, top5 / count, round(count))
 

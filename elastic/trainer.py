@@ -507,7 +507,7 @@ def maybe_evaluate(w: Worker, a: Assignment, progress: Progress) -> Progress:
     if a.rank == 0:
         w.events.emit("evaluation_started", evaluation=due, step=progress.step)
     t0 = time.perf_counter()
-    average_bn_stats(w.state.model, a.world_size, collective=w.comm.collective)
+    average_bn_stats(w.state.model, a.world_size, all_reduce=w.comm.all_reduce)
     result = evaluate(
         w.state.model,
         w.val,
@@ -515,7 +515,7 @@ def maybe_evaluate(w: Worker, a: Assignment, progress: Progress) -> Progress:
         a.world_size,
         w.device,
         cfg.data.batch_size,
-        collective=w.comm.collective,
+        all_reduce=w.comm.all_reduce,
         autocast=w.precision.autocast,
         channels_last=w.channels_last,
         loader_workers=w.loader_workers,

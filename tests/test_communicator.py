@@ -200,9 +200,9 @@ def test_a_peer_lost_while_gradients_travel_in_bf16_is_a_recorded_failure(tmp_pa
     assert result == {"failure": "gradient all-reduce", "error": "RuntimeError", "end": "peer_lost"}
 
 
-def _barrier_main(rank: int, port: int, out: str) -> None:
-    """Both ranks meet at a barrier; then rank 1 stays away from the second one (moved on to a
-    newer round), alive, until rank 0 is through with it."""
+def _left_alone(rank: int, port: int, out: str, wait: Callable[[Communicator], None]) -> None:
+    """Both ranks meet at a barrier; then rank 1 stays away from rank 0's ``wait`` (moved on to
+    a newer round, or frozen), alive, until rank 0 is through with it."""
     c = round_of_two(rank, port, timeout_s=30)
     c.barrier("the first")
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
@@ -212,7 +212,7 @@ def _barrier_main(rank: int, port: int, out: str) -> None:
     threading.Timer(0.5, c.abort, ("a newer round was announced",)).start()  # the agent's
     started = time.monotonic()
     try:
-        c.barrier("the end of training")
+        wait(c)
         error = None
     except RoundAborted as exc:
         error = str(exc)
@@ -221,7 +221,15 @@ def _barrier_main(rank: int, port: int, out: str) -> None:
     Path(out).write_text(
         json.dumps({"error": error, "took": took, "end": round_end(c.aborted, c.failure).value})
     )
-    os._exit(0)  # a barrier still in flight: tearing the group down would wait for its timeout
+    os._exit(0)  # a collective still in flight: tearing the group down would wait for its timeout
+
+
+def _barrier_main(rank: int, port: int, out: str) -> None:
+    _left_alone(rank, port, out, lambda c: c.barrier("the end of training"))
+
+
+def _evaluation_main(rank: int, port: int, out: str) -> None:
+    _left_alone(rank, port, out, lambda c: c.all_reduce(torch.ones(4), "evaluation all-reduce"))
 
 
 def test_a_barrier_is_left_when_the_round_is_aborted_not_after_the_groups_timeout(
@@ -231,6 +239,15 @@ def test_a_barrier_is_left_when_the_round_is_aborted_not_after_the_groups_timeou
     a newer round never comes, and gloo cannot interrupt a barrier: ours gives way to the
     abort at once instead of holding the rank for the group's whole timeout (30 s here)."""
     result = on_two_ranks(tmp_path, _barrier_main)
+    assert result["error"] == "a newer round was announced"
+    assert result["end"] == "left"
+    assert 0.4 < result["took"] < 10
+
+
+def test_an_evaluation_all_reduce_is_left_when_the_round_is_aborted(tmp_path: Path) -> None:
+    """A peer frozen in the middle of an evaluation: the others' all-reduce of its totals gives
+    way to the new round at once, as a step's does, instead of waiting for the peer to thaw."""
+    result = on_two_ranks(tmp_path, _evaluation_main)
     assert result["error"] == "a newer round was announced"
     assert result["end"] == "left"
     assert 0.4 < result["took"] < 10

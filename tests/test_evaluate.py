@@ -3,10 +3,8 @@ batch-norm statistics averaged over ranks, and when an evaluation is due."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -78,21 +76,20 @@ def identity_model() -> torch.nn.Module:
 
 
 class Recorder:
-    """A ``collective`` guard that notes which collectives ran under it."""
+    """An ``all_reduce`` (the process group's own) that notes which all-reduces ran."""
 
     def __init__(self) -> None:
         self.seen: list[str] = []
 
-    @contextlib.contextmanager
-    def __call__(self, what: str) -> Iterator[None]:
+    def __call__(self, tensor: torch.Tensor, what: str) -> None:
         self.seen.append(what)
-        yield
+        dist.all_reduce(tensor)
 
 
 def test_evaluate_on_one_process_matches_the_hand_computed_values() -> None:
     model, guard = identity_model(), Recorder()
     model.train()
-    result = evaluate(model, Logits(), 0, 1, torch.device("cpu"), batch_size=2, collective=guard)
+    result = evaluate(model, Logits(), 0, 1, torch.device("cpu"), batch_size=2, all_reduce=guard)
     assert result.count == 7
     assert result.top1 == pytest.approx(TOP1) and result.top5 == pytest.approx(TOP5)
     assert result.loss == pytest.approx(LOSS, rel=1e-6)
@@ -115,7 +112,7 @@ def test_top5_with_fewer_than_five_classes_counts_every_sample() -> None:
         1,
         torch.device("cpu"),
         batch_size=2,
-        collective=lambda what: contextlib.nullcontext(),
+        all_reduce=Recorder(),
     )
     assert (result.top1, result.top5, result.count) == (pytest.approx(1 / 3), 1.0, 3)
 
@@ -129,7 +126,7 @@ def _rank_main(rank: int, world: int, port: int, action: str, out: str) -> None:
         cpu = torch.device("cpu")
         for count in (7, 2):  # with two samples, the third of three ranks has an empty shard
             result = evaluate(
-                identity_model(), Logits(count), rank, world, cpu, batch_size=2, collective=guard
+                identity_model(), Logits(count), rank, world, cpu, batch_size=2, all_reduce=guard
             )
             found[str(count)] = [result.loss, result.top1, result.top5, result.count]
     else:
@@ -139,7 +136,7 @@ def _rank_main(rank: int, world: int, port: int, action: str, out: str) -> None:
         bn(torch.randn(5, 3) * 10)  # an older minibatch: must leave no trace
         bn(torch.tensor(LAST_BATCHES[rank]))
         found["own"] = [bn.running_mean.tolist(), bn.running_var.tolist()]
-        average_bn_stats(bn, world, collective=guard)
+        average_bn_stats(bn, world, all_reduce=guard)
         found["averaged"] = [bn.running_mean.tolist(), bn.running_var.tolist()]
     found["collectives"] = guard.seen
     Path(out, f"rank{rank}.json").write_text(json.dumps(found))
@@ -207,7 +204,7 @@ def test_bn_stats_on_one_rank_are_left_alone() -> None:
     bn = torch.nn.BatchNorm2d(2)
     bn.running_mean.fill_(3.0)
     guard = Recorder()
-    average_bn_stats(bn, 1, collective=guard)
+    average_bn_stats(bn, 1, all_reduce=guard)
     assert bn.running_mean.tolist() == [3.0, 3.0] and guard.seen == []
 
 

@@ -699,14 +699,14 @@ def test_the_evaluation_reads_through_pinned_memory_onto_the_gpu() -> None:
     model, guard = identity_model().to(device), Recorder()
     for workers in (0, 2):
         result = evaluate(
-            model, Logits(), 0, 1, device, batch_size=2, collective=guard, loader_workers=workers
+            model, Logits(), 0, 1, device, batch_size=2, all_reduce=guard, loader_workers=workers
         )
         assert result.count == 7
         assert result.top1 == pytest.approx(TOP1) and result.top5 == pytest.approx(TOP5)
         assert result.loss == pytest.approx(LOSS, rel=1e-6)
     precision = MixedPrecision(resolve_precision(Precision.auto, device), device)
     result = evaluate(
-        model, Logits(), 0, 1, device, batch_size=2, collective=guard, autocast=precision.autocast
+        model, Logits(), 0, 1, device, batch_size=2, all_reduce=guard, autocast=precision.autocast
     )
     assert result.top1 == pytest.approx(TOP1) and result.top5 == pytest.approx(TOP5)
     assert result.loss == pytest.approx(LOSS, rel=1e-2)
