@@ -242,6 +242,8 @@ def main() -> None:
         )
         rows.append((world, json.loads(out.read_text())))
         shutil.rmtree(root, ignore_errors=True)
+    if args.dir is None:
+        base.rmdir()  # our own temporary folder, emptied world by world
     times = f"{args.copies} times over, " if args.copies > 1 else ""
     print(
         f"\nResNet-50 training state in {args.device} memory, {times}median / best of "

@@ -242,12 +242,10 @@ def checkpoint_argv(ctx: Context) -> list[str]:
         f"--device={ctx.device}",
         "--worlds=1",
         f"--repeats={repeats}",
-        f"--dir={ctx.out / 'checkpoint-bench'}",
     ]
 
 
 def checkpoint_headline(output: str, ctx: Context) -> str:
-    shutil.rmtree(ctx.out / "checkpoint-bench", ignore_errors=True)  # the saves: not a result
     wanted = ("our stall", "`torch.save` + fsync", "DCP `async_save`: stall", "until committed")
     cells = []
     for line in output.splitlines():
@@ -667,24 +665,26 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     python = sys.executable
     with tempfile.TemporaryDirectory(prefix="gpu-proof-") as work:
+        env = child_environment(device, None, Path(work))
         wheels = args.wheels
-        if wheels is None and missing_modules(python, child_environment(device, None, Path(work))):
+        if wheels is None and missing_modules(python, env):
             wheels = REPO / "gpu-wheels"
-        if wheels is not None and not wheels.is_dir():
-            parser.error(
-                f"--wheels {wheels}: no such folder. Fix: run ./dev.sh gpu-wheels on a machine "
-                "with the package registries, and carry the folder along"
-            )
-        env = child_environment(device, wheels, Path(work))
-        if missing := missing_modules(python, env):
-            own = [m for m in missing if m in MACHINE_OWN]
-            fix = (
-                f"use a Python that has {', '.join(own)} (PYTHON=... ./dev.sh gpu-proof): "
-                "the wheels do not carry them"
-                if own
-                else "run ./dev.sh gpu-wheels again and carry the folder"
-            )
-            parser.error(f"{python} cannot import {', '.join(missing)}. Fix: {fix}")
+        if wheels is not None:
+            if not wheels.is_dir():
+                parser.error(
+                    f"--wheels {wheels}: no such folder. Fix: run ./dev.sh gpu-wheels on a "
+                    "machine with the package registries, and carry the folder along"
+                )
+            env = child_environment(device, wheels, Path(work))
+            if missing := missing_modules(python, env):
+                own = [m for m in missing if m in MACHINE_OWN]
+                fix = (
+                    f"use a Python that has {', '.join(own)} (PYTHON=... ./dev.sh gpu-proof): "
+                    "the wheels do not carry them"
+                    if own
+                    else "run ./dev.sh gpu-wheels again and carry the folder"
+                )
+                parser.error(f"{python} cannot import {', '.join(missing)}. Fix: {fix}")
         ctx = Context(device, out, python, env)
         results = [Result(p.name, p.title, "not run", p.budget_s) for p in parts]
         print(
