@@ -132,10 +132,11 @@ sys.path.insert(0, str(REPO))
 from elastic import config  # noqa: E402
 from elastic.communicator import BUFFERS_PER_REPLICA  # noqa: E402
 from elastic.config import Config  # noqa: E402
-from elastic.data import ensure_synthetic, imagenet_transform, train_root  # noqa: E402
+from elastic.data import imagenet_transform, train_root  # noqa: E402
 from elastic.events import read_events  # noqa: E402
 from elastic.pipeline import PREFETCH_FACTOR, loader_workers  # noqa: E402
 from elastic.sampler import ElasticSampler, SamplerState  # noqa: E402
+from elastic.synthetic import ensure_synthetic  # noqa: E402
 from launcher.compose import UsageError, compose  # noqa: E402
 
 GOAL_PCT = 2.0

@@ -13,6 +13,7 @@ directory, so every process of a job sees exactly the configuration the launcher
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import re
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from omegaconf import OmegaConf
+
+from elastic.cache import cached
 
 N = TypeVar("N", int, float)
 G = TypeVar("G")
@@ -801,6 +804,22 @@ def digits_problems(g: SyntheticDataConfig, val_dir: str) -> list[str]:
     return problems
 
 
+def torchvision_models() -> list[str]:
+    """The names of torchvision's classification models (``model.name``'s choices), learned
+    once per torchvision version (:mod:`elastic.cache`)."""
+
+    def learn() -> list[str]:
+        from torchvision import models
+
+        return models.list_models(module=models)
+
+    def valid(found: object) -> bool:
+        return isinstance(found, list) and all(isinstance(n, str) for n in found)
+
+    version = importlib.metadata.version("torchvision")
+    return cached(f"torchvision-{version}-models", valid, learn)
+
+
 def validate(cfg: Config) -> None:
     """Raise :class:`ConfigError` listing every value that cannot work, each with its fix.
 
@@ -953,11 +972,8 @@ def validate(cfg: Config) -> None:
             )
 
     if cfg.model.name:
-        from torchvision import models
-
-        names = models.list_models(module=models)
         need(
-            cfg.model.name in names,
+            cfg.model.name in torchvision_models(),
             "model.name",
             cfg.model.name,
             "not a torchvision classification model",

@@ -22,9 +22,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from elastic import config
 from elastic.config import ClusterMode, Config, ConfigError
-from elastic.data import ensure_synthetic
 from elastic.events import EventFollower, read_events
-from launcher.agent import Agent
+from elastic.synthetic import ensure_synthetic
 from launcher.compose import finalize
 from launcher.local_cluster import run_local
 from launcher.preflight import preflight
@@ -75,6 +74,10 @@ def launch(cfg: Config) -> int:
 
 def _run_bare_metal(cfg: Config, config_path: Path) -> int:
     """This node's agent in this process, with progress from this node's events."""
+    # Imported here: the agent needs torch (its TCPStore), which a local launch's process, whose
+    # agents run in processes of their own, would pay for in seconds before any node starts.
+    from launcher.agent import Agent
+
     node_id = cfg.cluster.node_id or socket.gethostname()
     host = cfg.cluster.host or socket.getfqdn()
     agent = Agent(cfg, str(config_path), node_id, host, list(cfg.cluster.etcd_endpoints))

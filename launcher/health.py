@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import email.utils
 import http.client
+import importlib.metadata
 import json
 import os
 import resource
@@ -35,6 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from elastic.cache import cached
 from elastic.config import Config, HealthConfig
 from elastic.manifest import committed, manifest_bytes, newest_manifest
 from launcher.embedded_etcd import etcd_binary
@@ -162,22 +164,31 @@ def checkpoint_bytes(cfg: Config, size_model: bool = True) -> int | None:
 
 def model_bytes(cfg: Config) -> int:
     """The size of a checkpoint of ``model.name``: its parameters and buffers plus the SGD
-    momentum, counted on the meta device so nothing is allocated."""
-    # Imported here, not at the top: elastic.model loads torch and torchvision (seconds), which
-    # only a node sizing a model before the job's first checkpoint needs.
-    import torch
-
-    from elastic.model import build_model
-
+    momentum, counted on the meta device so nothing is allocated; learned once per model, class
+    count and torch and torchvision versions (:mod:`elastic.cache`)."""
     classes = cfg.data.generate.classes if cfg.data.synthetic else 1000
     train = Path(cfg.data.root) / cfg.data.train_dir
     if not cfg.data.synthetic and train.is_dir():
         classes = sum(1 for p in train.iterdir() if p.is_dir()) or classes
-    with torch.device("meta"):
-        model = build_model(cfg.model, classes)
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    return 2 * params + buffers
+
+    def learn() -> int:
+        # Imported here: torch and torchvision take seconds, which only a node sizing a model
+        # no cache knows yet pays.
+        import torch
+
+        from elastic.model import build_model
+
+        with torch.device("meta"):
+            model = build_model(cfg.model, classes)
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+        return 2 * params + buffers
+
+    versions = "-".join(
+        f"{package}-{importlib.metadata.version(package)}" for package in ("torch", "torchvision")
+    )
+    name = f"model-bytes-{cfg.model.name}-{classes}-classes-{versions}"
+    return cached(name, lambda found: isinstance(found, int) and found > 0, learn)
 
 
 def checkpoints_to_fit(keep: int, on_disk: int) -> int:

@@ -14,14 +14,8 @@ from PIL import Image
 from sklearn.datasets import load_digits
 
 from elastic.config import ConfigError, DataConfig, DataSource, SyntheticDataConfig, validate
-from elastic.data import (
-    SPEC_FILE,
-    SeededImageFolder,
-    ValImageFolder,
-    ensure_synthetic,
-    eval_transform,
-    val_root,
-)
+from elastic.data import SeededImageFolder, ValImageFolder, eval_transform, val_root
+from elastic.synthetic import SPEC_FILE, ensure_synthetic
 
 from .test_config import composed
 

@@ -25,8 +25,8 @@ from chaos.report import recovery
 from chaos.requests import request_fault
 from elastic import config
 from elastic.control import EXIT_FAILED, EXIT_PEER_LOST
-from elastic.data import ensure_synthetic
 from elastic.events import EventFollower, read_events
+from elastic.synthetic import ensure_synthetic
 from launcher.agent import EXIT_UNHEALTHY
 from launcher.quarantine import Quarantine
 

@@ -12,9 +12,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from elastic.config import DataConfig, SyntheticDataConfig
-from elastic.data import SeededImageFolder, ensure_synthetic
+from elastic.data import SeededImageFolder
 from elastic.pipeline import PREFETCH_FACTOR, Batch, Prefetcher, loader_workers, make_loader
 from elastic.sampler import ElasticSampler, SamplerState
+from elastic.synthetic import ensure_synthetic
 
 CPU = torch.device("cpu")
 STEPS = 7  # 4 images a step over 12 images: crosses two epoch boundaries
