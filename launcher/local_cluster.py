@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from types import FrameType
 
@@ -89,19 +89,26 @@ def run_local(cfg: Config, config_path: Path) -> int:
                 )
         log.info("started %d nodes: %s (logs in %s)", len(agents), ", ".join(agents), logs)
         finished_at: float | None = None
+        in_quarantine: set[str] = set()  # nodes waiting out a quarantine, from their events
         while not stop and any(p.poll() is None for p in agents.values()):
-            display.handle(follower.poll())
+            events = follower.poll()
+            display.handle(events)
+            for ev in events:
+                if ev["event"] == "quarantine_wait":
+                    in_quarantine.add(ev["node"])
+                elif ev["event"] == "quarantine_over":
+                    in_quarantine.discard(ev["node"])
             codes = {node: p.poll() for node, p in agents.items()}
             if finished_at is None and 0 in codes.values():
                 finished_at = time.monotonic()
-            waiting = still_waiting(codes, finished_at, time.monotonic())
+            waiting = still_waiting(codes, finished_at, time.monotonic(), in_quarantine)
             if waiting:
                 log.warning(
                     "the job is trained; stopping %s, still waiting for what will not come "
                     "(the end of a quarantine, a round)",
                     ", ".join(waiting),
                 )
-                _shutdown(agents)
+                _shutdown({node: agents[node] for node in waiting})
             time.sleep(DISPLAY_INTERVAL_S)
         if stop:
             log.warning("stopping: asking every node to leave the job")
@@ -121,15 +128,20 @@ def run_local(cfg: Config, config_path: Path) -> int:
 
 
 def still_waiting(
-    codes: Mapping[str, int | None], finished_at: float | None, now: float
+    codes: Mapping[str, int | None],
+    finished_at: float | None,
+    now: float,
+    in_quarantine: Collection[str] = (),
 ) -> list[str]:
-    """The nodes (exit code None: running) to stop because the job is trained: one node exited
-    0 (it finished) more than :data:`FINISHED_GRACE_S` ago. The others finish the same last step
-    within moments; one still running waits for what will not come (a quarantined node for its
-    cooldown, a node that was out of the last round for a round)."""
-    if finished_at is None or now - finished_at < FINISHED_GRACE_S:
+    """The nodes (exit code None: running) to stop because the job is trained: once one node
+    exited 0 (it finished), those ``in_quarantine`` at once (they wait out their cooldown for a
+    job that is over), and the others after :data:`FINISHED_GRACE_S`: they finish the same last
+    step within moments, and one still running then waits for what will not come (a node that
+    was out of the last round, for a round)."""
+    if finished_at is None:
         return []
-    return [node for node, code in codes.items() if code is None]
+    late = now - finished_at >= FINISHED_GRACE_S
+    return [n for n, code in codes.items() if code is None and (late or n in in_quarantine)]
 
 
 def _shutdown(agents: dict[str, subprocess.Popen[bytes]]) -> None:

@@ -472,6 +472,9 @@ def test_the_local_launcher_stops_nodes_still_waiting_once_the_job_is_trained() 
     assert still_waiting(codes, finished_at=None, now=100.0) == []  # nobody finished
     assert still_waiting(codes, finished_at=100.0, now=100.0 + FINISHED_GRACE_S / 2) == []
     assert still_waiting(codes, 100.0, 100.0 + FINISHED_GRACE_S + 1) == ["node1", "node2"]
+    # A node waiting out a quarantine waits for a job that is over: stopped at once.
+    assert still_waiting(codes, 100.0, 100.0, in_quarantine={"node2"}) == ["node2"]
+    assert still_waiting(codes, None, 100.0, in_quarantine={"node2"}) == []  # not over yet
 
 
 def test_a_fault_request_is_refused_unless_the_job_allows_chaos_and_names_the_fix() -> None:
