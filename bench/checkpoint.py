@@ -63,21 +63,29 @@ from elastic.state import TrainState  # noqa: E402
 from launcher.embedded_etcd import free_port  # noqa: E402
 
 
-def resnet50_state() -> TrainState:
+def training_state(model_name: str) -> TrainState:
     torch.manual_seed(0)
-    model = build_model(ModelConfig(name="resnet50"), 1000)
+    model = build_model(ModelConfig(name=model_name), 1000)
     return TrainState(model, build_optimizer(model, OptimConfig()))
 
 
 def _rank(
-    rank: int, world: int, port: int, root: str, repeats: int, copies: int, out: str, device: str
+    rank: int,
+    world: int,
+    port: int,
+    root: str,
+    repeats: int,
+    copies: int,
+    out: str,
+    device: str,
+    model_name: str,
 ) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     timeout = timedelta(seconds=300)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     group = dist.new_group(backend="gloo", timeout=timeout)
-    one = resnet50_state().tensors()
+    one = training_state(model_name).tensors()
     where = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
     tensors = {
         f"{name}#{i}": t.detach().clone().to(where)
@@ -216,6 +224,11 @@ def main() -> None:
         default="cpu",
         help="where the state lives: cuda saves it from GPU memory (a GPU per rank)",
     )
+    parser.add_argument(
+        "--model",
+        default="resnet50",
+        help="the torchvision model whose training state is saved (default: resnet50)",
+    )
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA GPU is visible")
@@ -233,10 +246,19 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
         root.mkdir(parents=True)
         out = root / "figures.json"
-        print(f"world {world}: {args.repeats} saves and restores of the ResNet-50 state ...")
+        print(f"world {world}: {args.repeats} saves and restores of the {args.model} state ...")
         mp.spawn(
             _rank,
-            args=(world, free_port(), str(root), args.repeats, args.copies, str(out), args.device),
+            args=(
+                world,
+                free_port(),
+                str(root),
+                args.repeats,
+                args.copies,
+                str(out),
+                args.device,
+                args.model,
+            ),
             nprocs=world,
             join=True,
         )
@@ -246,7 +268,7 @@ def main() -> None:
         base.rmdir()  # our own temporary folder, emptied world by world
     times = f"{args.copies} times over, " if args.copies > 1 else ""
     print(
-        f"\nResNet-50 training state in {args.device} memory, {times}median / best of "
+        f"\n{args.model} training state in {args.device} memory, {times}median / best of "
         f"{args.repeats}, this machine:\n"
     )
     print("| | " + " | ".join(f"world {w}" for w, _ in rows) + " |")

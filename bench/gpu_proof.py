@@ -15,10 +15,10 @@ The parts and their budgets on one H100 (seconds; with the installation, at most
 environment               20  torch, CUDA, NCCL (the library torch loaded, the wheels'
                               versions), the GPUs and the driver
 doctor                    30  ``python -m launcher.doctor --json``: NVML checks, limits
-gpu-tests                 80  ``pytest -m gpu``: every CUDA branch of elastic/ and launcher/
+gpu-tests                 75  ``pytest -m gpu``: every CUDA branch of elastic/ and launcher/
 nccl-lifecycle            40  ``bench/nccl_lifecycle.py``: create, all-reduce, abort, rebuild,
                               20 times; nothing may grow
-recovery                 140  ``python -m chaos``: three simulated nodes share the GPU over
+recovery                 125  ``python -m chaos``: three simulated nodes share the GPU over
                               gloo (``comm.backend=gloo``: NCCL refuses two ranks on one
                               device) and one is SIGKILLed: the stall, the state taken from a
                               peer's GPU memory, the invariants; then a one-node NCCL job
@@ -26,16 +26,19 @@ recovery                 140  ``python -m chaos``: three simulated nodes share t
 checkpoint                50  ``bench/checkpoint.py --device cuda``: the ResNet-50 state saved
                               from GPU memory, our stall against ``torch.save`` + fsync and
                               DCP's ``async_save``
-throughput               110  ``bench/throughput.py``: ResNet-50, 224 px, bf16,
+throughput               130  ``bench/throughput.py``: ResNet-50, 224 px, bf16,
                               channels_last, our trainer against a plain DDP loop, without
-                              and with a background checkpoint in the window
+                              and with a background checkpoint in the window; and ours with
+                              the JPEGs decoded on the GPU (``data.decode=device``) against
+                              ours with the CPU loader
 ====================  ======  ===========================================================
 
-Not built yet: a GPU-side input pipeline to set against the CPU loader. One GPU cannot hold a
-multi-rank NCCL group: multi-rank paths are proven on gloo by the test suite.
+One GPU cannot hold a multi-rank NCCL group: multi-rank paths are proven on gloo by the test
+suite.
 
 ``--device cpu`` runs the same parts in a reduced form (small sizes, gloo; the GPU tests skip;
-recovery only from a checkpoint), which CI runs so that this script cannot rot before a GPU comes::
+recovery only from a checkpoint), which CI runs so that this script cannot rot before a GPU
+comes::
 
     ./dev.sh gpu-wheels                          # here: the wheels the GPU machine lacks
     ./dev.sh gpu-proof OUT                       # there (the device tool: carry gpu-wheels)
@@ -198,7 +201,7 @@ def lifecycle_argv(ctx: Context) -> list[str]:
 
 
 def throughput_argv(ctx: Context) -> list[str]:
-    common = ["--repeats=1", "--aggressive-every=0"]
+    common = ["--repeats=1", "--aggressive-every=0", "--device-decode"]
     if ctx.device == "cuda":
         sizes = [
             "--model=resnet50",
@@ -227,21 +230,25 @@ def throughput_argv(ctx: Context) -> list[str]:
 
 def throughput_headline(output: str, ctx: Context) -> str:
     rows = re.findall(
-        r"^(ours|plain DDP), (no saves|saves every \d+ steps)\s+([\d.]+)", output, re.M
+        r"^((?:ours|plain DDP), (?:no saves|saves every \d+ steps)(?:, decoded on the device)?)"
+        r"\s+([\d.]+)",
+        output,
+        re.M,
     )
     if not rows:
         return last_line(output)
-    return "; ".join(f"{who}, {row}: {rate} samples/s" for who, row, rate in rows)
+    return "; ".join(f"{row}: {rate} samples/s" for row, rate in rows)
 
 
 def checkpoint_argv(ctx: Context) -> list[str]:
-    repeats = "5" if ctx.device == "cuda" else "1"
+    repeats, model = ("5", "resnet50") if ctx.device == "cuda" else ("1", "resnet18")
     return [
         ctx.python,
         "bench/checkpoint.py",
         f"--device={ctx.device}",
         "--worlds=1",
         f"--repeats={repeats}",
+        f"--model={model}",
     ]
 
 
@@ -286,7 +293,7 @@ CAMPAIGNS: dict[str, tuple[tuple[str, str, tuple[str, ...]], ...]] = {
         ),
     ),
 }
-CAMPAIGN_TIMEOUT_S = 110.0  # the first campaign must leave the second some of the part's 140 s
+CAMPAIGN_TIMEOUT_S = 100.0  # the first campaign must leave the second some of the part's 125 s
 
 
 def recovery_argv(ctx: Context) -> list[str]:
@@ -307,14 +314,14 @@ PARTS = (
         "environment", "torch, CUDA, NCCL, GPUs, driver", 20, environment_argv, environment_headline
     ),
     Part("doctor", "python -m launcher.doctor on this node", 30, doctor_argv, doctor_headline),
-    Part("gpu-tests", "pytest -m gpu", 80, tests_argv, tests_headline),
+    Part("gpu-tests", "pytest -m gpu", 75, tests_argv, tests_headline),
     Part(
         "nccl-lifecycle", "group life cycle: create, all-reduce, abort, rebuild", 40, lifecycle_argv
     ),
     Part(
         "recovery",
         "in place with CUDA workers, and from a checkpoint on the GPU",
-        140,
+        125,
         recovery_argv,
         recovery_headline,
     ),
@@ -327,8 +334,8 @@ PARTS = (
     ),
     Part(
         "throughput",
-        "our trainer against plain DDP, a checkpoint in the window",
-        110,
+        "our trainer against plain DDP, a checkpoint in the window; decoding on the device",
+        130,
         throughput_argv,
         throughput_headline,
     ),
@@ -639,6 +646,7 @@ def main() -> int:
     parser.add_argument(
         "--parts", help="a comma-separated subset of: " + ", ".join(p.name for p in PARTS)
     )
+
     parser.add_argument("--probe-environment", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--recovery", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()

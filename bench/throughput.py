@@ -50,6 +50,11 @@ The rows, each run ``--repeats`` times for both runtimes:
 and the overheads printed: ours against the peer in the same row (like with like), and ours with
 saves against the peer without (what fault tolerance costs against a job that never saves).
 
+``--device-decode`` adds ours with ``data.decode=device`` to the no-saves row, once a repeat: the
+loader processes only read the JPEGs and the training process decodes and augments them on its
+device (nvJPEG on a GPU), against ours decoded by the loader, paired in the same repeat. On the
+CPU it only shows the path works: the same cores decode either way.
+
 The window. Only the steady state counts: the first ``--warmup-steps`` steps are skipped; samples/s
 is the samples of the next ``--steps`` steps over the wall time from the end of the last skipped
 step to the end of the window, the same window for every row. The warm-up holds start-up, the
@@ -323,10 +328,14 @@ class Setup:
     warmup: int
     steps: int
     intervals: tuple[int, ...]  # the rows' checkpoint intervals in steps; 0: no saves
+    device_decode: bool  # ours also with data.decode=device, no saves
 
     @property
     def total_steps(self) -> int:
         return self.warmup + self.steps
+
+
+DECODED = "ours, no saves, decoded on the device"
 
 
 def row_name(every: int) -> str:
@@ -345,9 +354,10 @@ def our_role(proc: psutil.Process) -> str:
     return "workers" if "elastic.trainer" in proc.cmdline() else "launcher and agents"
 
 
-def run_ours(setup: Setup, work: Path, every: int) -> Window:
+def run_ours(setup: Setup, work: Path, every: int, extra: tuple[str, ...] = ()) -> Window:
     """One job of this project, trained for exactly ``setup.total_steps`` steps, checkpointing
-    every ``every`` steps (0: only at its end, after the window)."""
+    every ``every`` steps (0: only at its end, after the window), with the Hydra overrides
+    ``extra`` besides the setup's."""
     run_dir = work / f"ours-{time.monotonic_ns()}"
     world = setup.procs
     # The job's length in samples: those of its first total_steps steps (the last step of an
@@ -378,6 +388,7 @@ def run_ours(setup: Setup, work: Path, every: int) -> Window:
         f"checkpoint.every_steps={every or setup.total_steps + 1}",
         "checkpoint.interval=fixed",
         "checkpoint.every_minutes=0",
+        *extra,
     ]
     env = {**os.environ, "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"}
     with open(log_path, "wb") as log:
@@ -619,6 +630,7 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Setup:
         warmup=args.warmup_steps,
         steps=args.steps,
         intervals=(0, every, aggressive) if aggressive else (0, every),
+        device_decode=args.device_decode,
     )
 
 
@@ -676,6 +688,8 @@ def reproduce(args: argparse.Namespace, setup: Setup) -> str:
     ]
     if cfg.data.synthetic:
         words.append(f"--image-size={cfg.data.generate.image_size}")
+    if setup.device_decode:
+        words.append("--device-decode")
     overrides = list(args.overrides)
     if not any(o.startswith("checkpoint.every_steps=") for o in overrides):
         overrides.append(f"checkpoint.every_steps={cfg.checkpoint.every_steps}")
@@ -688,12 +702,13 @@ class Runs:
 
     ours: dict[int, list[Window]]
     plain: dict[int, list[Window]]
+    decoded: list[Window]  # ours, data.decode=device, no saves (--device-decode)
 
 
 def measure(setup: Setup, repeats: int, work: Path) -> Runs:
     """Every row's pair of runs, ``repeats`` times; within a pair the runtime that goes first
     alternates from one repeat to the next."""
-    runs = Runs({e: [] for e in setup.intervals}, {e: [] for e in setup.intervals})
+    runs = Runs({e: [] for e in setup.intervals}, {e: [] for e in setup.intervals}, [])
     runtimes = (("ours", run_ours, runs.ours), ("plain", run_plain, runs.plain))
     began = time.monotonic()
     for i in range(repeats):
@@ -707,6 +722,14 @@ def measure(setup: Setup, repeats: int, work: Path) -> Runs:
                     f"({time.monotonic() - t0:.0f} s)",
                     flush=True,
                 )
+        if setup.device_decode:
+            t0 = time.monotonic()
+            runs.decoded.append(w := run_ours(setup, work, 0, ("data.decode=device",)))
+            print(
+                f"repeat {i + 1}/{repeats}, {DECODED}: {w.samples_per_s:.1f} samples/s, "
+                f"{w.cpu_per_sample * 1000:.1f} CPU ms/sample ({time.monotonic() - t0:.0f} s)",
+                flush=True,
+            )
         done = time.monotonic() - began
         if i + 1 < repeats:
             left = done / (i + 1) * (repeats - i - 1)
@@ -726,15 +749,19 @@ def report(args: argparse.Namespace, setup: Setup, runs: Runs) -> None:
         f"medians of {args.repeats} runs"
     )
     print(f"{'row':44}{'samples/s':>10}{'ms/step':>9}{'CPU ms/sample':>15}   runs (samples/s)")
-    for every in setup.intervals:
-        for label, by_row in (("ours", runs.ours), ("plain DDP", runs.plain)):
-            each = by_row[every]
-            rate = statistics.median(w.samples_per_s for w in each)
-            step_ms = statistics.median(w.step_s for w in each) * 1000
-            cpu_ms = statistics.median(w.cpu_per_sample for w in each) * 1000
-            runs_text = " ".join(f"{w.samples_per_s:.1f}" for w in each)
-            name = f"{label}, {row_name(every)}"
-            print(f"{name:44}{rate:>10.1f}{step_ms:>9.1f}{cpu_ms:>15.2f}   {runs_text}")
+    rows = [
+        (f"{label}, {row_name(every)}", by_row[every])
+        for every in setup.intervals
+        for label, by_row in (("ours", runs.ours), ("plain DDP", runs.plain))
+    ]
+    if runs.decoded:
+        rows.append((DECODED, runs.decoded))
+    for name, each in rows:
+        rate = statistics.median(w.samples_per_s for w in each)
+        step_ms = statistics.median(w.step_s for w in each) * 1000
+        cpu_ms = statistics.median(w.cpu_per_sample for w in each) * 1000
+        runs_text = " ".join(f"{w.samples_per_s:.1f}" for w in each)
+        print(f"{name:44}{rate:>10.1f}{step_ms:>9.1f}{cpu_ms:>15.2f}   {runs_text}")
 
     print("\nours' CPU ms per sample by process (medians):")
     for every in setup.intervals:
@@ -759,6 +786,13 @@ def report(args: argparse.Namespace, setup: Setup, runs: Runs) -> None:
         cost = ", what fault tolerance costs" if mine and not theirs else ""
         print(f"- ours ({row_name(mine)}) against plain DDP ({row_name(theirs)}{cost}):")
         print(f"    samples/s: {wall}{needs(wall)}; goal: {wall.verdict(GOAL_PCT)}")
+        print(f"    CPU time per sample: {cpu}{needs(cpu)}")
+    if runs.decoded:
+        pairs = list(zip(runs.decoded, runs.ours[0], strict=True))
+        gain = paired([(d.samples_per_s / h.samples_per_s - 1) * 100 for d, h in pairs], target)
+        cpu = paired([(d.cpu_per_sample / h.cpu_per_sample - 1) * 100 for d, h in pairs], target)
+        print("- ours decoded on the device against ours decoded by the loader (no saves):")
+        print(f"    samples/s: {gain}{needs(gain)}")
         print(f"    CPU time per sample: {cpu}{needs(cpu)}")
     print(f"reproduce (from the repository root): {reproduce(args, setup)}")
 
@@ -846,6 +880,12 @@ def main() -> int:
     )
     parser.add_argument(
         "--crop-size", type=int, help="random-resized crop the model sees (data.crop_size)"
+    )
+    parser.add_argument(
+        "--device-decode",
+        action="store_true",
+        help="also run ours with data.decode=device (no saves): the GPU-side pipeline against "
+        "the CPU loader",
     )
     parser.add_argument(
         "overrides",

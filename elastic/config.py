@@ -165,6 +165,16 @@ class CommBackend(Choice):
     gloo = "gloo"
 
 
+class Decode(Choice):
+    """Where a training batch's JPEGs are decoded and augmented (:mod:`elastic.pipeline`)."""
+
+    host = "host"  # in the loader processes (PIL), the batch copied to the device as pixels
+    # On the device: the loader processes read the files and draw each sample's seeded crop and
+    # flip; the training process decodes the batch there (nvJPEG on CUDA) and crops it. Frees the
+    # host's cores where they cannot keep a GPU fed. Evaluation still decodes on the host.
+    device = "device"
+
+
 class OptimizerName(Choice):
     """The update rule (:mod:`elastic.optim`)."""
 
@@ -293,6 +303,7 @@ class DataConfig:
     loader_workers: int = bounded(
         0, ge=-1, fix="set data.loader_workers=-1 (auto), 0 (load in the worker) or more"
     )
+    decode: Decode = Decode.host
 
 
 @dataclass

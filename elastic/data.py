@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
+from PIL import Image
 from torch.utils.data import Dataset
 from torchvision import datasets, transforms
+from torchvision.io import read_file
 
-from elastic.config import DataConfig
+from elastic.config import DataConfig, Decode
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -58,8 +61,22 @@ def eval_transform(crop_size: int) -> transforms.Compose:
     )
 
 
-class SeededImageFolder(Dataset[tuple[torch.Tensor, int]]):
-    """An ImageFolder indexed by ``(epoch, index)`` whose augmentation is seeded by both."""
+class Encoded(NamedTuple):
+    """A training sample left for the device to decode (``data.decode=device``): its JPEG's
+    bytes, and the crop and flip its seed drew, exactly as the host transform would have."""
+
+    jpeg: torch.Tensor  # uint8, the file as it is on disk
+    box: tuple[int, int, int, int]  # top, left, height, width in the decoded image
+    flip: bool
+    target: int
+
+
+class SeededImageFolder(Dataset[tuple[torch.Tensor, int] | Encoded]):
+    """An ImageFolder indexed by ``(epoch, index)`` whose augmentation is seeded by both.
+
+    With ``data.decode=host`` a sample is its augmented pixels; with ``device``, it is
+    :class:`Encoded`: the same draws from the same seed, taken from the image's header alone, so
+    that a sample gets the same crop and flip wherever it is decoded."""
 
     def __init__(self, cfg: DataConfig, seed: int) -> None:
         root = train_root(cfg)
@@ -70,6 +87,7 @@ class SeededImageFolder(Dataset[tuple[torch.Tensor, int]]):
         self.folder = datasets.ImageFolder(str(root))
         self.transform = imagenet_transform(cfg.crop_size, cfg.min_crop_scale)
         self.seed = seed
+        self.encoded = cfg.decode is Decode.device
 
     @property
     def num_classes(self) -> int:
@@ -78,16 +96,28 @@ class SeededImageFolder(Dataset[tuple[torch.Tensor, int]]):
     def __len__(self) -> int:
         return len(self.folder)
 
-    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int] | Encoded:
         epoch, index = key
-        image, target = self.folder[index]
         with torch.random.fork_rng(devices=[]):
             # The CPU generator only: torch.manual_seed also seeds every accelerator's, which
             # costs ~240 us a sample against ~3 us, and the transforms draw from the CPU's.
             torch.default_generator.manual_seed(
                 (self.seed * 1_000_003 + epoch) * 100_000_007 + index
             )
+            if self.encoded:
+                return self._encoded(index)
+            image, target = self.folder[index]
             return self.transform(image), target
+
+    def _encoded(self, index: int) -> Encoded:
+        """The draws of :func:`imagenet_transform` in its order (the crop, then the flip), from
+        the image's size as its header gives it; nothing is decoded."""
+        path, target = self.folder.samples[index]
+        crop, flip = self.transform.transforms[:2]
+        with Image.open(path) as image:
+            box = crop.get_params(image, crop.scale, crop.ratio)
+        flipped = bool(torch.rand(1) < flip.p)
+        return Encoded(read_file(path), box, flipped, target)
 
 
 class ValImageFolder(Dataset[tuple[torch.Tensor, int]]):

@@ -55,7 +55,7 @@ from elastic.events import EventLog
 from elastic.lr_policy import LRPolicy
 from elastic.model import build_model
 from elastic.optim import build_optimizer, step_settings
-from elastic.pipeline import Prefetcher, loader_workers, make_loader
+from elastic.pipeline import DeviceDecoder, Prefetcher, loader_workers, make_loader
 from elastic.precision import MixedPrecision, dtype_of, resolve_channels_last, resolve_precision
 from elastic.sampler import ElasticSampler, StepPlan
 from elastic.state import Progress, TrainState, sync_state
@@ -183,6 +183,7 @@ class Worker:
     precision: MixedPrecision
     channels_last: bool
     loader_workers: int  # per training worker (data.loader_workers resolved)
+    decoder: DeviceDecoder | None  # data.decode=device; None: the loader decodes
     saver: BackgroundSaver
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     progress: Progress | None = None  # None until this process holds a state
@@ -240,6 +241,11 @@ def main() -> int:
         # env.threads is this worker's share of the node's cores, as its agent divided them.
         loader_workers=loader_workers(
             cfg.data.loader_workers, env.local_world_size, env.threads * env.local_world_size
+        ),
+        decoder=(
+            DeviceDecoder(cfg.data.crop_size, device)
+            if cfg.data.decode is config.Decode.device
+            else None
         ),
         saver=BackgroundSaver(events),
         tensors=state.tensors() | precision.tensors(),
@@ -321,11 +327,13 @@ def train_round(w: Worker, a: Assignment) -> None:
     ddp = w.comm.wrap(w.state.model)
     remaining = w.total - progress.samples_seen
     batches = w.sampler.batches(progress.sampler, rank, world, remaining, global_batch)
-    loader = make_loader(w.dataset, batches, w.loader_workers, w.device)
+    decoder = w.decoder
+    collate = decoder.collate if decoder else None
+    loader = make_loader(w.dataset, batches, w.loader_workers, w.device, collate)
     t_log, samples_log = time.perf_counter(), progress.samples_seen
     t_saved, step_saved = t_log, progress.step  # for the step time the next save reports
     first_step = True
-    for images, targets in Prefetcher(loader, w.device, w.channels_last):
+    for images, targets in Prefetcher(loader, w.device, w.channels_last, decoder):
         if w.comm.aborted or w.link.switch_due(progress.step):
             raise RoundAborted("a new round was announced")
         plan = w.sampler.plan(

@@ -4,6 +4,7 @@ seeded augmentation rest on it)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,9 +12,16 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from elastic.config import DataConfig, SyntheticDataConfig
-from elastic.data import SeededImageFolder
-from elastic.pipeline import PREFETCH_FACTOR, Batch, Prefetcher, loader_workers, make_loader
+from elastic.config import DataConfig, Decode, SyntheticDataConfig
+from elastic.data import IMAGENET_STD, SeededImageFolder
+from elastic.pipeline import (
+    PREFETCH_FACTOR,
+    Batch,
+    DeviceDecoder,
+    Prefetcher,
+    loader_workers,
+    make_loader,
+)
 from elastic.sampler import ElasticSampler, SamplerState
 from elastic.synthetic import ensure_synthetic
 
@@ -21,8 +29,12 @@ CPU = torch.device("cpu")
 STEPS = 7  # 4 images a step over 12 images: crosses two epoch boundaries
 
 
+# One level of an 8-bit pixel after normalisation, at the smallest of ImageNet's stds.
+LEVEL = 1 / 255 / min(IMAGENET_STD)
+
+
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory: pytest.TempPathFactory) -> SeededImageFolder:
+def data_cfg(tmp_path_factory: pytest.TempPathFactory) -> DataConfig:
     root = Path(tmp_path_factory.mktemp("pipeline")) / "data"
     cfg = DataConfig(
         root=str(root),
@@ -30,7 +42,37 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> SeededImageFolder:
         crop_size=16,
     )
     ensure_synthetic(cfg)
-    return SeededImageFolder(cfg, seed=3)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def dataset(data_cfg: DataConfig) -> SeededImageFolder:
+    return SeededImageFolder(data_cfg, seed=3)
+
+
+@pytest.fixture(scope="module")
+def encoded(data_cfg: DataConfig) -> SeededImageFolder:
+    """The same samples, left for the device to decode (data.decode=device)."""
+    return SeededImageFolder(dataclasses.replace(data_cfg, decode=Decode.device), seed=3)
+
+
+def decoded_on(device: torch.device, encoded: SeededImageFolder, workers: int) -> list[Batch]:
+    loader = make_loader(encoded, keys(encoded), workers, device, DeviceDecoder.collate)
+    return list(Prefetcher(loader, device, decoder=DeviceDecoder(16, device)))
+
+
+def assert_same_crops(got: list[Batch], want: list[Batch], mean_levels: float = 1) -> None:
+    """The same crops of the same images, flipped alike: the pixels differ by the decoders' and
+    the resizes' rounding, at most ``mean_levels`` on average over a sample (0.3 measured on the
+    CPU), where a sample of another crop, image or flip differs by 17 levels or more."""
+    assert len(got) == len(want) == STEPS
+    for (images, targets), (want_images, want_targets) in zip(got, want, strict=True):
+        assert images.shape == want_images.shape and images.dtype == want_images.dtype
+        assert torch.equal(targets.cpu(), want_targets)
+        differences = (images.cpu() - want_images).abs()
+        assert differences.mean(dim=(1, 2, 3)).max() <= mean_levels * LEVEL
+        if images.device == CPU:  # libjpeg both ways: only the resizes round differently
+            assert differences.max() <= 2 * LEVEL
 
 
 def keys(dataset: SeededImageFolder) -> Iterator[list[tuple[int, int]]]:
@@ -107,6 +149,29 @@ def test_prefetcher_reads_at_most_one_batch_ahead() -> None:
         assert images[0, 0, 0, 0].item() == received - 1
         assert drawn <= received + 1  # the batch handed out, and the next one
     assert drawn == 5
+
+
+def test_decoding_on_the_device_gives_the_hosts_crops_and_flips(
+    dataset: SeededImageFolder, encoded: SeededImageFolder
+) -> None:
+    host = plain(dataset)
+    assert_same_crops(decoded_on(CPU, encoded, workers=0), host)
+    assert_same_crops(decoded_on(CPU, encoded, workers=2), host)  # encoded samples pickle
+    flipped = [(images.flip(-1), targets) for images, targets in decoded_on(CPU, encoded, 0)]
+    with pytest.raises(AssertionError):  # the check can fail: a flip is seen
+        assert_same_crops(flipped, host)
+
+
+@pytest.mark.gpu
+def test_decoding_on_a_gpu_gives_the_hosts_crops_and_flips(
+    dataset: SeededImageFolder, encoded: SeededImageFolder
+) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    device = torch.device("cuda", torch.cuda.current_device())
+    got = decoded_on(device, encoded, workers=2)
+    assert all(images.device == device for images, _ in got)
+    assert_same_crops(got, plain(dataset), mean_levels=4)  # nvJPEG's IDCT is not libjpeg's
 
 
 @pytest.mark.gpu
