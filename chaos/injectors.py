@@ -11,7 +11,6 @@ signal was sent, so recovery can be measured from the log alone: fault to first 
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
@@ -25,17 +24,13 @@ from typing import Any
 import psutil
 
 from chaos.netns import PEER_LINK, LocalNetwork
-from elastic.events import EventLog, read_events
+from elastic.events import read_events
 from elastic.lifeline import tied
 from elastic.manifest import MANIFEST, candidates
 from launcher.embedded_etcd import EmbeddedEtcd
+from launcher.fault_helper import TargetNotFound, log_event, process_tree, send
 
-CHAOS_NODE = "chaos"
 BALLAST = ".chaos-ballast"  # the file that fills a checkpoint file system
-
-
-class TargetNotFound(LookupError):
-    """The event log names no live process for the requested target."""
 
 
 def _newest(run_dir: Path, event: str, **match: Any) -> dict[str, Any]:
@@ -58,15 +53,6 @@ def node_processes(run_dir: str | os.PathLike[str], node_id: str) -> list[psutil
     """A node's agent and every process under it (its workers and their helpers)."""
     agent = _newest(Path(run_dir), "agent_started", node=node_id)
     return process_tree(agent["pid"], f"the agent of {node_id}")
-
-
-def process_tree(pid: int, what: str) -> list[psutil.Process]:
-    """Process ``pid`` (``what``, for the error) and every process under it."""
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess as exc:
-        raise TargetNotFound(f"{what} (pid {pid}) is not running") from exc
 
 
 def kill_node(
@@ -144,11 +130,6 @@ def restart_node(
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
     return sent, proc
-
-
-def skipped(run_dir: str | os.PathLike[str], kind: str, target: str, reason: str) -> float:
-    """Log a fault that was due but could not be carried out, and why."""
-    return log_event(run_dir, "fault_skipped", kind=kind, target=target, reason=reason)
 
 
 def stop_etcd(run_dir: str | os.PathLike[str], etcd: EmbeddedEtcd, member: int = 0) -> float:
@@ -273,32 +254,3 @@ def unthrottle(run_dir: str | os.PathLike[str], net: LocalNetwork, node: int) ->
     """End a :func:`throttle`."""
     net.set_rate(node, PEER_LINK, None)
     return log_event(run_dir, "fault_cleared", kind="slow_network", target=f"node{node}")
-
-
-def log_event(
-    run_dir: str | os.PathLike[str], event: str, writer: str = CHAOS_NODE, **fields: Any
-) -> float:
-    """Write one chaos event to the run's log; returns its timestamp. ``writer`` names the file:
-    a node's helper (:mod:`chaos.node_helper`) appends to its node's, which on bare metal no
-    other machine writes."""
-    log = EventLog(run_dir, writer, role="chaos")
-    try:
-        return float(log.emit(event, **fields)["ts"])
-    finally:
-        log.close()
-
-
-def send(
-    run_dir: str | os.PathLike[str],
-    procs: list[psutil.Process],
-    sig: signal.Signals,
-    event: str = "fault_injected",
-    writer: str = CHAOS_NODE,
-    **fields: Any,
-) -> float:
-    """Log ``event`` (with the signal, the pids and ``fields``), then signal ``procs``."""
-    sent = log_event(run_dir, event, writer, signal=sig.name, pids=[p.pid for p in procs], **fields)
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.send_signal(sig)
-    return sent

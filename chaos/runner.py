@@ -36,6 +36,7 @@ from chaos.requests import NoAnswer, request_fault
 from elastic.config import Config
 from elastic.events import EventFollower
 from launcher.embedded_etcd import EmbeddedEtcd
+from launcher.fault_helper import TargetNotFound, log_event, skipped
 from launcher.rendezvous import job_prefix
 
 POLL_S = 0.1  # how often the schedule is looked at: well under a step
@@ -128,7 +129,7 @@ class CampaignRunner:
             return
         up = self._up()
         rank0 = None
-        with contextlib.suppress(injectors.TargetNotFound):
+        with contextlib.suppress(TargetNotFound):
             rank0 = injectors.node_with_rank(self.run_dir, 0)
         node = pick(spec.target, up, rank0, self.campaign.seed, self.number)
         takes_node = spec.kind is not FaultKind.kill_worker
@@ -154,7 +155,7 @@ class CampaignRunner:
                 injectors.kill_node(self.run_dir, node, sig)
                 back = spec.restart_after_s
                 self.down[node] = time.time() + back if back >= 0 else float("inf")
-        except injectors.TargetNotFound as exc:
+        except TargetNotFound as exc:
             self._skip(spec, node, str(exc))
             return
         print(f"chaos: fault {self.number}: {spec.kind} {node}", flush=True)
@@ -162,7 +163,7 @@ class CampaignRunner:
     def _cut(self, spec: FaultSpec, node: str) -> None:
         """Cut or slow ``node``'s link for ``duration_s``."""
         if self.net is None:
-            raise injectors.TargetNotFound(
+            raise TargetNotFound(
                 f"{spec.kind} needs each node in a network namespace: set campaign.netns=true "
                 "(root, with ip and tc)"
             )
@@ -185,13 +186,13 @@ class CampaignRunner:
                 url = self.cfg.checkpoint.url
                 target = url.removeprefix("file://")
                 if "://" in target:
-                    raise injectors.TargetNotFound(f"checkpoint.url={url} is not a local path")
+                    raise TargetNotFound(f"checkpoint.url={url} is not a local path")
                 c = self.campaign
                 path = injectors.fill_disk(self.run_dir, target, c.fill_keep_mb, c.fill_limit_gb)
                 self.ballast[path] = now + spec.duration_s
             else:
                 if self.etcd is None:
-                    raise injectors.TargetNotFound(
+                    raise TargetNotFound(
                         "the job's etcd is not this campaign's (attached): nothing to kill"
                     )
                 member = random.Random(f"{self.campaign.seed}:{self.number}").randrange(
@@ -199,10 +200,10 @@ class CampaignRunner:
                 )
                 target = f"member{member}"
                 if member in self.etcd_down:
-                    raise injectors.TargetNotFound(f"etcd {target} is down already")
+                    raise TargetNotFound(f"etcd {target} is down already")
                 injectors.stop_etcd(self.run_dir, self.etcd, member)
                 self.etcd_down[member] = now + spec.duration_s
-        except injectors.TargetNotFound as exc:
+        except TargetNotFound as exc:
             self._skip(spec, target, str(exc))
             return
         print(f"chaos: fault {self.number}: {spec.kind} {target}", flush=True)
@@ -235,7 +236,7 @@ class CampaignRunner:
         print(f"chaos: fault {self.number}: {spec.kind} {node} (requested)", flush=True)
 
     def _skip(self, spec: FaultSpec, target: str, reason: str) -> None:
-        injectors.skipped(self.run_dir, str(spec.kind), target, reason)
+        skipped(self.run_dir, str(spec.kind), target, reason)
         print(f"chaos: fault {self.number} ({spec.kind}) skipped: {reason}", flush=True)
 
     def _end_timed_faults(self, now: float, restart: bool = True) -> None:
@@ -273,7 +274,7 @@ class CampaignRunner:
                         self.run_dir, node, self.endpoints, self.cfg.cluster.nodes
                     )
                 else:
-                    injectors.log_event(self.run_dir, "fault_cleared", kind="restart", target=node)
+                    log_event(self.run_dir, "fault_cleared", kind="restart", target=node)
                     proc = self.start_node(node)
                 self.restarted.append((node, proc))
                 del self.down[node]

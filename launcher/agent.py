@@ -308,7 +308,7 @@ class Agent:
             self._on_fault_request(msg.request_id, msg.request)
 
     def _on_fault_request(self, request_id: str, request: dict[str, Any]) -> None:
-        """Answer a fault request; if accepted, hand it to ``python -m chaos.node_helper``, in
+        """Answer a fault request; if accepted, hand it to ``python -m launcher.fault_helper``, in
         a session of its own, so that it outlives this agent when it stops or kills it."""
         answer = decide.answer_fault_request(request, self.cfg.chaos.allow, self.slots)
         kind, by = request.get("kind"), request.get("by", "?")
@@ -341,7 +341,7 @@ class Agent:
         argv = [
             sys.executable,
             "-m",
-            "chaos.node_helper",
+            "launcher.fault_helper",
             f"--run-dir={self.run_dir}",
             f"--node={self.node_id}",
             f"--agent-pid={os.getpid()}",

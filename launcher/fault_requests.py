@@ -6,7 +6,7 @@ under a lease of its own, so that a request nobody took vanishes with its reques
 agent follows its own folder (:class:`FaultRequests`, one small watch), decides
 (:func:`launcher.decisions.answer_fault_request`: only a job started with ``chaos.allow=true``
 takes any), writes its answer to ``.../answers/<node_id>/<id>``, deletes the request, and, when
-it accepted, starts ``python -m chaos.node_helper`` in a session of its own: the helper strikes
+it accepted, starts ``python -m launcher.fault_helper`` in a session of its own: the helper strikes
 and ends the fault (thaws the node, starts it again), so it outlives the agent it stops or
 kills. The keys sit beside the job's prefix, not under it, so the rendezvous's watch never
 carries them.

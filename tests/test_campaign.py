@@ -13,7 +13,7 @@ import pytest
 
 from chaos.campaign import CampaignConfig, FaultKind, FaultSpec, pick, problems, schedule
 from chaos.cli import nothing_to_judge, split
-from chaos.injectors import TargetNotFound, clear_disk, corrupt_shard, fill_disk
+from chaos.injectors import clear_disk, corrupt_shard, fill_disk
 from chaos.runner import due
 from chaos.timeline import levels, phases, smoothed
 from chaos.verdict import (
@@ -27,6 +27,7 @@ from chaos.verdict import (
 )
 from elastic.events import read_events
 from elastic.manifest import FORMAT, file_record
+from launcher.fault_helper import TargetNotFound
 
 from .conftest import small_tmpfs
 

@@ -1,9 +1,11 @@
-"""The layout matches the processes: no import cycles, and a worker imports nothing of the agent's.
+"""The layout matches the processes: no import cycles, a worker imports nothing of the agent's,
+and the runtime runs no test tooling.
 
-``elastic/`` is what a worker imports and ``launcher/`` is the agent and the commands. The graph is
-read from the source (every ``import``, at module level or inside a function, since a function-level
-import hides a cycle rather than removing it), and a real worker module is imported in a fresh
-interpreter to see what it loads.
+``elastic/`` is what a worker imports and ``launcher/`` is the agent and the commands; ``chaos/``
+strikes faults at them from outside, so neither may import it or start it as ``python -m
+chaos...``. The graph is read from the source (every ``import``, at module level or inside a
+function, since a function-level import hides a cycle rather than removing it), and a real worker
+module is imported in a fresh interpreter to see what it loads.
 
     .venv/bin/python -m tests.test_layout     # prints the graph of elastic/ and launcher/
 """
@@ -11,6 +13,7 @@ interpreter to see what it loads.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -78,6 +81,39 @@ def test_elastic_imports_nothing_from_launcher() -> None:
         m: sorted(t for t in targets if t.startswith("launcher")) for m, targets in graph.items()
     }
     assert {m: t for m, t in upward.items() if m.startswith("elastic") and t} == {}
+
+
+def chaos_uses(path: Path) -> list[str]:
+    """Where the module at ``path`` imports ``chaos`` or names one of its modules in a string
+    (the ``-m`` argument of a child process): ``line: what``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = [node.module or ""]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            # A module path, not the word: "chaos" is also the role of fault events.
+            names = [node.value] if re.fullmatch(r"chaos(\.\w+)+", node.value) else []
+        else:
+            continue
+        found += [f"{node.lineno}: {n}" for n in names if n == "chaos" or n.startswith("chaos.")]
+    return found
+
+
+def test_the_runtime_neither_imports_nor_runs_chaos() -> None:
+    modules = [p for package in PACKAGES for p in (REPO / package).rglob("*.py")]
+    uses = {module_name(p): chaos_uses(p) for p in modules}
+    assert {m: u for m, u in uses.items() if u} == {}
+
+
+def test_the_chaos_finder_sees_an_import_and_a_module_run_as_a_child(tmp_path: Path) -> None:
+    source = tmp_path / "m.py"
+    source.write_text(
+        'import os\nfrom chaos import injectors\nargv = ["python", "-m", "chaos.node_helper"]\n'
+        'role = "chaos"\ndoc = "chaos campaigns"\n'
+    )
+    assert chaos_uses(source) == ["2: chaos", "3: chaos.node_helper"]
 
 
 def test_a_worker_loads_no_module_of_the_launcher() -> None:
