@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from launcher.fault_requests import answer_key, request_folder
+from launcher.keys import JobKeys
 
 ANSWER_TIMEOUT_S = 15.0  # an agent answers within a pass of its loop (about a second)
 REQUEST_TTL_S = 60  # an untaken request vanishes after this
@@ -50,7 +50,8 @@ def request_fault(
     from etcd3.exceptions import WatchTimedOut  # imported with the client that was passed in
 
     request_id = uuid.uuid4().hex[:12]
-    key = request_folder(prefix, job_id, node_id) + request_id
+    keys = JobKeys(prefix, job_id)
+    key = keys.requests(node_id) + request_id
     body = {
         "kind": kind,
         "duration_s": duration_s,
@@ -60,7 +61,7 @@ def request_fault(
     }
     lease = client.lease(REQUEST_TTL_S)
     put = client.put(key, json.dumps(body), lease=lease)
-    answered = answer_key(prefix, job_id, node_id, request_id)
+    answered = keys.answer(node_id, request_id)
     try:
         event = client.watch_once(
             answered, timeout=timeout_s, start_revision=put.header.revision + 1

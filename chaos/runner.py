@@ -37,7 +37,7 @@ from elastic.config import Config
 from elastic.events import EventFollower
 from launcher.embedded_etcd import EmbeddedEtcd
 from launcher.fault_helper import TargetNotFound, log_event, skipped
-from launcher.rendezvous import job_prefix
+from launcher.keys import JobKeys
 
 POLL_S = 0.1  # how often the schedule is looked at: well under a step
 RESTARTED_EXIT_S = 30.0  # how long a restarted agent may take to end after the job
@@ -117,7 +117,7 @@ class CampaignRunner:
         if self.remote is None:
             nodes = [f"node{i}" for i in range(self.cfg.cluster.nodes)]
         else:  # the nodes registered now
-            folder = job_prefix(self.cfg.rendezvous.prefix, self.cfg.job_id) + "/nodes/"
+            folder = JobKeys(self.cfg.rendezvous.prefix, self.cfg.job_id).nodes
             nodes = sorted(m.key.decode()[len(folder) :] for _, m in self.remote.get_prefix(folder))
         cut = {node for node, _ in self.cut}
         return [n for n in nodes if n not in self.down and n not in self.frozen and n not in cut]

@@ -79,7 +79,7 @@ from launcher.inbox import (
     WorkerLeaving,
     WorkerPeerLost,
 )
-from launcher.progress_key import PROGRESS_KEY, ProgressPublisher
+from launcher.progress_key import ProgressPublisher
 from launcher.quarantine import Entry, Quarantine, clear_command
 from launcher.rendezvous import (
     ETCD_LOST_FIX,
@@ -251,7 +251,7 @@ class Agent:
             str(self.run_dir),
             self.node_id,
             self.cfg.checkpoint.url,
-            put=lambda value: self.rdzv.put_under_lease(PROGRESS_KEY, value),
+            put=lambda value: self.rdzv.put_under_lease(self.rdzv.keys.progress, value),
         )
         code = 1
         try:

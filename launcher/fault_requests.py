@@ -21,21 +21,9 @@ from dataclasses import asdict
 from typing import Any
 
 from launcher.decisions import FaultAnswer
-from launcher.rendezvous import job_prefix
+from launcher.keys import JobKeys
 
 log = logging.getLogger(__name__)
-
-
-def chaos_prefix(prefix: str, job_id: str) -> str:
-    return job_prefix(prefix, job_id) + ".chaos"
-
-
-def request_folder(prefix: str, job_id: str, node_id: str) -> str:
-    return f"{chaos_prefix(prefix, job_id)}/requests/{node_id}/"
-
-
-def answer_key(prefix: str, job_id: str, node_id: str, request_id: str) -> str:
-    return f"{chaos_prefix(prefix, job_id)}/answers/{node_id}/{request_id}"
 
 
 class FaultRequests:
@@ -51,8 +39,8 @@ class FaultRequests:
         post: Callable[[str, dict[str, Any]], None],
     ) -> None:
         self._client = client
-        self._prefix, self._job_id, self._node_id = prefix, job_id, node_id
-        self._folder = request_folder(prefix, job_id, node_id)
+        self._keys, self._node_id = JobKeys(prefix, job_id), node_id
+        self._folder = self._keys.requests(node_id)
         self._post = post
         self._watch_id: int | None = None
 
@@ -71,7 +59,7 @@ class FaultRequests:
 
     def answer(self, request_id: str, answer: FaultAnswer) -> None:
         """Write this node's answer and remove the request, in one transaction."""
-        key = answer_key(self._prefix, self._job_id, self._node_id, request_id)
+        key = self._keys.answer(self._node_id, request_id)
         self._client.transaction(
             compare=[],
             success=[

@@ -28,8 +28,6 @@ from launcher.rendezvous import Round
 
 log = logging.getLogger(__name__)
 
-PROGRESS_KEY = "progress"  # under the job's rendezvous prefix
-
 
 def progress_record(
     step: dict[str, Any], total_samples: int, checkpoint_url: str, now: float

@@ -1,6 +1,6 @@
 """etcd v3 rendezvous: which nodes are in the job and which round they train in.
 
-Keys under ``<prefix>/<job>/``:
+Keys under ``<prefix>/<job>/`` (:mod:`launcher.keys` builds them):
 
 - ``nodes/<node_id>``: a live node, JSON :class:`NodeRecord`, under the node's lease. A dead
   machine's key vanishes when the lease expires; a node that leaves revokes its lease. A node
@@ -63,17 +63,10 @@ from launcher.etcd import (
     lease_gone,
     read_at_one_revision,
 )
+from launcher.keys import JobKeys
 from launcher.lease import KeepAliveStream, NoAnswer
 
 log = logging.getLogger(__name__)
-
-
-QUARANTINE_DIR = "quarantine/"
-
-
-def job_prefix(prefix: str, job_id: str) -> str:
-    """The key prefix of one job's rendezvous (``rendezvous.prefix``/``job_id``)."""
-    return f"{prefix}/{job_id}"
 
 
 class NodeIdInUse(RuntimeError):
@@ -184,7 +177,6 @@ class Member:
 
 
 ROUND_LIMIT_BYTES = 1_400_000  # under etcd's default request limit (1.5 MiB) with room to spare
-ROUND_PARTS_DIR = "round_parts/"  # under the job: the members of a round too large for one value
 
 
 class RoundIncomplete(ValueError):
@@ -500,16 +492,16 @@ class Rendezvous:
         self._events = events
         self._on_change = on_change or (lambda: None)
         self.node = node
-        base = job_prefix(cfg.prefix, job_id)
-        self._prefix = base + "/"
-        self._nodes_prefix = base + "/nodes/"
-        self._node_key = self._nodes_prefix + node.node_id
-        self._round_key = base + "/round"
-        self._parts_prefix = f"{base}/{ROUND_PARTS_DIR}"
-        self._done_key = base + "/done"
-        self._leader_key = base + "/leader"
-        self._quarantine_prefix = f"{base}/{QUARANTINE_DIR}"
-        self._own_quarantine_key = self._quarantine_prefix + node.node_id
+        self.keys = keys = JobKeys(cfg.prefix, job_id)
+        self._prefix = keys.rendezvous
+        self._nodes_prefix = keys.nodes
+        self._node_key = keys.node(node.node_id)
+        self._round_key = keys.round
+        self._parts_prefix = keys.round_parts
+        self._done_key = keys.done
+        self._leader_key = keys.leader
+        self._quarantine_prefix = keys.quarantine
+        self._own_quarantine_key = keys.quarantined(node.node_id)
 
         self._cond = threading.Condition()
         self._view = JobView()
@@ -733,14 +725,14 @@ class Rendezvous:
             "mark the job done", lambda: self._client.put(self._done_key, record, self._lease)
         )
 
-    def put_under_lease(self, name: str, value: str) -> None:
-        """Put ``<job>/<name>`` (the ``progress`` key) under this node's lease, so it goes with
-        the node; once, not retried: raises what etcd raises, and nothing while unregistered."""
+    def put_under_lease(self, key: str, value: str) -> None:
+        """Put ``key`` (the ``progress`` key) under this node's lease, so it goes with the node;
+        once, not retried: raises what etcd raises, and nothing while unregistered."""
         lease = self._lease
         if lease is None or self.fenced.is_set():
             return
         self.load.requests += 1
-        self._client.put(self._prefix + name, value, lease)
+        self._client.put(key, value, lease)
 
     # --- the view ----------------------------------------------------------------------------
 
@@ -841,7 +833,7 @@ class Rendezvous:
         deleted only by a later round)."""
 
         def read_parts(parts_id: str, count: int) -> list[bytes]:
-            folder = f"{self._parts_prefix}{parts_id}/"
+            folder = self.keys.round_part_folder(parts_id)
             self.load.requests += count
             reads = [(f"{folder}{i:06d}", None) for i in range(count)]
             _, found = read_at_one_revision(self._client, reads, revision)
@@ -1157,7 +1149,7 @@ class Rendezvous:
         # folder: a rival's never mixes in); the round key then names them.
         parts_id = f"{number:012d}-{self._registration:012d}"
         head, parts = new.to_values(parts_id)
-        folder = f"{self._parts_prefix}{parts_id}/"
+        folder = self.keys.round_part_folder(parts_id)
         for i, part in enumerate(parts):
             self.load.requests += 1
             self._client.put(f"{folder}{i:06d}", part)

@@ -33,16 +33,9 @@ from typing import Any
 from elastic import config
 from launcher.compose import UsageError, compose, finalize
 from launcher.health_report import HealthReport
+from launcher.keys import JobKeys
 from launcher.local_cluster import ENDPOINTS_FILE
-from launcher.progress_key import PROGRESS_KEY
-from launcher.rendezvous import (
-    QUARANTINE_DIR,
-    ROUND_PARTS_DIR,
-    NodeRecord,
-    Round,
-    job_prefix,
-    leader_value,
-)
+from launcher.rendezvous import NodeRecord, Round, leader_value
 
 # One key of the range read: its value and create revision (a node's registration).
 Keys = Mapping[str, tuple[bytes, int]]
@@ -53,14 +46,6 @@ class StatusError(RuntimeError):
 
 
 # --- the data ----------------------------------------------------------------------------------
-
-
-def key_range(prefix: str, job_id: str) -> tuple[str, str]:
-    """The one range holding ``<job>/...``, ``<job>.health/...`` and ``<job>.chaos/...``: from
-    ``<job>.`` up to ``<job>0`` ('.' < '/' < '0'). A job id has only letters, digits, ``-``
-    and ``_``, so no other job's keys fall in it."""
-    base = job_prefix(prefix, job_id)
-    return base + ".", base + "0"
 
 
 def newest_checkpoint(url: str, now: float) -> dict[str, Any] | None:
@@ -100,30 +85,29 @@ def gather(
     checkpoint: dict[str, Any] | None = None,
     endpoints: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """The status of a job from its keys (:func:`key_range`, by full key) at wall time ``now``,
-    with the newest checkpoint (:func:`newest_checkpoint`): the data that ``--json`` prints."""
-    base = job_prefix(prefix, job_id)
-    nodes_dir, q_dir = f"{base}/nodes/", f"{base}/{QUARANTINE_DIR}"
-    reports_dir, strikes_dir = f"{base}.health/reports/", f"{base}.health/strikes/"
+    """The status of a job from its keys (:meth:`JobKeys.everything`, by full key) at wall time
+    ``now``, with the newest checkpoint (:func:`newest_checkpoint`): the data that ``--json``
+    prints."""
+    job = JobKeys(prefix, job_id)
 
     def under(folder: str) -> dict[str, tuple[bytes, int]]:
         return {k[len(folder) :]: v for k, v in keys.items() if k.startswith(folder)}
 
-    nodes = {n: NodeRecord.from_json(v, rev) for n, (v, rev) in under(nodes_dir).items()}
-    reports = {n: HealthReport.from_json(v) for n, (v, _) in under(reports_dir).items()}
-    strikes = {n: json.loads(v) for n, (v, _) in under(strikes_dir).items()}
-    quarantine = {n: json.loads(v) for n, (v, _) in under(q_dir).items()}
-    raw_round = keys.get(f"{base}/round")
+    nodes = {n: NodeRecord.from_json(v, rev) for n, (v, rev) in under(job.nodes).items()}
+    reports = {n: HealthReport.from_json(v) for n, (v, _) in under(job.reports).items()}
+    strikes = {n: json.loads(v) for n, (v, _) in under(job.strikes).items()}
+    quarantine = {n: json.loads(v) for n, (v, _) in under(job.quarantine).items()}
+    raw_round = keys.get(job.round)
 
     def round_parts(parts_id: str, _count: int) -> list[bytes]:
-        parts = under(f"{base}/{ROUND_PARTS_DIR}{parts_id}/")
+        parts = under(job.round_part_folder(parts_id))
         return [parts[index][0] for index in sorted(parts)]
 
     rnd = Round.from_json(raw_round[0], round_parts) if raw_round else None
-    raw_leader = keys.get(f"{base}/leader")
+    raw_leader = keys.get(job.leader)
     leader = json.loads(raw_leader[0])[0] if raw_leader else ""
     leads = raw_leader[0].decode() if raw_leader else ""
-    raw_progress = keys.get(f"{base}/{PROGRESS_KEY}")
+    raw_progress = keys.get(job.progress)
     progress = json.loads(raw_progress[0]) if raw_progress else None
     if progress is not None:
         progress["age_s"] = round(now - progress["logged_at"], 1)
@@ -178,7 +162,7 @@ def gather(
         "prefix": prefix,
         "endpoints": list(endpoints),
         "at": now,
-        "done": f"{base}/done" in keys,
+        "done": job.done in keys,
         "leader": leader,
         "round": None
         if rnd is None
@@ -372,7 +356,8 @@ class Reader:
                     timeout_s=cfg.health.etcd_timeout_s,
                     security=etcd_security(cfg.cluster),
                 )
-            start, end = key_range(prefix, cfg.job_id)
+            job = JobKeys(prefix, cfg.job_id)
+            start, end = job.everything()
             keys = {
                 meta.key.decode(): (value, meta.create_revision)
                 for value, meta in self._client.get_range(start, end)
@@ -388,13 +373,12 @@ class Reader:
         if not keys:
             raise StatusError(
                 f"etcd ({where}) holds no keys of job {cfg.job_id} under "
-                f"{job_prefix(prefix, cfg.job_id)}/: the job is not running there. Fix: check "
+                f"{job.rendezvous}: the job is not running there. Fix: check "
                 "job_id, cluster.etcd_endpoints and rendezvous.prefix (they must be the "
                 "launch's)"
             )
         now = time.time()
-        base = job_prefix(prefix, cfg.job_id)
-        raw = keys.get(f"{base}/{PROGRESS_KEY}")
+        raw = keys.get(job.progress)
         url = (json.loads(raw[0]).get("checkpoint_url") if raw else "") or cfg.checkpoint.url
         try:
             checkpoint = newest_checkpoint(url, now)

@@ -14,6 +14,7 @@ import pytest
 from elastic.config import RendezvousConfig
 from launcher import rendezvous
 from launcher.etcd import connect, read_at_one_revision
+from launcher.keys import JobKeys
 from launcher.rendezvous import (
     JobView,
     NodeIdInUse,
@@ -229,7 +230,7 @@ def test_a_split_round_is_fenced_read_whole_and_its_stale_parts_deleted(
     a, b, c = make("a"), make("b"), make("c")
     view = a.wait(lambda v: v.round is not None and v.round.world_size == 3, timeout=10)
     assert view is not None and view.round is not None
-    folders = f"/elastic/{job_id}/{rendezvous.ROUND_PARTS_DIR}"
+    folders = JobKeys("/elastic", job_id).round_parts
 
     def parts() -> list[str]:
         return sorted(m.key.decode()[len(folders) :] for _, m in etcd_client.get_prefix(folders))

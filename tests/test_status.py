@@ -15,6 +15,7 @@ import pytest
 from elastic.events import EventLog
 from launcher import status
 from launcher.health_report import CheckResult, HealthReport, Status
+from launcher.keys import JobKeys
 from launcher.progress_key import ProgressPublisher, progress_record
 from launcher.rendezvous import NodeRecord, Round, leader_value
 
@@ -132,7 +133,7 @@ def test_the_screen_shows_every_line_an_operator_needs() -> None:
 
 
 def test_the_key_range_holds_the_job_and_its_health_keys_and_no_other_job() -> None:
-    start, end = status.key_range("/elastic", "run1")
+    start, end = JobKeys("/elastic", "run1").everything()
     inside = ["/elastic/run1/nodes/a", "/elastic/run1/progress", "/elastic/run1.health/reports/a"]
     outside = ["/elastic/run1-b/nodes/a", "/elastic/run1_b/round", "/elastic/run10/round"]
     assert all(start <= k < end for k in inside)

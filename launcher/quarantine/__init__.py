@@ -7,15 +7,9 @@ new round each time it leaves and comes back. After ``health.max_strikes`` failu
 etcd lease that nobody keeps alive, so it ends on time even if the node died meanwhile, and the
 leader never places a quarantined node in a round (:func:`launcher.rendezvous.plan_round`).
 
-Keys (``<rendezvous.prefix>/<job_id>`` is the job's rendezvous prefix):
-
-- ``<job>/quarantine/<node>``: JSON :class:`Entry` under a lease of TTL ``quarantine_s``; in the
-  rendezvous prefix, so every agent's watch sees it.
-- ``<job>.health/reports/<node>``: the node's last :class:`~launcher.health_report.HealthReport`.
-- ``<job>.health/strikes/<node>``: JSON list of its recent failures.
-
-Reports and strikes sit beside the rendezvous prefix, not in it, so that agents' watches and
-snapshots do not carry them. ``etcdctl get --prefix /elastic/<job>`` shows all of it.
+The keys (:mod:`launcher.keys`): an :class:`Entry` under a lease of TTL ``quarantine_s`` in the
+rendezvous, so every agent's watch sees it; the node's last health report and its recent
+failures beside it.
 
 Operators: ``python -m launcher.quarantine list|clear|add [...] job_id=... cluster...``
 (:mod:`launcher.quarantine.__main__`).
@@ -32,7 +26,7 @@ from typing import Any
 from elastic.config import ClusterConfig, HealthConfig
 from elastic.events import EventLog
 from launcher.health_report import HealthReport
-from launcher.rendezvous import QUARANTINE_DIR, job_prefix
+from launcher.keys import JobKeys
 
 CLEAR_POLL_S = 1.0  # how soon a waiting node notices that an operator cleared it
 
@@ -72,25 +66,22 @@ class Quarantine:
         self._cfg = cfg
         self._events = events
         # In the rendezvous prefix: every agent's watch sees quarantine come and go.
-        self._entries = f"{job_prefix(prefix, job_id)}/{QUARANTINE_DIR}"
-        health = f"{job_prefix(prefix, job_id)}.health/"
-        self._reports = health + "reports/"
-        self._strikes = health + "strikes/"
+        self._keys = JobKeys(prefix, job_id)
 
     # --- reports -------------------------------------------------------------------------------
 
     def publish(self, report: HealthReport) -> None:
-        self._client.put(self._reports + report.node_id, report.to_json())
+        self._client.put(self._keys.report(report.node_id), report.to_json())
 
     def report(self, node_id: str) -> HealthReport | None:
-        raw, _ = self._client.get(self._reports + node_id)
+        raw, _ = self._client.get(self._keys.report(node_id))
         return HealthReport.from_json(raw) if raw else None
 
     # --- strikes -------------------------------------------------------------------------------
 
     def strikes(self, node_id: str) -> list[dict[str, Any]]:
         """The node's failures within ``strike_window_s``, oldest first."""
-        raw, _ = self._client.get(self._strikes + node_id)
+        raw, _ = self._client.get(self._keys.strike(node_id))
         horizon = time.time() - self._cfg.strike_window_s
         return [s for s in (json.loads(raw) if raw else []) if s["ts"] >= horizon]
 
@@ -102,7 +93,7 @@ class Quarantine:
         strikes = [*self.strikes(node_id), {"ts": time.time(), "reason": reason}]
         self._emit("strike", strikes=len(strikes), max_strikes=self._cfg.max_strikes, reason=reason)
         if len(strikes) < self._cfg.max_strikes:
-            self._client.put(self._strikes + node_id, json.dumps(strikes))
+            self._client.put(self._keys.strike(node_id), json.dumps(strikes))
             return None
         return self.add(
             node_id, self._cfg.quarantine_s, tuple(s["reason"] for s in strikes), by="agent"
@@ -115,14 +106,14 @@ class Quarantine:
         now = time.time()
         entry = Entry(node_id, now, now + seconds, reasons, by)
         lease = self._client.lease(max(2, math.ceil(seconds)))
-        self._client.put(self._entries + node_id, entry.to_json(), lease=lease)
-        self._client.delete(self._strikes + node_id)
+        self._client.put(self._keys.quarantined(node_id), entry.to_json(), lease=lease)
+        self._client.delete(self._keys.strike(node_id))
         self._emit("quarantined", peer=node_id, until=entry.until, reasons=list(reasons), by=by)
         return entry
 
     def get(self, node_id: str) -> tuple[Entry, float] | None:
         """The node's entry and the seconds its cooldown has left (from the lease), or None."""
-        raw, meta = self._client.get(self._entries + node_id)
+        raw, meta = self._client.get(self._keys.quarantined(node_id))
         if raw is None:
             return None
         return Entry.from_json(raw), self._left(meta)
@@ -131,15 +122,15 @@ class Quarantine:
         return sorted(
             (
                 (Entry.from_json(raw), self._left(meta))
-                for raw, meta in self._client.get_prefix(self._entries)
+                for raw, meta in self._client.get_prefix(self._keys.quarantine)
             ),
             key=lambda e: e[0].node_id,
         )
 
     def clear(self, node_id: str) -> bool:
         """End ``node_id``'s quarantine now and forget its strikes; False if it had none."""
-        deleted = bool(self._client.delete(self._entries + node_id))
-        self._client.delete(self._strikes + node_id)
+        deleted = bool(self._client.delete(self._keys.quarantined(node_id)))
+        self._client.delete(self._keys.strike(node_id))
         return deleted
 
     def wait_cleared(self, node_id: str, timeout_s: float) -> bool:
