@@ -285,7 +285,8 @@ def ours_process(
     """Host our simulated nodes ``ids`` with ``cfg`` (a RendezvousConfig); obey ``conn``'s
     commands."""
     from launcher.etcd import INSECURE, connect
-    from launcher.rendezvous import NodeRecord, Rendezvous
+    from launcher.membership import NodeRecord
+    from launcher.rendezvous import Rendezvous
 
     sinks = {i: _Sink() for i in ids}
     shared = connect(endpoints, security=INSECURE) if clients == "per-process" else None

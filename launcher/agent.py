@@ -79,19 +79,10 @@ from launcher.inbox import (
     WorkerLeaving,
     WorkerPeerLost,
 )
+from launcher.membership import JobView, Member, NodeRecord, Round
 from launcher.progress_key import ProgressPublisher
 from launcher.quarantine import Entry, Quarantine, clear_command
-from launcher.rendezvous import (
-    ETCD_LOST_FIX,
-    EtcdDenied,
-    EtcdLost,
-    JobView,
-    Member,
-    NodeIdInUse,
-    NodeRecord,
-    Rendezvous,
-    Round,
-)
+from launcher.rendezvous import ETCD_LOST_FIX, EtcdDenied, EtcdLost, NodeIdInUse, Rendezvous
 from launcher.slots import local_slots
 from launcher.workers import WorkerGroup
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from elastic.control import EXIT_PEER_LOST, Assignment
-from launcher.rendezvous import JobView, Member, NodeRecord, Round
+from launcher.membership import JobView, Member, NodeRecord, Round
 
 # --- worker exits ---------------------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from elastic.events import EventFollower
 from launcher import decisions as decide
-from launcher.rendezvous import Round
+from launcher.membership import Round
 
 log = logging.getLogger(__name__)
 

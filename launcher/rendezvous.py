@@ -50,8 +50,8 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence, Set
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from elastic.config import RendezvousConfig
@@ -65,6 +65,15 @@ from launcher.etcd import (
 )
 from launcher.keys import JobKeys
 from launcher.lease import KeepAliveStream, NoAnswer
+from launcher.membership import (
+    JobView,
+    Member,
+    NodeRecord,
+    Round,
+    RoundIncomplete,
+    leader_value,
+)
+from launcher.round_plan import draining, only_drops, plan_round, shrink_only, switch_step
 
 log = logging.getLogger(__name__)
 
@@ -140,217 +149,6 @@ class EtcdLoad:
         return dict(zip(("etcd_requests", "watch_events", "watch_bytes"), delta, strict=True))
 
 
-@dataclass(frozen=True)
-class NodeRecord:
-    """What a node publishes about itself under its lease."""
-
-    node_id: str
-    host: str
-    store_port: int  # the agent's c10d TCPStore, used when this node holds rank 0
-    slots: int  # workers this node runs
-    incarnation: int = 0
-    ready: bool = False  # its workers are up and waiting for a round
-    # A planned leave (SIGTERM, a drain): the node trains up to this step, then leaves its round
-    # for the next one, which the others form without it; 0: not leaving.
-    leaving_after: int = 0
-    joined_rev: int = 0  # etcd create_revision of the node key: the join order
-
-    def to_json(self) -> str:
-        data = asdict(self)
-        del data["joined_rev"]
-        return json.dumps(data)
-
-    @classmethod
-    def from_json(cls, raw: bytes | str, joined_rev: int) -> NodeRecord:
-        return cls(**json.loads(raw), joined_rev=joined_rev)
-
-
-@dataclass(frozen=True)
-class Member:
-    node_id: str
-    joined_rev: int  # which registration of node_id this is
-    incarnation: int
-    host: str
-    slots: int
-    first_rank: int
-    port: int = 0  # the node's agent port (its store_port): what peers probe
-
-
-ROUND_LIMIT_BYTES = 1_400_000  # under etcd's default request limit (1.5 MiB) with room to spare
-
-
-class RoundIncomplete(ValueError):
-    """A split round's parts are not all there: a newer round replaced it meanwhile (and its
-    parts were deleted), and that round's own event follows."""
-
-
-@dataclass(frozen=True)
-class Round:
-    """A closed membership: who trains, with which global ranks, and where the c10d store is.
-
-    Every node reads it, so its value is compact: each member is a list of its id,
-    registration, incarnation, host, agent port and slots (ranks follow from the order), about
-    50 bytes a member; 1024 nodes take about 50 KB. Past about 28,000 members the value would
-    exceed what one etcd request carries: the members are then split over part keys, each
-    under the limit, written before the ``round`` key that names them (:meth:`to_values`).
-    """
-
-    number: int
-    members: tuple[Member, ...]
-    store_host: str
-    store_port: int
-    formed_at: float = 0.0
-    # The members of the previous round switch to this one after training this step (a planned
-    # leave: nothing in flight is dropped); 0: at once.
-    after_step: int = 0
-
-    @property
-    def world_size(self) -> int:
-        return sum(m.slots for m in self.members)
-
-    def member(self, node_id: str) -> Member | None:
-        return next((m for m in self.members if m.node_id == node_id), None)
-
-    def to_json(self) -> str:
-        """The whole round as one value (:meth:`to_values` splits it where it must)."""
-        return self._head(self._rows(), None)
-
-    def to_values(self, parts_id: str, limit: int | None = None) -> tuple[str, list[str]]:
-        """The ``round`` key's value and, for a round larger than ``limit`` bytes (default
-        :data:`ROUND_LIMIT_BYTES`), its parts: consecutive runs of members, each value under
-        ``limit``, stored under ``round_parts/<parts_id>/<index>``. The head then names
-        ``parts_id`` and the count instead of carrying the members."""
-        limit = ROUND_LIMIT_BYTES if limit is None else limit
-        rows = self._rows()
-        whole = self._head(rows, None)
-        if len(whole) <= limit:
-            return whole, []
-        parts: list[str] = []
-        chunk: list[str] = []
-        size = 2  # the brackets
-        for row in (json.dumps(r, separators=(",", ":")) for r in rows):
-            if size + len(row) + 1 > limit:
-                if not chunk:
-                    raise ValueError(f"one member of round {self.number} exceeds {limit} bytes")
-                parts.append("[" + ",".join(chunk) + "]")
-                chunk, size = [], 2
-            chunk.append(row)
-            size += len(row) + 1
-        parts.append("[" + ",".join(chunk) + "]")
-        return self._head([], [parts_id, len(parts)]), parts
-
-    def _rows(self) -> list[list[Any]]:
-        return [
-            [m.node_id, m.joined_rev, m.incarnation, m.host, m.port, m.slots] for m in self.members
-        ]
-
-    def _head(self, rows: list[list[Any]], parts: list[Any] | None) -> str:
-        head: dict[str, Any] = {
-            "number": self.number,
-            "members": rows,
-            "store": [self.store_host, self.store_port],
-            "formed_at": round(self.formed_at, 3),
-            "after_step": self.after_step,
-        }
-        if parts is not None:
-            head["parts"] = parts
-        return json.dumps(head, separators=(",", ":"))
-
-    @classmethod
-    def from_json(
-        cls,
-        raw: bytes | str,
-        read_parts: Callable[[str, int], Sequence[bytes | str]] | None = None,
-    ) -> Round:
-        """The round from its value; a split round's members from ``read_parts(parts_id,
-        count)``, its part values in order (asked only for a split round, so that a whole one
-        is parsed once). :class:`RoundIncomplete` if they are not all there."""
-        data = json.loads(raw)
-        rows = data["members"]
-        if "parts" in data:
-            parts_id, count = data["parts"]
-            parts = read_parts(parts_id, count) if read_parts else []
-            if len(parts) != count:
-                raise RoundIncomplete(
-                    f"round {data['number']} has {count} parts, {len(parts)} found"
-                )
-            rows = [row for part in parts for row in json.loads(part)]
-        members, rank = [], 0
-        for node_id, joined_rev, incarnation, host, port, slots in rows:
-            members.append(Member(node_id, joined_rev, incarnation, host, slots, rank, port))
-            rank += slots
-        host, port = data["store"]
-        return cls(
-            data["number"], tuple(members), host, port, data["formed_at"], data["after_step"]
-        )
-
-    @classmethod
-    def build(cls, number: int, nodes: list[NodeRecord], after_step: int = 0) -> Round:
-        members, rank = [], 0
-        for n in nodes:
-            members.append(
-                Member(n.node_id, n.joined_rev, n.incarnation, n.host, n.slots, rank, n.store_port)
-            )
-            rank += n.slots
-        return cls(
-            number,
-            tuple(members),
-            nodes[0].host,
-            nodes[0].store_port,
-            round(time.time(), 3),
-            after_step,
-        )
-
-
-@dataclass(frozen=True)
-class JobView:
-    """This process's picture of the job in etcd, as of ``revision``.
-
-    Only the leader follows the whole membership (``complete``): every other node knows its own
-    record, the round, the leader, ``done`` and its own quarantine key, which is what it acts on,
-    so a membership change costs one watch event at the leader, not one at every node.
-    """
-
-    nodes: Mapping[str, NodeRecord] = field(default_factory=dict)
-    round: Round | None = None
-    round_rev: int = 0  # mod_revision of the round key; 0 when there is none
-    done_in: int | None = None  # the round that trained the job, once a node marked it done
-    revision: int = 0
-    quarantined: frozenset[str] = frozenset()  # node ids kept out (launcher.quarantine)
-    leader: str = ""  # the ``leader`` key's value (:func:`leader_value`); "" while there is none
-    complete: bool = False  # ``nodes`` and ``quarantined`` hold the whole job (the leader's view)
-
-    @property
-    def done(self) -> bool:
-        """Whether the job is trained (sticky: see :meth:`Rendezvous._publish`)."""
-        return self.done_in is not None
-
-    def round_intact(self) -> bool:
-        """Every member of the current round is still live, as the registration and incarnation
-        it joined with, not quarantined and not leaving, as far as this view knows: a view that
-        is not complete trusts the leader for the members it does not follow."""
-        if self.round is None:
-            return False
-        for m in self.round.members:
-            n = self.nodes.get(m.node_id)
-            if m.node_id in self.quarantined or (n is None and self.complete):
-                return False
-            if n is not None and (
-                (n.joined_rev, n.incarnation) != (m.joined_rev, m.incarnation)
-                or not n.ready
-                or n.leaving_after
-            ):
-                return False
-        return True
-
-    def is_member(self, node: NodeRecord) -> Member | None:
-        """``node``'s place in the current round, if the round lists this very registration."""
-        m = self.round.member(node.node_id) if self.round else None
-        if m is None or (m.joined_rev, m.incarnation) != (node.joined_rev, node.incarnation):
-            return None
-        return m
-
-
 def _membership(nodes: Mapping[Any, NodeRecord | None]) -> dict[Any, tuple[int, int, bool]]:
     """What of each node's record makes the leader wait for membership to settle."""
     return {k: (n.joined_rev, n.incarnation, n.ready) for k, n in nodes.items() if n is not None}
@@ -371,99 +169,9 @@ def _prefix_end(prefix: str) -> bytes:
     return raw[:-1] + bytes([raw[-1] + 1])
 
 
-def leader_value(node_id: str, joined_rev: int) -> str:
-    """The ``leader`` key's value: which registration of which node leads."""
-    return json.dumps([node_id, joined_rev])
-
-
 def _done_in(value: bytes) -> int:
     """The round named by the ``done`` key's value (:meth:`Rendezvous.mark_done`)."""
     return int(json.loads(value)["round"])
-
-
-def plan_round(view: JobView, min_nodes: int, max_nodes: int) -> list[NodeRecord] | None:
-    """The members the next round should have, in rank order, or None if none is needed now.
-
-    A new round is needed when there is none, when a member is gone, reported a failure, was
-    quarantined or is leaving, or when nodes are waiting and the round has room for them.
-    Quarantined and leaving nodes are never placed. Survivors keep their relative order, so
-    rank 0 stays where it was unless its node left; newcomers follow in join order.
-    """
-    ready = {
-        n.node_id: n
-        for n in view.nodes.values()
-        if n.ready and not n.leaving_after and n.node_id not in view.quarantined
-    }
-    if view.done or len(ready) < min_nodes:
-        return None
-    current = view.round
-    if current is not None and view.round_intact():
-        waiting = [n for n in ready if current.member(n) is None]
-        if not waiting or len(current.members) >= max_nodes:
-            return None
-    previous = [m.node_id for m in current.members] if current else []
-    survivors = [ready[n] for n in previous if n in ready]
-    newcomers = sorted(
-        (n for n in ready.values() if n.node_id not in previous), key=lambda n: n.joined_rev
-    )
-    return (survivors + newcomers)[:max_nodes]
-
-
-def shrink_only(current: Round | None, members: list[NodeRecord]) -> bool:
-    """Whether ``members`` are members of ``current`` in the same registrations: a round that
-    only removes nodes, which is formed without waiting for membership to settle."""
-    if current is None:
-        return False
-    return all(
-        (m := current.member(n.node_id)) is not None
-        and (m.joined_rev, m.incarnation) == (n.joined_rev, n.incarnation)
-        for n in members
-    )
-
-
-def draining(view: JobView) -> frozenset[str]:
-    """The members of the current round that an operator quarantined (``quarantine add``: a
-    drain) and that are still there, training, as they joined: the leader waits a little for
-    them to leave as planned (:meth:`Rendezvous.leave_after`) before it drops them."""
-    if view.round is None:
-        return frozenset()
-    return frozenset(
-        m.node_id
-        for m in view.round.members
-        if m.node_id in view.quarantined
-        and (n := view.nodes.get(m.node_id)) is not None
-        and (n.joined_rev, n.incarnation) == (m.joined_rev, m.incarnation)
-        and n.ready
-        and not n.leaving_after
-    )
-
-
-def only_drops(current: Round | None, members: list[NodeRecord], nodes: Set[str]) -> bool:
-    """Whether a round of ``members`` differs from ``current`` only by leaving out ``nodes``."""
-    if current is None or not shrink_only(current, members):
-        return False
-    return {m.node_id for m in current.members} - {n.node_id for n in members} <= nodes
-
-
-def switch_step(view: JobView, members: list[NodeRecord]) -> int:
-    """When the members of the current round should move to a new round of ``members``: after
-    the step the leaving nodes asked for, if the new round only lets planned leavers go (every
-    other member stays as it was); else 0, at once (a failure, a join: the step in flight is
-    dropped)."""
-    current = view.round
-    if current is None or not shrink_only(current, members):
-        return 0
-    kept = {n.node_id for n in members}
-    gone = [m for m in current.members if m.node_id not in kept]
-    leaving = [view.nodes.get(m.node_id) for m in gone]
-    if not gone or any(
-        n is None
-        or not n.leaving_after
-        or (n.joined_rev, n.incarnation) != (m.joined_rev, m.incarnation)
-        for n, m in zip(leaving, gone, strict=True)
-    ):
-        return 0
-    return max(n.leaving_after for n in leaving if n is not None)
 
 
 class Rendezvous:

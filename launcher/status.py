@@ -35,7 +35,7 @@ from launcher.compose import UsageError, compose, finalize
 from launcher.health_report import HealthReport
 from launcher.keys import JobKeys
 from launcher.local_cluster import ENDPOINTS_FILE
-from launcher.rendezvous import NodeRecord, Round, leader_value
+from launcher.membership import NodeRecord, Round, leader_value
 
 # One key of the range read: its value and create revision (a node's registration).
 Keys = Mapping[str, tuple[bytes, int]]

@@ -15,7 +15,8 @@ import pytest
 from elastic.config import RendezvousConfig
 from launcher.embedded_etcd import EmbeddedEtcd
 from launcher.etcd import connect
-from launcher.rendezvous import NodeRecord, Rendezvous
+from launcher.membership import NodeRecord
+from launcher.rendezvous import Rendezvous
 
 REPO = Path(__file__).resolve().parent.parent
 

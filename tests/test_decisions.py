@@ -48,9 +48,9 @@ from launcher.decisions import (
 )
 from launcher.inbox import Inbox, RendezvousChanged, Signal, WorkerExited, WorkerPeerLost
 from launcher.local_cluster import FINISHED_GRACE_S, still_waiting
-from launcher.rendezvous import JobView, NodeRecord, Round
+from launcher.membership import JobView, NodeRecord, Round
 
-from .test_rendezvous import leaving, node
+from .test_round_plan import leaving, node
 
 
 def job(

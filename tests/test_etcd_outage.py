@@ -19,13 +19,8 @@ from elastic.events import EventLog, read_events
 from launcher.embedded_etcd import EmbeddedEtcd
 from launcher.etcd import connect, grpc_target
 from launcher.lease import KeepAliveStream
-from launcher.rendezvous import (
-    Lease,
-    NodeRecord,
-    Rendezvous,
-    backoff,
-    lease_verdict,
-)
+from launcher.membership import NodeRecord
+from launcher.rendezvous import Lease, Rendezvous, backoff, lease_verdict
 
 from .conftest import FAST
 

@@ -35,7 +35,8 @@ from launcher.embedded_etcd import etcd_binary, free_port
 from launcher.etcd import EtcdRefused, EtcdSecurity, connect
 from launcher.health import check_etcd_and_clock, check_etcd_certificates
 from launcher.health_report import Status
-from launcher.rendezvous import EtcdDenied, NodeRecord, Rendezvous
+from launcher.membership import NodeRecord
+from launcher.rendezvous import EtcdDenied, Rendezvous
 from tests.conftest import FAST, REPO
 
 x509 = pytest.importorskip("cryptography.x509")

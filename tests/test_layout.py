@@ -83,6 +83,18 @@ def test_elastic_imports_nothing_from_launcher() -> None:
     assert {m: t for m, t in upward.items() if m.startswith("elastic") and t} == {}
 
 
+# The agent's decisions are pure functions over plain data: they may read the membership's types,
+# the key layout and the worker contract's constants, and nothing that talks to etcd or processes.
+PURE = {"launcher.decisions", "launcher.round_plan", "launcher.membership", "launcher.keys"}
+PURE_MAY_IMPORT = PURE | {"elastic.control"}
+
+
+def test_the_decisions_import_no_module_that_does_io() -> None:
+    graph = import_graph()
+    assert graph.keys() >= PURE
+    assert {m: sorted(graph[m] - PURE_MAY_IMPORT) for m in PURE if graph[m] - PURE_MAY_IMPORT} == {}
+
+
 def chaos_uses(path: Path) -> list[str]:
     """Where the module at ``path`` imports ``chaos`` or names one of its modules in a string
     (the ``-m`` argument of a child process): ``line: what``."""

@@ -13,10 +13,12 @@ import pytest
 
 from elastic.config import ClusterConfig, EtcdTlsConfig, HealthConfig
 from launcher.etcd import connect
+from launcher.membership import JobView, Round
 from launcher.quarantine import Quarantine, clear_command
-from launcher.rendezvous import JobView, Round, plan_round
+from launcher.round_plan import plan_round
 
-from .test_rendezvous import node, round_number
+from .test_rendezvous import round_number
+from .test_round_plan import node
 
 REPO = Path(__file__).resolve().parent.parent
 PREFIX = "/elastic"

@@ -7,115 +7,21 @@ import subprocess
 import sys
 import textwrap
 import time
-from dataclasses import replace
 
 import pytest
 
 from elastic.config import RendezvousConfig
-from launcher import rendezvous
+from launcher import membership
 from launcher.etcd import connect, read_at_one_revision
 from launcher.keys import JobKeys
-from launcher.rendezvous import (
-    JobView,
-    NodeIdInUse,
-    NodeRecord,
-    Rendezvous,
-    Round,
-    RoundIncomplete,
-    plan_round,
-    shrink_only,
-    switch_step,
-)
+from launcher.membership import NodeRecord
+from launcher.rendezvous import NodeIdInUse, Rendezvous
 
 from .conftest import FAST
 
 
-def node(name: str, rev: int = 0, incarnation: int = 0, slots: int = 1) -> NodeRecord:
-    return NodeRecord(name, "127.0.0.1", 1000, slots, incarnation, ready=True, joined_rev=rev)
-
-
 def round_number(n: int):  # type: ignore[no-untyped-def]
     return lambda v: v.round is not None and v.round.number >= n
-
-
-# --- pure logic ---------------------------------------------------------------------------------
-
-
-def test_plan_round_orders_survivors_first_then_newcomers_by_join_order() -> None:
-    current = Round.build(4, [node("b", 2), node("a", 1)])
-    view = JobView({"a": node("a", 1), "c": node("c", 3), "d": node("d", 0)}, current, 10)
-    assert [n.node_id for n in plan_round(view, 1, 3) or []] == ["a", "d", "c"]
-
-
-def test_plan_round_keeps_an_intact_full_round_and_respects_min_nodes() -> None:
-    full = Round.build(1, [node("a", 1), node("b", 2)])
-    spare = JobView({"a": node("a", 1), "b": node("b", 2), "c": node("c", 3)}, full, 5)
-    assert plan_round(spare, 1, 2) is None  # c waits as a spare: the round is full
-    assert [n.node_id for n in plan_round(spare, 1, 3) or []] == ["a", "b", "c"]
-    assert plan_round(JobView({"a": node("a", 1)}), 2, 3) is None
-
-
-def test_plan_round_replaces_a_round_whose_member_reported_a_failure() -> None:
-    current = Round.build(1, [node("a", 1), node("b", 2)])
-    view = JobView({"a": node("a", 1), "b": node("b", 2, incarnation=1)}, current, 5)
-    assert not view.round_intact()
-    planned = plan_round(view, 1, 2) or []
-    assert [(n.node_id, n.incarnation) for n in planned] == [("a", 0), ("b", 1)]
-
-
-def leaving(n: NodeRecord, after_step: int) -> NodeRecord:
-    return replace(n, leaving_after=after_step)
-
-
-def test_a_leaving_member_breaks_the_round_and_is_not_placed_again() -> None:
-    current = Round.build(1, [node("a", 1), node("b", 2), node("c", 3)])
-    view = JobView({"a": node("a", 1), "b": leaving(node("b", 2), 16), "c": node("c", 3)}, current)
-    assert not view.round_intact()
-    planned = plan_round(view, 1, 3) or []
-    assert [n.node_id for n in planned] == ["a", "c"]
-
-
-def test_a_round_that_only_lets_planned_leavers_go_switches_after_their_step() -> None:
-    a, b, c = node("a", 1), node("b", 2), node("c", 3)
-    current = Round.build(1, [a, b, c])
-    view = JobView({"a": a, "b": leaving(b, 16), "c": leaving(c, 17)}, current)
-    assert switch_step(view, [a]) == 17  # the later of the two: nobody has trained past it
-    # Anything else switches at once: a failure (the step in flight cannot finish) or a join.
-    assert switch_step(JobView({"a": a, "c": c}, current), [a, c]) == 0  # b died
-    b_leaves = {"a": a, "b": leaving(b, 16), "c": c}
-    assert switch_step(JobView(b_leaves, current), [a]) == 0  # c goes too, unplanned
-    assert switch_step(JobView(b_leaves | {"d": node("d", 4)}, current), [a, c, node("d", 4)]) == 0
-    # A leaver that came back as a new incarnation (it failed meanwhile) is a failure too.
-    failed = b_leaves | {"b": leaving(node("b", 2, 1), 16)}
-    assert switch_step(JobView(failed, current), [a, c]) == 0
-    assert switch_step(JobView(b_leaves), [a, c]) == 0  # no round yet
-    assert Round.from_json(Round.build(2, [a, c], after_step=16).to_json()).after_step == 16
-
-
-def test_round_ranks_follow_member_slots() -> None:
-    r = Round.build(1, [node("a", slots=2), node("b", slots=3)])
-    assert [(m.node_id, m.first_rank) for m in r.members] == [("a", 0), ("b", 2)]
-    assert r.world_size == 5
-    assert Round.from_json(r.to_json()) == r
-
-
-def test_a_round_too_large_for_one_value_is_split_under_the_limit() -> None:
-    r = Round.build(3, [node(f"node-{i:04d}", i + 1) for i in range(200)])
-    head, parts = r.to_values("000000000003-000000000007", limit=1000)
-    assert len(parts) > 1 and all(len(p) <= 1000 for p in parts) and len(head) < 1000
-    asked: list[tuple[str, int]] = []
-
-    def read_parts(parts_id: str, count: int) -> list[str]:
-        asked.append((parts_id, count))
-        return parts
-
-    assert Round.from_json(head, read_parts) == r
-    assert asked == [("000000000003-000000000007", len(parts))]
-    with pytest.raises(RoundIncomplete):  # a part deleted by a newer round meanwhile
-        Round.from_json(head, lambda parts_id, count: parts[:-1])
-    assert r.to_values("unused") == (r.to_json(), [])  # under the default limit: one value
-    assert Round.from_json(r.to_json(), read_parts) == r
-    assert len(asked) == 1  # a whole round names no parts
 
 
 # --- against etcd --------------------------------------------------------------------------------
@@ -226,7 +132,7 @@ def test_round_replacement_is_fenced(make) -> None:
 def test_a_split_round_is_fenced_read_whole_and_its_stale_parts_deleted(
     make, etcd_client, job_id, monkeypatch
 ) -> None:
-    monkeypatch.setattr(rendezvous, "ROUND_LIMIT_BYTES", 70)  # two members a part
+    monkeypatch.setattr(membership, "ROUND_LIMIT_BYTES", 70)  # two members a part
     a, b, c = make("a"), make("b"), make("c")
     view = a.wait(lambda v: v.round is not None and v.round.world_size == 3, timeout=10)
     assert view is not None and view.round is not None
@@ -246,7 +152,7 @@ def test_a_split_round_is_fenced_read_whole_and_its_stale_parts_deleted(
         assert seen is not None and seen.round is not None
         assert [m.node_id for m in seen.round.members] == ["a", "b", "c"]
     d.leave()
-    monkeypatch.setattr(rendezvous, "ROUND_LIMIT_BYTES", 1_400_000)
+    monkeypatch.setattr(membership, "ROUND_LIMIT_BYTES", 1_400_000)
     c.leave()
     assert a.wait(lambda v: v.round is not None and v.round.world_size == 2, timeout=10)
     assert parts() == [], "a round that fits one value again: the split one's parts are gone"
@@ -319,7 +225,7 @@ NODE_PROCESS = textwrap.dedent("""
     import sys
     from elastic.config import RendezvousConfig
     from launcher.etcd import connect
-    from launcher.rendezvous import NodeRecord, Rendezvous
+    from launcher.rendezvous import Rendezvous
     endpoint, job = sys.argv[1], sys.argv[2]
     r = Rendezvous(connect([endpoint]), job_id=job, node=NodeRecord("doomed", "127.0.0.1", 1, 1),
                    cfg=RendezvousConfig(lease_ttl_s=2, settle_s=0.3, first_round_wait_s=0.3),
@@ -374,79 +280,3 @@ def test_a_node_that_registers_again_is_a_new_member(make) -> None:
     )
     assert view is not None
     assert view.round.member("a").joined_rev == view.nodes["a"].joined_rev
-
-
-# --- pure logic: readiness, registrations and shrinking rounds ----------------------------------
-
-
-def rec(name: str, rev: int, incarnation: int = 0, ready: bool = True) -> NodeRecord:
-    """A node record with every field named (``ready`` sits before ``joined_rev``)."""
-    return NodeRecord(name, "127.0.0.1", 1000, 1, incarnation, ready=ready, joined_rev=rev)
-
-
-def test_pure_non_ready_nodes_are_not_placed_in_a_round() -> None:
-    view = JobView({"a": rec("a", 1), "b": rec("b", 2, ready=False), "c": rec("c", 3)})
-    assert [n.node_id for n in plan_round(view, 1, 3) or []] == ["a", "c"]
-    assert plan_round(view, 3, 3) is None  # only two of the three nodes are ready
-
-
-def test_pure_a_ready_newcomer_joins_but_a_non_ready_one_does_not_break_the_round() -> None:
-    current = Round.build(1, [rec("a", 1), rec("b", 2)])
-    quiet = JobView({"a": rec("a", 1), "b": rec("b", 2), "c": rec("c", 3, ready=False)}, current)
-    assert quiet.round_intact()
-    assert plan_round(quiet, 1, 3) is None
-    ready = JobView({"a": rec("a", 1), "b": rec("b", 2), "c": rec("c", 3)}, current)
-    assert [n.node_id for n in plan_round(ready, 1, 3) or []] == ["a", "b", "c"]
-
-
-def test_pure_a_member_turning_non_ready_is_dropped() -> None:
-    current = Round.build(1, [rec("a", 1), rec("b", 2), rec("c", 3)])
-    intact = JobView({"a": rec("a", 1), "b": rec("b", 2), "c": rec("c", 3)}, current)
-    assert intact.round_intact() and plan_round(intact, 1, 3) is None
-    view = JobView({"a": rec("a", 1), "b": rec("b", 2, ready=False), "c": rec("c", 3)}, current)
-    assert not view.round_intact()
-    planned = plan_round(view, 1, 3) or []
-    assert [n.node_id for n in planned] == ["a", "c"]
-    assert shrink_only(current, planned)
-
-
-def test_pure_a_member_that_reported_a_failure_is_dropped_until_ready() -> None:
-    current = Round.build(1, [rec("a", 1), rec("b", 2)])
-    failed = JobView({"a": rec("a", 1), "b": rec("b", 2, incarnation=1, ready=False)}, current)
-    assert not failed.round_intact()
-    assert [n.node_id for n in plan_round(failed, 1, 2) or []] == ["a"]
-    back = JobView({"a": rec("a", 1), "b": rec("b", 2, incarnation=1)}, current)
-    assert not back.round_intact()
-    planned = plan_round(back, 1, 2) or []
-    assert [(n.node_id, n.incarnation) for n in planned] == [("a", 0), ("b", 1)]
-    assert not shrink_only(current, planned)  # b comes back as a new incarnation
-
-
-def test_pure_a_re_registered_member_breaks_the_round() -> None:
-    current = Round.build(1, [rec("a", 1), rec("b", 2)])
-    view = JobView({"a": rec("a", 1), "b": rec("b", 7)}, current)
-    assert not view.round_intact()
-    planned = plan_round(view, 1, 2) or []
-    assert [(n.node_id, n.joined_rev) for n in planned] == [("a", 1), ("b", 7)]
-    assert not shrink_only(current, planned)
-
-
-def test_pure_shrink_only() -> None:
-    current = Round.build(1, [rec("a", 1), rec("b", 2), rec("c", 3)])
-    assert shrink_only(current, [rec("a", 1), rec("c", 3)])
-    assert shrink_only(current, [rec("b", 2)])
-    assert not shrink_only(current, [rec("a", 1), rec("d", 4)])  # a newcomer
-    assert not shrink_only(current, [rec("a", 1), rec("c", 9)])  # c registered again
-    assert not shrink_only(current, [rec("a", 1), rec("c", 3, incarnation=1)])
-    assert not shrink_only(None, [rec("a", 1)])
-
-
-def test_pure_is_member_matches_only_the_same_registration_and_incarnation() -> None:
-    current = Round.build(1, [rec("a", 1), rec("b", 2)])
-    view = JobView({"a": rec("a", 1), "b": rec("b", 2)}, current)
-    b = view.is_member(rec("b", 2))
-    assert b is not None and (b.node_id, b.joined_rev, b.first_rank) == ("b", 2, 1)
-    assert view.is_member(rec("b", 5)) is None  # a new registration of b
-    assert view.is_member(rec("b", 2, incarnation=1)) is None
-    assert view.is_member(rec("z", 3)) is None
-    assert JobView({"a": rec("a", 1)}).is_member(rec("a", 1)) is None  # no round yet

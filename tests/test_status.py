@@ -16,10 +16,10 @@ from elastic.events import EventLog
 from launcher import status
 from launcher.health_report import CheckResult, HealthReport, Status
 from launcher.keys import JobKeys
+from launcher.membership import NodeRecord, Round, leader_value
 from launcher.progress_key import ProgressPublisher, progress_record
-from launcher.rendezvous import NodeRecord, Round, leader_value
 
-from .test_rendezvous import node
+from .test_round_plan import node
 
 NOW = 1_800_000_000.0
 BASE = "/elastic/job1"

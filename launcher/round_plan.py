@@ -1,0 +1,96 @@
+"""Round planning, as pure functions over a :class:`~launcher.membership.JobView`: who is in the
+next round and in which rank order, whether it only drops members (formed at once), which members
+an operator is draining, and after which step a planned leave switches rounds. The leader's
+rendezvous (:meth:`launcher.rendezvous.Rendezvous`) acts on them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Set
+
+from launcher.membership import JobView, NodeRecord, Round
+
+
+def plan_round(view: JobView, min_nodes: int, max_nodes: int) -> list[NodeRecord] | None:
+    """The members the next round should have, in rank order, or None if none is needed now.
+
+    A new round is needed when there is none, when a member is gone, reported a failure, was
+    quarantined or is leaving, or when nodes are waiting and the round has room for them.
+    Quarantined and leaving nodes are never placed. Survivors keep their relative order, so
+    rank 0 stays where it was unless its node left; newcomers follow in join order.
+    """
+    ready = {
+        n.node_id: n
+        for n in view.nodes.values()
+        if n.ready and not n.leaving_after and n.node_id not in view.quarantined
+    }
+    if view.done or len(ready) < min_nodes:
+        return None
+    current = view.round
+    if current is not None and view.round_intact():
+        waiting = [n for n in ready if current.member(n) is None]
+        if not waiting or len(current.members) >= max_nodes:
+            return None
+    previous = [m.node_id for m in current.members] if current else []
+    survivors = [ready[n] for n in previous if n in ready]
+    newcomers = sorted(
+        (n for n in ready.values() if n.node_id not in previous), key=lambda n: n.joined_rev
+    )
+    return (survivors + newcomers)[:max_nodes]
+
+
+def shrink_only(current: Round | None, members: list[NodeRecord]) -> bool:
+    """Whether ``members`` are members of ``current`` in the same registrations: a round that
+    only removes nodes, which is formed without waiting for membership to settle."""
+    if current is None:
+        return False
+    return all(
+        (m := current.member(n.node_id)) is not None
+        and (m.joined_rev, m.incarnation) == (n.joined_rev, n.incarnation)
+        for n in members
+    )
+
+
+def draining(view: JobView) -> frozenset[str]:
+    """The members of the current round that an operator quarantined (``quarantine add``: a
+    drain) and that are still there, training, as they joined: the leader waits a little for
+    them to leave as planned (:meth:`Rendezvous.leave_after`) before it drops them."""
+    if view.round is None:
+        return frozenset()
+    return frozenset(
+        m.node_id
+        for m in view.round.members
+        if m.node_id in view.quarantined
+        and (n := view.nodes.get(m.node_id)) is not None
+        and (n.joined_rev, n.incarnation) == (m.joined_rev, m.incarnation)
+        and n.ready
+        and not n.leaving_after
+    )
+
+
+def only_drops(current: Round | None, members: list[NodeRecord], nodes: Set[str]) -> bool:
+    """Whether a round of ``members`` differs from ``current`` only by leaving out ``nodes``."""
+    if current is None or not shrink_only(current, members):
+        return False
+    return {m.node_id for m in current.members} - {n.node_id for n in members} <= nodes
+
+
+def switch_step(view: JobView, members: list[NodeRecord]) -> int:
+    """When the members of the current round should move to a new round of ``members``: after
+    the step the leaving nodes asked for, if the new round only lets planned leavers go (every
+    other member stays as it was); else 0, at once (a failure, a join: the step in flight is
+    dropped)."""
+    current = view.round
+    if current is None or not shrink_only(current, members):
+        return 0
+    kept = {n.node_id for n in members}
+    gone = [m for m in current.members if m.node_id not in kept]
+    leaving = [view.nodes.get(m.node_id) for m in gone]
+    if not gone or any(
+        n is None
+        or not n.leaving_after
+        or (n.joined_rev, n.incarnation) != (m.joined_rev, m.incarnation)
+        for n, m in zip(leaving, gone, strict=True)
+    ):
+        return 0
+    return max(n.leaving_after for n in leaving if n is not None)
