@@ -225,6 +225,7 @@ NODE_PROCESS = textwrap.dedent("""
     import sys
     from elastic.config import RendezvousConfig
     from launcher.etcd import connect
+    from launcher.membership import NodeRecord
     from launcher.rendezvous import Rendezvous
     endpoint, job = sys.argv[1], sys.argv[2]
     r = Rendezvous(connect([endpoint]), job_id=job, node=NodeRecord("doomed", "127.0.0.1", 1, 1),

@@ -5,7 +5,7 @@ new round each time it leaves and comes back. After ``health.max_strikes`` failu
 ``health.strike_window_s`` it is quarantined: it leaves the job and stays out for
 ``health.quarantine_s``, after which it checks itself again and may rejoin. The cooldown is an
 etcd lease that nobody keeps alive, so it ends on time even if the node died meanwhile, and the
-leader never places a quarantined node in a round (:func:`launcher.rendezvous.plan_round`).
+leader never places a quarantined node in a round (:func:`launcher.round_plan.plan_round`).
 
 The keys (:mod:`launcher.keys`): an :class:`Entry` under a lease of TTL ``quarantine_s`` in the
 rendezvous, so every agent's watch sees it; the node's last health report and its recent
