@@ -121,6 +121,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
@@ -711,25 +712,26 @@ def measure(setup: Setup, repeats: int, work: Path) -> Runs:
     runs = Runs({e: [] for e in setup.intervals}, {e: [] for e in setup.intervals}, [])
     runtimes = (("ours", run_ours, runs.ours), ("plain", run_plain, runs.plain))
     began = time.monotonic()
+
+    def timed(i: int, what: str, run: Callable[..., Window], *args: Any) -> Window:
+        """``run(*args)``, its figures printed as repeat ``i``'s run of ``what``."""
+        t0 = time.monotonic()
+        w = run(*args)
+        print(
+            f"repeat {i + 1}/{repeats}, {what}: {w.samples_per_s:.1f} samples/s, "
+            f"{w.cpu_per_sample * 1000:.1f} CPU ms/sample ({time.monotonic() - t0:.0f} s)",
+            flush=True,
+        )
+        return w
+
     for i in range(repeats):
         for every in setup.intervals:
             for label, run, into in runtimes if i % 2 == 0 else runtimes[::-1]:
-                t0 = time.monotonic()
-                into[every].append(w := run(setup, work, every))
-                print(
-                    f"repeat {i + 1}/{repeats}, {row_name(every)}, {label}: "
-                    f"{w.samples_per_s:.1f} samples/s, {w.cpu_per_sample * 1000:.1f} CPU ms/sample "
-                    f"({time.monotonic() - t0:.0f} s)",
-                    flush=True,
-                )
+                what = f"{row_name(every)}, {label}"
+                into[every].append(timed(i, what, run, setup, work, every))
         if setup.device_decode:
-            t0 = time.monotonic()
-            runs.decoded.append(w := run_ours(setup, work, 0, ("data.decode=device",)))
-            print(
-                f"repeat {i + 1}/{repeats}, {DECODED}: {w.samples_per_s:.1f} samples/s, "
-                f"{w.cpu_per_sample * 1000:.1f} CPU ms/sample ({time.monotonic() - t0:.0f} s)",
-                flush=True,
-            )
+            on_device = ("data.decode=device",)
+            runs.decoded.append(timed(i, DECODED, run_ours, setup, work, 0, on_device))
         done = time.monotonic() - began
         if i + 1 < repeats:
             left = done / (i + 1) * (repeats - i - 1)

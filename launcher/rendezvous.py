@@ -200,16 +200,10 @@ class Rendezvous:
         self._events = events
         self._on_change = on_change or (lambda: None)
         self.node = node
-        self.keys = keys = JobKeys(cfg.prefix, job_id)
-        self._prefix = keys.rendezvous
-        self._nodes_prefix = keys.nodes
-        self._node_key = keys.node(node.node_id)
-        self._round_key = keys.round
-        self._parts_prefix = keys.round_parts
-        self._done_key = keys.done
-        self._leader_key = keys.leader
-        self._quarantine_prefix = keys.quarantine
-        self._own_quarantine_key = keys.quarantined(node.node_id)
+        self.keys = JobKeys(cfg.prefix, job_id)
+        # This node's own keys (its id never changes; every other key is self.keys').
+        self._node_key = self.keys.node(node.node_id)
+        self._own_quarantine_key = self.keys.quarantined(node.node_id)
 
         self._cond = threading.Condition()
         self._view = JobView()
@@ -287,11 +281,12 @@ class Rendezvous:
                 return call()
             except etcd_errors() as exc:
                 if denied(exc):
+                    prefix = self.keys.rendezvous
                     raise EtcdDenied(
-                        f"etcd denied {self.node.node_id} the job's keys ({self._prefix}) while "
+                        f"etcd denied {self.node.node_id} the job's keys ({prefix}) while "
                         f"trying to {what}. Fix: grant cluster.etcd_user's role readwrite on "
                         f"them (etcdctl role grant-permission ROLE readwrite --prefix=true "
-                        f"{self._prefix}), or run the job under a prefix the role covers "
+                        f"{prefix}), or run the job under a prefix the role covers "
                         "(rendezvous.prefix, job_id)"
                     ) from exc
                 waited = time.monotonic() - started
@@ -399,15 +394,15 @@ class Rendezvous:
         it is not (gone already, or registered again), or etcd did not answer: the caller may
         try again."""
         t = self._client.transactions
-        key = self._nodes_prefix + member.node_id
+        key = self.keys.node(member.node_id)
         held = leader_value(member.node_id, member.joined_rev)
         try:
             ok = False
             self.load.requests += 1
             if self.view.leader == held:  # it leads: the others need a new leader at once
                 ok, _ = self._client.transaction(
-                    compare=[t.create(key) == member.joined_rev, t.value(self._leader_key) == held],
-                    success=[t.delete(key), t.delete(self._leader_key)],
+                    compare=[t.create(key) == member.joined_rev, t.value(self.keys.leader) == held],
+                    success=[t.delete(key), t.delete(self.keys.leader)],
                     failure=[],
                 )
             if not ok:
@@ -430,7 +425,7 @@ class Rendezvous:
         record = json.dumps({"node": self.node.node_id, "round": round_number})
         self.load.requests += 1
         self.retry(
-            "mark the job done", lambda: self._client.put(self._done_key, record, self._lease)
+            "mark the job done", lambda: self._client.put(self.keys.done, record, self._lease)
         )
 
     def put_under_lease(self, key: str, value: str) -> None:
@@ -491,9 +486,9 @@ class Rendezvous:
         its own when ``everyone`` (the leader). Installs the view if it is not older than the one
         held; returns the snapshot's revision (watches start after it), or 0 if this node's own
         key is gone (it is fenced)."""
-        keys = [self._round_key, self._leader_key, self._done_key]
+        keys = list(self._singles())
         if everyone:
-            ranges = [self._nodes_prefix, self._quarantine_prefix]
+            ranges = [self.keys.nodes, self.keys.quarantine]
             reads = [(k, None) for k in keys] + [(r, _prefix_end(r)) for r in ranges]
         else:
             reads = [(k, None) for k in [*keys, self._node_key, self._own_quarantine_key]]
@@ -503,17 +498,17 @@ class Rendezvous:
         rnd, round_rev, leader, done_in, quarantined = None, 0, "", None, set()
         for kv in (kv for kvs in found for kv in kvs):
             key = kv.key.decode()
-            if key.startswith(self._nodes_prefix):
+            if key.startswith(self.keys.nodes):
                 rec = NodeRecord.from_json(kv.value, kv.create_revision)
                 nodes[rec.node_id] = rec
-            elif key == self._round_key:
+            elif key == self.keys.round:
                 rnd, round_rev = self._read_round(kv.value, revision), kv.mod_revision
-            elif key == self._leader_key:
+            elif key == self.keys.leader:
                 leader = kv.value.decode()
-            elif key == self._done_key:
+            elif key == self.keys.done:
                 done_in = _done_in(kv.value)
-            elif key.startswith(self._quarantine_prefix):
-                quarantined.add(key[len(self._quarantine_prefix) :])
+            elif key.startswith(self.keys.quarantine):
+                quarantined.add(key[len(self.keys.quarantine) :])
         if self.node.node_id not in nodes:  # evicted, or the lease expired: no revision to read
             with self._cond:
                 fenced = self._fence("this node's key is gone (evicted, or its lease expired)")
@@ -576,8 +571,8 @@ class Rendezvous:
                     continue  # in the snapshot already, or delivered twice (two watches)
                 self._applied[key] = ev.mod_revision
                 rev, applied = max(rev, ev.mod_revision), True
-                if key.startswith(self._nodes_prefix):
-                    node_id = key[len(self._nodes_prefix) :]
+                if key.startswith(self.keys.nodes):
+                    node_id = key[len(self.keys.nodes) :]
                     if deleted and node_id == self.node.node_id and not self._stop.is_set():
                         changed |= self._fence("this node was evicted by a peer")
                     before = nodes.pop(node_id, None)
@@ -585,7 +580,7 @@ class Rendezvous:
                         nodes[node_id] = NodeRecord.from_json(ev.value, ev.create_revision)
                     after = nodes.get(node_id)
                     joined |= _membership({0: before}) != _membership({0: after})
-                elif key == self._round_key and not deleted:
+                elif key == self.keys.round and not deleted:
                     try:
                         rnd = self._read_round(ev.value, ev.mod_revision)
                     except (*etcd_errors(), RoundIncomplete) as exc:
@@ -594,12 +589,12 @@ class Rendezvous:
                         self._wake.set()
                         break
                     round_rev = ev.mod_revision
-                elif key == self._leader_key:
+                elif key == self.keys.leader:
                     leader = "" if deleted else ev.value.decode()
-                elif key == self._done_key and not deleted:
+                elif key == self.keys.done and not deleted:
                     done_in = _done_in(ev.value)
-                elif key.startswith(self._quarantine_prefix):
-                    node_id = key[len(self._quarantine_prefix) :]
+                elif key.startswith(self.keys.quarantine):
+                    node_id = key[len(self.keys.quarantine) :]
                     (quarantined.discard if deleted else quarantined.add)(node_id)
             if applied:
                 self._publish(
@@ -769,7 +764,7 @@ class Rendezvous:
         if everyone:
             ids += [
                 add(p, self._on_watch, range_end=_prefix_end(p), start_revision=start)
-                for p in (self._nodes_prefix, self._quarantine_prefix)
+                for p in (self.keys.nodes, self.keys.quarantine)
             ]
         else:
             ids += [
@@ -780,7 +775,7 @@ class Rendezvous:
         self.load.requests += len(ids)
 
     def _singles(self) -> tuple[str, ...]:
-        return (self._round_key, self._leader_key, self._done_key)
+        return (self.keys.round, self.keys.leader, self.keys.done)
 
     def _claim_lead(self) -> None:
         """Take the ``leader`` key (under this node's lease, so it goes with the node) if nobody
@@ -791,12 +786,12 @@ class Rendezvous:
         self.load.requests += 1
         ok, _ = self._client.transaction(
             compare=[
-                t.version(self._leader_key) == 0,
+                t.version(self.keys.leader) == 0,
                 t.create(self._node_key) == self._registration,
             ],
             success=[
                 t.put(
-                    self._leader_key,
+                    self.keys.leader,
                     leader_value(self.node.node_id, self._registration),
                     self._lease,
                 )
@@ -863,19 +858,19 @@ class Rendezvous:
             self._client.put(f"{folder}{i:06d}", part)
         t = self._client.transactions
         fence = (
-            (t.mod(self._round_key) == view.round_rev)
+            (t.mod(self.keys.round) == view.round_rev)
             if view.round
-            else (t.version(self._round_key) == 0)
+            else (t.version(self.keys.round) == 0)
         )
         # Won: the older rounds' parts go (every folder that sorts before this one). Lost: this
         # proposal's own parts go.
-        older = folder if parts else _prefix_end(self._parts_prefix)
+        older = folder if parts else _prefix_end(self.keys.round_parts)
         self.load.requests += 1
         ok, _ = self._client.transaction(
             compare=[fence],
             success=[
-                t.put(self._round_key, head),
-                t.delete(self._parts_prefix, range_end=older),
+                t.put(self.keys.round, head),
+                t.delete(self.keys.round_parts, range_end=older),
             ],
             failure=[t.delete(folder, range_end=_prefix_end(folder))] if parts else [],
         )
