@@ -60,7 +60,7 @@ from elastic.events import EventLog, read_events  # noqa: E402
 from elastic.model import build_model  # noqa: E402
 from elastic.optim import build_optimizer  # noqa: E402
 from elastic.state import TrainState  # noqa: E402
-from launcher.embedded_etcd import free_port  # noqa: E402
+from launcher.rendezvous.embedded_etcd import free_port  # noqa: E402
 
 
 def training_state(model_name: str) -> TrainState:

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from chaos.convergence import SAMPLES_PER_EPOCH, Trial, run  # noqa: E402
-from launcher.embedded_etcd import EmbeddedEtcd  # noqa: E402
+from launcher.rendezvous.embedded_etcd import EmbeddedEtcd  # noqa: E402
 
 
 def draw(fault_free: Trial, faulted: Trial, out: Path) -> None:

@@ -226,7 +226,7 @@ def verdict(report: dict[str, Any]) -> tuple[bool, str]:
 
 def run(device: torch.device, rounds: int, timeout_s: float, out: Path | None) -> int:
     """The rounds, the table and the verdict; the exit code."""
-    # Hosted as the agent hosts it (launcher/agent.py), the round's ranks its clients.
+    # Hosted as the agent hosts it (launcher/agent/agent.py), the round's ranks its clients.
     store = dist.TCPStore(
         "0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
     )

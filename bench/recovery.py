@@ -74,7 +74,7 @@ from chaos.injectors import (  # noqa: E402
 from chaos.netns import PEER_LINK, LocalNetwork, available  # noqa: E402
 from chaos.report import Recovery, recovery  # noqa: E402
 from elastic.events import EventFollower, read_events  # noqa: E402
-from launcher.embedded_etcd import EmbeddedEtcd  # noqa: E402
+from launcher.rendezvous.embedded_etcd import EmbeddedEtcd  # noqa: E402
 
 DATASET = 640  # the default synthetic ImageFolder: 10 classes x 64 JPEGs
 BATCH = 16

@@ -4,7 +4,7 @@ with torchrun's defaults and tuned as a careful user would.
 
 The rows, each labelled in the table with what it ran with:
 
-- **ours**: :class:`launcher.rendezvous.Rendezvous`, the agent's code, with
+- **ours**: :class:`launcher.rendezvous.rendezvous.Rendezvous`, the agent's code, with
   ``conf/config.yaml``'s ``rendezvous`` section (lease TTL 3 s, so a keep-alive every 0.75 s;
   settle 1 s): our defaults, not a tuning. ``--lease-ttl-s`` overrides the TTL, and the row
   then says so. ``settle_s`` delays none of the figures below: every round measured either
@@ -284,9 +284,9 @@ def ours_process(
 ) -> None:
     """Host our simulated nodes ``ids`` with ``cfg`` (a RendezvousConfig); obey ``conn``'s
     commands."""
-    from launcher.etcd import INSECURE, connect
-    from launcher.membership import NodeRecord
-    from launcher.rendezvous import Rendezvous
+    from launcher.rendezvous.etcd import INSECURE, connect
+    from launcher.rendezvous.membership import NodeRecord
+    from launcher.rendezvous.rendezvous import Rendezvous
 
     sinks = {i: _Sink() for i in ids}
     shared = connect(endpoints, security=INSECURE) if clients == "per-process" else None
@@ -673,7 +673,7 @@ def main() -> None:
     import yaml
 
     from elastic.config import RendezvousConfig
-    from launcher.embedded_etcd import EmbeddedEtcd
+    from launcher.rendezvous.embedded_etcd import EmbeddedEtcd
 
     defaults = yaml.safe_load((REPO / "conf" / "config.yaml").read_text())["rendezvous"]
     cfg = RendezvousConfig(**defaults)

@@ -44,8 +44,8 @@ from elastic import config
 from elastic.config import ClusterMode, Config, ConfigError
 from elastic.events import EventFollower, read_events
 from launcher.compose import UsageError, compose, finalize
-from launcher.embedded_etcd import HOST, EmbeddedEtcd
-from launcher.etcd import EtcdUnavailable, connect, etcd_security
+from launcher.rendezvous.embedded_etcd import HOST, EmbeddedEtcd
+from launcher.rendezvous.etcd import EtcdUnavailable, connect, etcd_security
 
 ConfigStore.instance().store(name="chaos_schema", node=ChaosCommandConfig)
 

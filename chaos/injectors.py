@@ -2,7 +2,7 @@
 network partitions and slow links of nodes run in namespaces (:mod:`chaos.netns`).
 
 Nodes and workers are found through the events; etcd members through the
-:class:`~launcher.embedded_etcd.EmbeddedEtcd` that owns them, or, for the one ``python -m
+:class:`~launcher.rendezvous.embedded_etcd.EmbeddedEtcd` that owns them, or, for the one ``python -m
 launcher`` starts, by their data directory under the run's.
 
 Each injection is itself written to the event log (``events/chaos.jsonl``) with the moment the
@@ -27,8 +27,8 @@ from chaos.netns import PEER_LINK, LocalNetwork
 from elastic.events import read_events
 from elastic.lifeline import tied
 from elastic.manifest import MANIFEST, candidates
-from launcher.embedded_etcd import EmbeddedEtcd
-from launcher.fault_helper import TargetNotFound, log_event, process_tree, send
+from launcher.agent.fault_helper import TargetNotFound, log_event, process_tree, send
+from launcher.rendezvous.embedded_etcd import EmbeddedEtcd
 
 BALLAST = ".chaos-ballast"  # the file that fills a checkpoint file system
 

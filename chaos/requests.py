@@ -1,6 +1,6 @@
 """Ask a node of a running job for a fault through etcd, and wait for its answer.
 
-The other half of :mod:`launcher.fault_requests`: the request goes under the job's
+The other half of :mod:`launcher.agent.fault_requests`: the request goes under the job's
 ``.chaos/requests/<node>/`` folder with a lease of this process's, so that a request no agent
 took vanishes when the lease runs out instead of striking a node that comes up much later. The
 node's agent answers in ``.chaos/answers/<node>/<id>``: accepted (its helper carries the fault
@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from launcher.keys import JobKeys
+from launcher.rendezvous.keys import JobKeys
 
 ANSWER_TIMEOUT_S = 15.0  # an agent answers within a pass of its loop (about a second)
 REQUEST_TTL_S = 60  # an untaken request vanishes after this

@@ -35,9 +35,9 @@ from chaos.netns import ETCD_LINK, PEER_LINK, LocalNetwork
 from chaos.requests import NoAnswer, request_fault
 from elastic.config import Config
 from elastic.events import EventFollower
-from launcher.embedded_etcd import EmbeddedEtcd
-from launcher.fault_helper import TargetNotFound, log_event, skipped
-from launcher.keys import JobKeys
+from launcher.agent.fault_helper import TargetNotFound, log_event, skipped
+from launcher.rendezvous.embedded_etcd import EmbeddedEtcd
+from launcher.rendezvous.keys import JobKeys
 
 POLL_S = 0.1  # how often the schedule is looked at: well under a step
 RESTARTED_EXIT_S = 30.0  # how long a restarted agent may take to end after the job

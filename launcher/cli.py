@@ -2,7 +2,7 @@
 
 It composes the configuration from ``conf/`` and the command-line overrides, fills in the
 defaults that depend on the moment (job id, run directory, checkpoint URL), checks every value
-and the places the job needs (:mod:`launcher.preflight`: etcd, the checkpoint URL, the data)
+and the places the job needs (:mod:`launcher.health.preflight`: etcd, the checkpoint URL, the data)
 before anything starts, prepares the data, writes the resolved ``config.yaml`` that all agents and
 workers of the job read, and then either simulates ``cluster.nodes`` nodes on this machine
 (``cluster=local``) or runs this node's agent (``cluster=bare_metal``).
@@ -25,8 +25,8 @@ from elastic.config import ClusterMode, Config, ConfigError
 from elastic.events import EventFollower, read_events
 from elastic.synthetic import ensure_synthetic
 from launcher.compose import finalize
+from launcher.health.preflight import preflight
 from launcher.local_cluster import run_local
-from launcher.preflight import preflight
 from launcher.progress import ProgressDisplay, summary
 
 log = logging.getLogger("launcher")
@@ -76,7 +76,7 @@ def _run_bare_metal(cfg: Config, config_path: Path) -> int:
     """This node's agent in this process, with progress from this node's events."""
     # Imported here: the agent needs torch (its TCPStore), which a local launch's process, whose
     # agents run in processes of their own, would pay for in seconds before any node starts.
-    from launcher.agent import Agent
+    from launcher.agent.agent import Agent
 
     node_id = cfg.cluster.node_id or socket.gethostname()
     host = cfg.cluster.host or socket.getfqdn()

@@ -1,14 +1,14 @@
 """``python -m launcher.doctor``: is this machine fit to join a job? Without joining one.
 
-It runs the checks an agent runs before it joins (:func:`launcher.health.run_checks`), with the
-thresholds and job of the same Hydra overrides as the launch, prints them as a table (``--json``
+It runs the checks an agent runs before it joins (:func:`launcher.health.checks.run_checks`), with
+the thresholds and job of the same Hydra overrides as the launch, prints them as a table (``--json``
 for machines), and exits 1 when a check fails, 2 on bad arguments. Given a job (``job_id`` and
 ``cluster.etcd_endpoints``) it also says whether this node is quarantined in it. Nothing is
 written: not to etcd, and not where checkpoints go.
 
 It is meant to be quick, so it loads no torch unless it probes GPUs: the device is decided
-without CUDA where there can be no GPU (:func:`launcher.slots.local_slots`), and before the first
-checkpoint the disk check does not size the model (``run_checks(..., size_model=False)``).
+without CUDA where there can be no GPU (:func:`launcher.agent.slots.local_slots`), and before the
+first checkpoint the disk check does not size the model (``run_checks(..., size_model=False)``).
 
     python -m launcher.doctor
     python -m launcher.doctor --json cluster=bare_metal job_id=resnet50-run1 \\
@@ -24,12 +24,12 @@ import socket
 import sys
 
 from elastic.config import Config
+from launcher.agent.slots import local_slots
 from launcher.compose import UsageError, compose, finalize
-from launcher.etcd import EtcdUnavailable, connect, etcd_security
-from launcher.health import run_checks
-from launcher.health_report import CheckResult, Status
-from launcher.quarantine import Quarantine, clear_command
-from launcher.slots import local_slots
+from launcher.health.checks import run_checks
+from launcher.health.quarantine import Quarantine, clear_command
+from launcher.health.report import CheckResult, Status
+from launcher.rendezvous.etcd import EtcdUnavailable, connect, etcd_security
 
 
 def quarantine_row(cfg: Config, node_id: str) -> CheckResult:

@@ -21,8 +21,8 @@ from types import FrameType
 from elastic.config import Config
 from elastic.events import EventFollower
 from elastic.lifeline import tied
-from launcher.embedded_etcd import EmbeddedEtcd
 from launcher.progress import ProgressDisplay
+from launcher.rendezvous.embedded_etcd import EmbeddedEtcd
 
 log = logging.getLogger("launcher.local")
 

@@ -1,8 +1,8 @@
 """``python -m launcher.status``: one screen for an operator of a running job.
 
 It shows the job's members (host, ranks, ready, incarnation, health report, quarantine), the
-current round and its leader, the newest step (samples, LR, samples/s) that rank 0's agent
-published in the ``progress`` key (:mod:`launcher.progress_key`), and the newest committed
+current round and its leader, the newest step (samples, LR, samples/s) that rank 0's agent published
+in the ``progress`` key (:mod:`launcher.rendezvous.progress_key`), and the newest committed
 checkpoint with its age. ``--json`` prints the same data as JSON; ``--watch [seconds]`` refreshes
 until Ctrl-C.
 
@@ -32,10 +32,10 @@ from typing import Any
 
 from elastic import config
 from launcher.compose import UsageError, compose, finalize
-from launcher.health_report import HealthReport
-from launcher.keys import JobKeys
+from launcher.health.report import HealthReport
 from launcher.local_cluster import ENDPOINTS_FILE
-from launcher.membership import NodeRecord, Round, leader_value
+from launcher.rendezvous.keys import JobKeys
+from launcher.rendezvous.membership import NodeRecord, Round, leader_value
 
 # One key of the range read: its value and create revision (a node's registration).
 Keys = Mapping[str, tuple[bytes, int]]
@@ -345,7 +345,7 @@ class Reader:
         self._client: Any = None
 
     def read(self) -> dict[str, Any]:
-        from launcher.etcd import EtcdUnavailable, connect, etcd_errors, etcd_security
+        from launcher.rendezvous.etcd import EtcdUnavailable, connect, etcd_errors, etcd_security
 
         cfg, prefix = self.cfg, self.cfg.rendezvous.prefix
         where = f"cluster.etcd_endpoints=[{','.join(self.endpoints)}]"

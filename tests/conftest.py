@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from elastic.config import RendezvousConfig
-from launcher.embedded_etcd import EmbeddedEtcd
-from launcher.etcd import connect
-from launcher.membership import NodeRecord
-from launcher.rendezvous import Rendezvous
+from launcher.rendezvous.embedded_etcd import EmbeddedEtcd
+from launcher.rendezvous.etcd import connect
+from launcher.rendezvous.membership import NodeRecord
+from launcher.rendezvous.rendezvous import Rendezvous
 
 REPO = Path(__file__).resolve().parent.parent
 

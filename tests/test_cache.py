@@ -11,7 +11,7 @@ import pytest
 
 from elastic import cache
 from elastic.config import Config, ModelConfig, torchvision_models
-from launcher.health import model_bytes
+from launcher.health.checks import model_bytes
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ from chaos.verdict import (
 )
 from elastic.events import read_events
 from elastic.manifest import FORMAT, file_record
-from launcher.fault_helper import TargetNotFound
+from launcher.agent.fault_helper import TargetNotFound
 
 from .conftest import small_tmpfs
 

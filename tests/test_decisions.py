@@ -1,5 +1,5 @@
-"""The agent's decisions (launcher/decisions.py) on literal data: no etcd, no processes; and
-its inbox (launcher/inbox.py)."""
+"""The agent's decisions (launcher/agent/decisions.py) on literal data: no etcd, no processes; and
+its inbox (launcher/agent/inbox.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import threading
 import time
 
 from elastic.control import EXIT_PEER_LOST, Assignment
-from launcher.decisions import (
+from launcher.agent.decisions import (
     REQUESTABLE_KINDS,
     Assign,
     Drain,
@@ -46,9 +46,9 @@ from launcher.decisions import (
     reaches_the_round,
     refusing_checks,
 )
-from launcher.inbox import Inbox, RendezvousChanged, Signal, WorkerExited, WorkerPeerLost
+from launcher.agent.inbox import Inbox, RendezvousChanged, Signal, WorkerExited, WorkerPeerLost
 from launcher.local_cluster import FINISHED_GRACE_S, still_waiting
-from launcher.membership import JobView, NodeRecord, Round
+from launcher.rendezvous.membership import JobView, NodeRecord, Round
 
 from .test_round_plan import leaving, node
 

@@ -27,8 +27,8 @@ from elastic import config
 from elastic.control import EXIT_FAILED, EXIT_PEER_LOST
 from elastic.events import EventFollower, read_events
 from elastic.synthetic import ensure_synthetic
-from launcher.agent import EXIT_UNHEALTHY
-from launcher.quarantine import Quarantine
+from launcher.agent.agent import EXIT_UNHEALTHY
+from launcher.health.quarantine import Quarantine
 
 from .conftest import launch, output, small_tmpfs, with_limit
 

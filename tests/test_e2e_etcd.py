@@ -15,8 +15,8 @@ import psutil
 
 from chaos.injectors import kill_embedded_etcd_member, start_etcd, stop_etcd
 from elastic.events import read_events
-from launcher.agent import EXIT_ETCD_LOST
-from launcher.embedded_etcd import EmbeddedEtcd
+from launcher.agent.agent import EXIT_ETCD_LOST
+from launcher.rendezvous.embedded_etcd import EmbeddedEtcd
 
 from .conftest import launch, output
 from .test_e2e import RECORD, SAMPLES_PER_EPOCH, assert_invariants, wait_event, wait_exit

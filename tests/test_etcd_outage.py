@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from elastic.events import EventLog, read_events
-from launcher.embedded_etcd import EmbeddedEtcd
-from launcher.etcd import connect, grpc_target
-from launcher.lease import KeepAliveStream
-from launcher.membership import NodeRecord
-from launcher.rendezvous import Lease, Rendezvous, backoff, lease_verdict
+from launcher.rendezvous.embedded_etcd import EmbeddedEtcd
+from launcher.rendezvous.etcd import connect, grpc_target
+from launcher.rendezvous.lease import KeepAliveStream
+from launcher.rendezvous.membership import NodeRecord
+from launcher.rendezvous.rendezvous import Lease, Rendezvous, backoff, lease_verdict
 
 from .conftest import FAST
 

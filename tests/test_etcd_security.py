@@ -31,12 +31,12 @@ from elastic.config import (
     credential_problems,
     etcd_security_problems,
 )
-from launcher.embedded_etcd import etcd_binary, free_port
-from launcher.etcd import EtcdRefused, EtcdSecurity, connect
-from launcher.health import check_etcd_and_clock, check_etcd_certificates
-from launcher.health_report import Status
-from launcher.membership import NodeRecord
-from launcher.rendezvous import EtcdDenied, Rendezvous
+from launcher.health.checks import check_etcd_and_clock, check_etcd_certificates
+from launcher.health.report import Status
+from launcher.rendezvous.embedded_etcd import etcd_binary, free_port
+from launcher.rendezvous.etcd import EtcdRefused, EtcdSecurity, connect
+from launcher.rendezvous.membership import NodeRecord
+from launcher.rendezvous.rendezvous import EtcdDenied, Rendezvous
 from tests.conftest import FAST, REPO
 
 x509 = pytest.importorskip("cryptography.x509")
@@ -343,7 +343,7 @@ def test_a_wrong_password_is_refused_and_nothing_joins(
 def _agent_refused(etcd: SecureEtcd, cfg: Config, tmp_path: Path) -> str:
     """Run an agent of ``cfg`` (user ``job``, its password in the environment): it must leave
     unhealthy; its event log."""
-    from launcher.agent import EXIT_UNHEALTHY, Agent
+    from launcher.agent.agent import EXIT_UNHEALTHY, Agent
 
     os.environ["ELASTIC_ETCD_PASSWORD"] = PASSWORD
     try:
@@ -449,7 +449,7 @@ def test_the_torchrun_backend_speaks_tls_and_auth_and_refuses_without(
         RendezvousParameters,
     )
 
-    from launcher.torchrun_backend import create_backend
+    from launcher.torchrun.backend import create_backend
 
     secret = tmp_path / "password"
     secret.write_text(PASSWORD + "\n")

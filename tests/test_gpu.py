@@ -56,7 +56,7 @@ from elastic.optim import build_optimizer
 from elastic.pipeline import Prefetcher, make_loader
 from elastic.precision import MixedPrecision, resolve_channels_last, resolve_precision
 from elastic.state import TrainState, sync_state
-from launcher.slots import local_slots
+from launcher.agent.slots import local_slots
 from tests.conftest import served_store
 from tests.test_evaluate import LOSS, TOP1, TOP5, Logits, Recorder, identity_model
 

@@ -114,7 +114,7 @@ def test_installed_offline_into_a_folder_the_dependencies_import_from_it(
     gpu_wheels.install(here, target)
     probe = (
         "import importlib, json\n"
-        "from launcher.embedded_etcd import etcd_binary\n"
+        "from launcher.rendezvous.embedded_etcd import etcd_binary\n"
         f"files = {{m: importlib.import_module(m).__file__ for m in {IMPORTS!r}}}\n"
         "print(json.dumps({'files': files, 'etcd': etcd_binary()}))\n"
     )

@@ -18,9 +18,9 @@ import pytest
 
 from elastic.config import Config, HealthConfig
 from elastic.manifest import MANIFEST, newest_manifest
-from launcher import health
-from launcher.gpu_health import _read_lines, gpu_checks, judge_nvml, judge_probes, run_probe
-from launcher.health import (
+from launcher.agent.slots import device_without_cuda, gpu_device_nodes
+from launcher.health import checks as health
+from launcher.health.checks import (
     _clock_against,
     check_checkpoint_disk,
     check_etcd_and_clock,
@@ -28,8 +28,8 @@ from launcher.health import (
     checkpoint_bytes,
     checkpoints_to_fit,
 )
-from launcher.health_report import CheckResult, HealthReport, Status
-from launcher.slots import device_without_cuda, gpu_device_nodes
+from launcher.health.gpu import _read_lines, gpu_checks, judge_nvml, judge_probes, run_probe
+from launcher.health.report import CheckResult, HealthReport, Status
 
 from .conftest import REPO, with_limit
 
@@ -44,7 +44,7 @@ def run_check(check: str, limit: tuple[str, int, int], **health: object) -> dict
     code = (
         "import json, dataclasses\n"
         "from elastic.config import HealthConfig\n"
-        f"from launcher.health import {check}\n"
+        f"from launcher.health.checks import {check}\n"
         f"r = {check}(HealthConfig(**{health!r}))\n"
         "print(json.dumps({'status': r.status.value, 'message': r.message}))\n"
     )

@@ -1,9 +1,9 @@
-"""The etcd key layout (launcher/keys.py), written out: old run directories' operators and
-``etcdctl`` users rely on these names, so a change to one must be deliberate."""
+"""The etcd key layout (launcher/rendezvous/keys.py), written out: old run directories' operators
+and ``etcdctl`` users rely on these names, so a change to one must be deliberate."""
 
 from __future__ import annotations
 
-from launcher.keys import JobKeys
+from launcher.rendezvous.keys import JobKeys
 
 
 def test_every_key_of_a_job_is_under_one_of_its_three_trees() -> None:

@@ -1,12 +1,12 @@
-"""The membership's wire format and view (launcher/membership.py), pure: a round's ranks, its
-compact value and the split form of a round too large for one etcd value, and which
+"""The membership's wire format and view (launcher/rendezvous/membership.py), pure: a round's
+ranks, its compact value and the split form of a round too large for one etcd value, and which
 registration of a node a round lists."""
 
 from __future__ import annotations
 
 import pytest
 
-from launcher.membership import JobView, Round, RoundIncomplete
+from launcher.rendezvous.membership import JobView, Round, RoundIncomplete
 
 from .test_round_plan import node, rec
 

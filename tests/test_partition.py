@@ -14,7 +14,7 @@ import pytest
 
 from chaos import netns
 from chaos.injectors import heal, node_with_rank, partition, throttle, unthrottle
-from launcher.embedded_etcd import EmbeddedEtcd
+from launcher.rendezvous.embedded_etcd import EmbeddedEtcd
 
 from .conftest import FAST_JOB, output
 from .test_e2e import RECORD, assert_invariants, wait_event, wait_exit

@@ -7,9 +7,9 @@ import dataclasses
 from pathlib import Path
 
 from elastic.config import Config
-from launcher.embedded_etcd import free_port
-from launcher.health import writable_dir_problem
-from launcher.preflight import preflight
+from launcher.health.checks import writable_dir_problem
+from launcher.health.preflight import preflight
+from launcher.rendezvous.embedded_etcd import free_port
 
 from .conftest import small_tmpfs
 from .test_config import composed

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from elastic.config import ClusterConfig, EtcdTlsConfig, HealthConfig
-from launcher.etcd import connect
-from launcher.membership import JobView, Round
-from launcher.quarantine import Quarantine, clear_command
-from launcher.round_plan import plan_round
+from launcher.health.quarantine import Quarantine, clear_command
+from launcher.rendezvous.etcd import connect
+from launcher.rendezvous.membership import JobView, Round
+from launcher.rendezvous.round_plan import plan_round
 
 from .test_rendezvous import round_number
 from .test_round_plan import node

@@ -11,11 +11,11 @@ import time
 import pytest
 
 from elastic.config import RendezvousConfig
-from launcher import membership
-from launcher.etcd import connect, read_at_one_revision
-from launcher.keys import JobKeys
-from launcher.membership import NodeRecord
-from launcher.rendezvous import NodeIdInUse, Rendezvous
+from launcher.rendezvous import membership
+from launcher.rendezvous.etcd import connect, read_at_one_revision
+from launcher.rendezvous.keys import JobKeys
+from launcher.rendezvous.membership import NodeRecord
+from launcher.rendezvous.rendezvous import NodeIdInUse, Rendezvous
 
 from .conftest import FAST
 
@@ -224,9 +224,9 @@ def test_on_change_is_called_for_view_changes_and_fencing(
 NODE_PROCESS = textwrap.dedent("""
     import sys
     from elastic.config import RendezvousConfig
-    from launcher.etcd import connect
-    from launcher.membership import NodeRecord
-    from launcher.rendezvous import Rendezvous
+    from launcher.rendezvous.etcd import connect
+    from launcher.rendezvous.membership import NodeRecord
+    from launcher.rendezvous.rendezvous import Rendezvous
     endpoint, job = sys.argv[1], sys.argv[2]
     r = Rendezvous(connect([endpoint]), job_id=job, node=NodeRecord("doomed", "127.0.0.1", 1, 1),
                    cfg=RendezvousConfig(lease_ttl_s=2, settle_s=0.3, first_round_wait_s=0.3),

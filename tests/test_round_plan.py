@@ -1,12 +1,12 @@
-"""Round planning (launcher/round_plan.py), pure: who is in the next round, in which order,
-whether it only drops members, and when a planned leave switches rounds."""
+"""Round planning (launcher/rendezvous/round_plan.py), pure: who is in the next round, in which
+order, whether it only drops members, and when a planned leave switches rounds."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from launcher.membership import JobView, NodeRecord, Round
-from launcher.round_plan import plan_round, shrink_only, switch_step
+from launcher.rendezvous.membership import JobView, NodeRecord, Round
+from launcher.rendezvous.round_plan import plan_round, shrink_only, switch_step
 
 
 def node(name: str, rev: int = 0, incarnation: int = 0, slots: int = 1) -> NodeRecord:

@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 
 from elastic.checkpoint import MANIFEST, CheckpointManager
 from elastic.events import EventLog, read_events
-from launcher.embedded_etcd import free_port
+from launcher.rendezvous.embedded_etcd import free_port
 from tests.conftest import served_store
 
 BUCKET = "ckpt"

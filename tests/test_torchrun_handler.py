@@ -1,4 +1,4 @@
-"""torchrun's ``--rdzv-backend=etcd-v3`` (``launcher/torchrun_backend.py``) against a real etcd.
+"""torchrun's ``--rdzv-backend=etcd-v3`` (``launcher/torchrun/backend.py``) against a real etcd.
 
 The backend's compare-and-set (a stale token loses), the store the handler gives the agents, and
 three real torchrun agents running a gloo job: one node is killed mid-run (its agent and its
@@ -25,7 +25,7 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from launcher.torchrun_backend import create_backend
+from launcher.torchrun.backend import create_backend
 
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 STEPS = 60

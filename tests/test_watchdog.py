@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from launcher.watchdog import Watchdog
+from launcher.agent.watchdog import Watchdog
 
 LIMIT = 10.0
 

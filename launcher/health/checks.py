@@ -8,9 +8,9 @@ node that fails does not join at all.
 
 Every check reports pass, warn, fail or skip with a message that names the limit, the value found
 and, when it is not a pass, the fix. The host checks are here; the GPU checks are in
-:mod:`launcher.gpu_health`; :func:`run_checks` runs both into a report, whose types are
-:mod:`launcher.health_report`'s. Thresholds are the ``health`` config group. The agent publishes
-the report to etcd (:mod:`launcher.quarantine`), and ``python -m launcher.doctor`` prints it.
+:mod:`launcher.health.gpu`; :func:`run_checks` runs both into a report, whose types are
+:mod:`launcher.health.report`'s. Thresholds are the ``health`` config group. The agent publishes
+the report to etcd (:mod:`launcher.health.quarantine`), and ``python -m launcher.doctor`` prints it.
 
 The checks run before every join, so they cost only what they need: the size of a checkpoint
 comes from the newest checkpoint's manifest, and only a job without one yet builds the model (on
@@ -39,10 +39,10 @@ from typing import Any
 from elastic.cache import cached
 from elastic.config import Config, HealthConfig
 from elastic.manifest import committed, manifest_bytes, newest_manifest
-from launcher.embedded_etcd import etcd_binary
-from launcher.etcd import INSECURE, EtcdRefused, EtcdSecurity, etcd_security
-from launcher.gpu_health import gpu_checks
-from launcher.health_report import CheckResult, HealthReport, Status
+from launcher.health.gpu import gpu_checks
+from launcher.health.report import CheckResult, HealthReport, Status
+from launcher.rendezvous.embedded_etcd import etcd_binary
+from launcher.rendezvous.etcd import INSECURE, EtcdRefused, EtcdSecurity, etcd_security
 
 MB = 1 << 20
 GB = 1 << 30
@@ -521,7 +521,8 @@ def run_checks(
 ) -> HealthReport:
     """Every check for this node, as the agent runs them before joining and the doctor prints.
 
-    ``slots`` and ``device`` are what the agent will start (:func:`launcher.slots.local_slots`).
+    ``slots`` and ``device`` are what the agent will start
+    (:func:`launcher.agent.slots.local_slots`).
     ``size_model``: before the job's first checkpoint, size one by building ``model.name`` on the
     meta device. The agent does, to know the disk it needs; the doctor passes False, checks free
     space against ``health.min_checkpoint_free_gb`` alone, and so loads no torch on a CPU node.

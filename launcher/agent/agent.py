@@ -3,8 +3,8 @@
 One agent runs on every node (``cluster=bare_metal``), or one per simulated node
 (``cluster=local``, spawned by :mod:`launcher.local_cluster`). Its life:
 
-1. Prove the node fit (:mod:`launcher.health`): wait out a quarantine if there is one, then run
-   the health checks and publish the report to etcd. A node that fails them does not join; it
+1. Prove the node fit (:mod:`launcher.health.checks`): wait out a quarantine if there is one, then
+   run the health checks and publish the report to etcd. A node that fails them does not join; it
    exits with :data:`EXIT_UNHEALTHY` and the others carry on without it.
 2. Host a c10d TCPStore (used when this node holds rank 0 of a round), register in etcd, and start
    one worker per GPU or CPU slot. Workers load data and model, then say they are ready; the node
@@ -19,13 +19,13 @@ One agent runs on every node (``cluster=bare_metal``), or one per simulated node
    node comes back in a later round. A node that lost its lease (fenced) puts its workers on
    standby and registers again as a new member; its workers enter the next round with the
    survivors' state (a quarantined node stops them instead). Each crash or fencing is a strike
-   (:mod:`launcher.quarantine`); too many and the node is quarantined: it leaves, waits out the
-   cooldown and starts over at 1.
+   (:mod:`launcher.health.quarantine`); too many and the node is quarantined: it leaves, waits
+   out the cooldown and starts over at 1.
    The health checks run again before every rejoin and every worker restart.
 5. When the workers finish the job, mark it done; when another node did, leave too.
 
 The node that holds global rank 0 also writes the job's ``progress`` key, at most once a second,
-from its rank-0 worker's step events (:mod:`launcher.progress_key`), for ``python -m
+from its rank-0 worker's step events (:mod:`launcher.rendezvous.progress_key`), for ``python -m
 launcher.status``.
 
 SIGTERM or SIGINT stops a node cleanly. A node in a round that goes on without it leaves as
@@ -35,16 +35,15 @@ steps, so no step is dropped and no failure has to be detected. Then its workers
 its lease revoked (its keys vanish at once). Workers ignore SIGTERM: a signal sent to the whole
 node reaches them too, and the agent decides when they stop.
 
-Everything the agent reacts to arrives in its inbox (:mod:`launcher.inbox`): worker messages and
-exits, signals, fault requests (:mod:`launcher.fault_requests`), and changes of the
+Everything the agent reacts to arrives in its inbox (:mod:`launcher.agent.inbox`): worker messages
+and exits, signals, fault requests (:mod:`launcher.agent.fault_requests`), and changes of the
 rendezvous's view. Its loop is "gather the facts, decide, act":
 the decisions (what a worker exit, a lost peer, fencing or quarantine, a new round mean for this
-node) are pure functions in :mod:`launcher.decisions`, and the loop carries out their answers.
+node) are pure functions in :mod:`launcher.agent.decisions`, and the loop carries out their answers.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
@@ -65,12 +64,9 @@ import torch.distributed as dist
 from elastic import config
 from elastic.control import WorkerEnv
 from elastic.events import EventLog
-from launcher import decisions as decide
-from launcher.etcd import EtcdUnavailable, connect, etcd_errors, etcd_security
-from launcher.fault_requests import FaultRequests
-from launcher.health import run_checks
-from launcher.health_report import Status
-from launcher.inbox import (
+from launcher.agent import decisions as decide
+from launcher.agent.fault_requests import FaultRequests
+from launcher.agent.inbox import (
     FaultRequested,
     Inbox,
     Message,
@@ -79,12 +75,21 @@ from launcher.inbox import (
     WorkerLeaving,
     WorkerPeerLost,
 )
-from launcher.membership import JobView, Member, NodeRecord, Round
-from launcher.progress_key import ProgressPublisher
-from launcher.quarantine import Entry, Quarantine, clear_command
-from launcher.rendezvous import ETCD_LOST_FIX, EtcdDenied, EtcdLost, NodeIdInUse, Rendezvous
-from launcher.slots import local_slots
-from launcher.workers import WorkerGroup
+from launcher.agent.slots import local_slots
+from launcher.agent.workers import WorkerGroup
+from launcher.health.checks import run_checks
+from launcher.health.quarantine import Entry, Quarantine, clear_command
+from launcher.health.report import Status
+from launcher.rendezvous.etcd import EtcdUnavailable, connect, etcd_errors, etcd_security
+from launcher.rendezvous.membership import JobView, Member, NodeRecord, Round
+from launcher.rendezvous.progress_key import ProgressPublisher
+from launcher.rendezvous.rendezvous import (
+    ETCD_LOST_FIX,
+    EtcdDenied,
+    EtcdLost,
+    NodeIdInUse,
+    Rendezvous,
+)
 
 log = logging.getLogger("launcher.agent")
 
@@ -299,7 +304,8 @@ class Agent:
             self._on_fault_request(msg.request_id, msg.request)
 
     def _on_fault_request(self, request_id: str, request: dict[str, Any]) -> None:
-        """Answer a fault request; if accepted, hand it to ``python -m launcher.fault_helper``, in
+        """Answer a fault request; if accepted, hand it to ``python -m
+        launcher.agent.fault_helper``, in
         a session of its own, so that it outlives this agent when it stops or kills it."""
         answer = decide.answer_fault_request(request, self.cfg.chaos.allow, self.slots)
         kind, by = request.get("kind"), request.get("by", "?")
@@ -332,7 +338,7 @@ class Agent:
         argv = [
             sys.executable,
             "-m",
-            "launcher.fault_helper",
+            "launcher.agent.fault_helper",
             f"--run-dir={self.run_dir}",
             f"--node={self.node_id}",
             f"--agent-pid={os.getpid()}",
@@ -346,7 +352,8 @@ class Agent:
             subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
     def _loop(self) -> int:
-        """Until the node is done or must go: gather the facts, decide (:mod:`launcher.decisions`),
+        """Until the node is done or must go: gather the facts, decide
+        (:mod:`launcher.agent.decisions`),
         act, and wait for the inbox (at most :data:`IDLE_WAKE_S`: watchdogs, the join timeout)."""
         waiting_since = time.monotonic()
         while True:
@@ -687,7 +694,8 @@ class Agent:
     def _check(self, in_running_job: bool) -> int:
         """Run the health checks and publish the report; 0 if the node may (re)join, else strike
         it and return :data:`EXIT_UNHEALTHY`. A node already in a running job is not refused for
-        what every node shares (:func:`launcher.decisions.refusing_checks`): that is a warning."""
+        what every node shares (:func:`launcher.agent.decisions.refusing_checks`): that is a
+        warning."""
         if not self.cfg.health.enabled:
             log.warning("%s: health checks are off (health.enabled=false)", self.node_id)
             return 0
@@ -732,35 +740,3 @@ class Agent:
         except etcd_errors() as exc:  # etcd away: the lease decides this node's fate instead
             log.warning("%s: could not record a strike (%s)", self.node_id, exc)
             return None
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Run one node's agent for a resolved config.")
-    parser.add_argument("--config", required=True, help="resolved config.yaml of the job")
-    parser.add_argument("--node-id", required=True)
-    parser.add_argument("--host", default="127.0.0.1", help="address peers reach this node at")
-    parser.add_argument("--etcd", required=True, help="comma-separated etcd endpoints host:port")
-    parser.add_argument(
-        "--nodes-on-machine",
-        type=int,
-        default=1,
-        help="agents sharing this machine's cores (local simulation)",
-    )
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s [{args.node_id}] %(name)s: %(message)s"
-    )
-    cfg = config.load(args.config)
-    agent = Agent(
-        cfg,
-        args.config,
-        args.node_id,
-        args.host or socket.getfqdn(),
-        args.etcd.split(","),
-        args.nodes_on_machine,
-    )
-    return agent.run()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,10 +2,10 @@
 (:class:`HealthReport`), with its JSON and its table.
 
 These types have one home, apart from the checks, because four modules share them: the host
-checks (:mod:`launcher.health`), the GPU checks (:mod:`launcher.gpu_health`), the quarantine that
-publishes reports to etcd (:mod:`launcher.quarantine`) and the doctor that prints them. With
-only the standard library below it, any of them imports it without an import cycle and without
-loading the checks.
+checks (:mod:`launcher.health.checks`), the GPU checks (:mod:`launcher.health.gpu`), the
+quarantine that publishes reports to etcd (:mod:`launcher.health.quarantine`) and the doctor that
+prints them. With only the standard library below it, any of them imports it without an import
+cycle and without loading the checks.
 """
 
 from __future__ import annotations

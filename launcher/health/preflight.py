@@ -4,7 +4,7 @@
 etcd endpoints answer, the checkpoint URL can be written, the data root can be read. A launch
 that fails here has started nothing and created nothing, and each problem names the key, the
 value and the fix, like a config error. The agents still check their own node before they join
-(:mod:`launcher.health`); this only spares every node of a job from finding the same shared
+(:mod:`launcher.health.checks`); this only spares every node of a job from finding the same shared
 fault one by one, and the operator from waiting for it.
 """
 
@@ -14,8 +14,8 @@ import os
 from pathlib import Path
 
 from elastic.config import Config, problem
-from launcher.etcd import EtcdRefused, EtcdUnavailable, connect, etcd_security
-from launcher.health import local_path, writable_dir_problem
+from launcher.health.checks import local_path, writable_dir_problem
+from launcher.rendezvous.etcd import EtcdRefused, EtcdUnavailable, connect, etcd_security
 
 
 def preflight(cfg: Config) -> list[str]:
@@ -46,7 +46,7 @@ def _etcd(cfg: Config) -> str:
 
 
 def _checkpoint_url(cfg: Config) -> str:
-    """The same rule as the nodes' disk check (:func:`launcher.health.writable_dir_problem`),
+    """The same rule as the nodes' disk check (:func:`launcher.health.checks.writable_dir_problem`),
     once, before any node starts."""
     url = cfg.checkpoint.url
     target = local_path(url)

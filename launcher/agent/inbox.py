@@ -1,9 +1,10 @@
 """The agent's inbox: everything the agent reacts to arrives here as one small message.
 
-Worker slots post what their workers say and when they exit (:mod:`launcher.workers`), the
+Worker slots post what their workers say and when they exit (:mod:`launcher.agent.workers`), the
 rendezvous posts when its view of the job changes or it fences this node
-(:mod:`launcher.rendezvous`), and the signal handlers post the signals. The agent's loop blocks on
-the inbox alone, with a timeout for what only time reveals (a frozen worker, the join timeout).
+(:mod:`launcher.rendezvous.rendezvous`), and the signal handlers post the signals. The agent's loop
+blocks on the inbox alone, with a timeout for what only time reveals (a frozen worker, the join
+timeout).
 
 Most messages are wake-ups: what they are about stays the truth of its owner (a slot's exit code,
 the rendezvous's view and fencing), which the agent reads when it wakes, so a message about a
@@ -64,7 +65,7 @@ class Signal:
 
 @dataclass(frozen=True)
 class FaultRequested:
-    """A fault was requested for this node through etcd (:mod:`launcher.fault_requests`)."""
+    """A fault was requested for this node through etcd (:mod:`launcher.agent.fault_requests`)."""
 
     request_id: str
     request: dict[str, Any]  # the requester's JSON, not yet checked

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from launcher.etcd import etcd_errors
+from launcher.rendezvous.etcd import etcd_errors
 
 _CLOSE = object()
 

@@ -5,7 +5,7 @@ channel (:mod:`elastic.control`) and hears back from it: ready, heartbeats, a pe
 worker that died is started again, in the same slot.
 
 A slot posts what the agent must react to (ready, a peer lost, the process's exit) to the agent's
-inbox (:mod:`launcher.inbox`); heartbeats only feed the slot's watchdog.
+inbox (:mod:`launcher.agent.inbox`); heartbeats only feed the slot's watchdog.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import psutil
 from elastic.control import CONTROL_FD_ENV, Assignment, Channel, WorkerEnv
 from elastic.events import EventLog
 from elastic.lifeline import tied
-from launcher.inbox import Message, WorkerExited, WorkerLeaving, WorkerPeerLost, WorkerReady
-from launcher.watchdog import Watchdog
+from launcher.agent.inbox import Message, WorkerExited, WorkerLeaving, WorkerPeerLost, WorkerReady
+from launcher.agent.watchdog import Watchdog
 
 
 class WorkerSlot:

@@ -5,14 +5,15 @@ new round each time it leaves and comes back. After ``health.max_strikes`` failu
 ``health.strike_window_s`` it is quarantined: it leaves the job and stays out for
 ``health.quarantine_s``, after which it checks itself again and may rejoin. The cooldown is an
 etcd lease that nobody keeps alive, so it ends on time even if the node died meanwhile, and the
-leader never places a quarantined node in a round (:func:`launcher.round_plan.plan_round`).
+leader never places a quarantined node in a round
+(:func:`launcher.rendezvous.round_plan.plan_round`).
 
-The keys (:mod:`launcher.keys`): an :class:`Entry` under a lease of TTL ``quarantine_s`` in the
-rendezvous, so every agent's watch sees it; the node's last health report and its recent
+The keys (:mod:`launcher.rendezvous.keys`): an :class:`Entry` under a lease of TTL ``quarantine_s``
+in the rendezvous, so every agent's watch sees it; the node's last health report and its recent
 failures beside it.
 
 Operators: ``python -m launcher.quarantine list|clear|add [...] job_id=... cluster...``
-(:mod:`launcher.quarantine.__main__`).
+(:mod:`launcher.quarantine`).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from typing import Any
 
 from elastic.config import ClusterConfig, HealthConfig
 from elastic.events import EventLog
-from launcher.health_report import HealthReport
-from launcher.keys import JobKeys
+from launcher.health.report import HealthReport
+from launcher.rendezvous.keys import JobKeys
 
 CLEAR_POLL_S = 1.0  # how soon a waiting node notices that an operator cleared it
 

@@ -1,7 +1,7 @@
 """The agent's decisions, as pure functions over plain data, like :func:`plan_round`.
 
-The agent (:mod:`launcher.agent`) gathers the facts (worker exit codes, the job's view in etcd,
-probe results, the time), asks these functions what to do, and carries out the answer. Nothing
+The agent (:mod:`launcher.agent.agent`) gathers the facts (worker exit codes, the job's view in
+etcd, probe results, the time), asks these functions what to do, and carries out the answer. Nothing
 here talks to etcd, touches a process or reads a clock, so every branch is tested on literal data
 (``tests/test_decisions.py``), including the NCCL shrink that CPU runs never take end to end.
 """
@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from elastic.control import EXIT_PEER_LOST, Assignment
-from launcher.membership import JobView, Member, NodeRecord, Round
+from launcher.rendezvous.membership import JobView, Member, NodeRecord, Round
 
 # --- worker exits ---------------------------------------------------------------------------------
 

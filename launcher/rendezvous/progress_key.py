@@ -3,7 +3,7 @@ by ``python -m launcher.status``.
 
 The rank-0 worker already logs every step to its node's event file (``step`` events, see
 :mod:`elastic.events`); its agent follows that one file and, at most once a second
-(:func:`launcher.decisions.publishes_progress`), puts the newest step under
+(:func:`launcher.agent.decisions.publishes_progress`), puts the newest step under
 ``<prefix>/<job_id>/progress``, bound to its own lease, so the key goes with the node. No new
 channel to the workers, and no watch carries the key: agents watch only ``round``, ``leader``,
 ``done`` and node keys.
@@ -23,8 +23,8 @@ from collections.abc import Callable
 from typing import Any
 
 from elastic.events import EventFollower
-from launcher import decisions as decide
-from launcher.membership import Round
+from launcher.agent import decisions as decide
+from launcher.rendezvous.membership import Round
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def progress_record(
 
 class ProgressPublisher:
     """Follows this node's event file and writes the ``progress`` key when
-    :func:`launcher.decisions.publishes_progress` says so. ``put(value)`` writes the key under
+    :func:`launcher.agent.decisions.publishes_progress` says so. ``put(value)`` writes the key under
     the node's lease and raises what etcd raises. :meth:`tick` never raises and never waits for
     etcd."""
 

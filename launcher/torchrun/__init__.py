@@ -2,7 +2,7 @@
 
 torch loads every handler of that group whenever ``torch.distributed.elastic.rendezvous`` is
 imported, which ``torch.distributed.checkpoint`` does too, so in workers as well. This module is
-all that they load: the backend (``launcher/torchrun_backend.py``) and the etcd client are
+all that they load: the backend (``launcher/torchrun/backend.py``) and the etcd client are
 imported only when torchrun creates the handler, and no worker loads the agent's code.
 """
 
@@ -17,6 +17,6 @@ def handler() -> Any:
 
 
 def create_rdzv_handler(params: Any) -> Any:
-    from launcher.torchrun_backend import create_rdzv_handler as create
+    from launcher.torchrun.backend import create_rdzv_handler as create
 
     return create(params)

@@ -1,6 +1,6 @@
 """The GPU checks: the devices are there, NVML sees no damage, and each one computes.
 
-Everything that touches a GPU runs in a child process (``python -m launcher.gpu_health``) under
+Everything that touches a GPU runs in a child process (``python -m launcher.health.gpu``) under
 ``health.gpu_probe_timeout_s``: the agent itself never creates a CUDA context (it would hold
 memory on every GPU for the whole job), and a hung GPU fails the check instead of hanging the
 agent. The child prints one JSON line per reading or probe as it goes, so a timeout still tells
@@ -12,7 +12,7 @@ result (fp32 against a float64 reference, fp16 on tensor cores with integer inpu
 is exact); a device memory probe (allocate a share of the free memory, write, read back); an
 all-reduce across the node's GPUs through NCCL. CPU-only nodes skip all of it and say so.
 
-The rows are :mod:`launcher.health_report`'s types; :mod:`launcher.health` puts them in the
+The rows are :mod:`launcher.health.report`'s types; :mod:`launcher.health.checks` puts them in the
 node's report. torch and nvidia-ml-py are imported only where a GPU is used, so a CPU node never
 loads them.
 """
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastic.config import Config, HealthConfig
-from launcher.health_report import CheckResult, Status
+from launcher.health.report import CheckResult, Status
 
 # NVML clock event reasons (nvmlClocksEventReason*) that mean the hardware is slowing itself
 # down; power capping and idle are normal and are not listed.
@@ -106,7 +106,7 @@ def run_probe(devices: list[int], cfg: HealthConfig) -> list[dict[str, Any]]:
     cmd = [
         sys.executable,
         "-m",
-        "launcher.gpu_health",
+        "launcher.health.gpu",
         "--devices",
         ",".join(map(str, devices)),
         "--memory-fraction",

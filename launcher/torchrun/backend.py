@@ -2,7 +2,7 @@
 
 torch's etcd backends (``etcd``, ``etcd-v2``) speak only etcd's v2 API, which etcd 3.6 removed.
 This module gives torchrun users the etcd v3 cluster they already run for us. It is registered
-in torch's ``torchrun.handlers`` entry-point group through the small ``torchrun_etcd_v3`` module
+in torch's ``torchrun.handlers`` entry-point group through the small ``launcher.torchrun`` module
 (``pyproject.toml``), so once this package is installed::
 
     torchrun --nnodes=2:4 --nproc-per-node=8 --rdzv-backend=etcd-v3 \\
@@ -81,7 +81,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from elastic.config import ETCD_PASSWORD_ENV, credential_problems
-from launcher.etcd import (
+from launcher.rendezvous.etcd import (
     EtcdRefused,
     EtcdSecurity,
     EtcdUnavailable,
@@ -382,8 +382,8 @@ def _security(params: RendezvousParameters) -> EtcdSecurity:
 
 
 def _connect(endpoints: list[str], timeout_s: float, security: EtcdSecurity) -> Any:
-    """``launcher.etcd.connect``, leaving the environment as it was: connect sets the protobuf
-    mode that the etcd client needs before its import, and torchrun's workers inherit the
+    """``launcher.rendezvous.etcd.connect``, leaving the environment as it was: connect sets the
+    protobuf mode that the etcd client needs before its import, and torchrun's workers inherit the
     agent's environment, where it would slow every protobuf user down."""
     before = os.environ.get(_PROTOBUF_MODE)
     try:

@@ -1,8 +1,8 @@
 """The job's membership as the rendezvous writes it and every process reads it: a node's record,
 a round and its members (with their compact value and its split form), the ``leader`` key's
 value, and a process's view of it all. Plain data, no I/O: the rendezvous (:mod:`launcher.
-rendezvous`), the decisions (:mod:`launcher.decisions`, :mod:`launcher.round_plan`) and the
-status command share it.
+rendezvous`), the decisions (:mod:`launcher.agent.decisions`,
+:mod:`launcher.rendezvous.round_plan`) and the status command share it.
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ class JobView:
     round_rev: int = 0  # mod_revision of the round key; 0 when there is none
     done_in: int | None = None  # the round that trained the job, once a node marked it done
     revision: int = 0
-    quarantined: frozenset[str] = frozenset()  # node ids kept out (launcher.quarantine)
+    quarantined: frozenset[str] = frozenset()  # node ids kept out (launcher.health.quarantine)
     leader: str = ""  # the ``leader`` key's value (:func:`leader_value`); "" while there is none
     complete: bool = False  # ``nodes`` and ``quarantined`` hold the whole job (the leader's view)
 

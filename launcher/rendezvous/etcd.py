@@ -40,7 +40,7 @@ from elastic.config import ETCD_PASSWORD_ENV, ClusterConfig, etcd_security_probl
 if TYPE_CHECKING:
     import etcd3
 
-log = logging.getLogger("launcher.etcd")
+log = logging.getLogger("launcher.rendezvous.etcd")
 
 
 class EtcdUnavailable(ConnectionError):

@@ -1,14 +1,14 @@
-"""Round planning, as pure functions over a :class:`~launcher.membership.JobView`: who is in the
-next round and in which rank order, whether it only drops members (formed at once), which members
-an operator is draining, and after which step a planned leave switches rounds. The leader's
-rendezvous (:meth:`launcher.rendezvous.Rendezvous`) acts on them.
+"""Round planning, as pure functions over a :class:`~launcher.rendezvous.membership.JobView`:
+who is in the next round and in which rank order, whether it only drops members (formed at
+once), which members an operator is draining, and after which step a planned leave switches
+rounds. The leader's rendezvous (:meth:`launcher.rendezvous.rendezvous.Rendezvous`) acts on them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Set
 
-from launcher.membership import JobView, NodeRecord, Round
+from launcher.rendezvous.membership import JobView, NodeRecord, Round
 
 
 def plan_round(view: JobView, min_nodes: int, max_nodes: int) -> list[NodeRecord] | None:

@@ -13,8 +13,8 @@ import time
 from dataclasses import asdict
 
 from launcher.compose import UsageError, compose
-from launcher.etcd import EtcdUnavailable, connect, etcd_security
-from launcher.quarantine import Entry, Quarantine
+from launcher.health.quarantine import Entry, Quarantine
+from launcher.rendezvous.etcd import EtcdUnavailable, connect, etcd_security
 
 
 def _format_entries(entries: list[tuple[Entry, float]]) -> str:

@@ -1,7 +1,8 @@
-"""``python -m launcher.fault_helper``: one requested fault, carried out on this node and ended.
+"""``python -m launcher.agent.fault_helper``: one requested fault, carried out on this node
+and ended.
 
 An agent of a job started with ``chaos.allow=true`` starts this helper, in a session of its own,
-for each fault request it accepts (:mod:`launcher.fault_requests`); nothing else should. The
+for each fault request it accepts (:mod:`launcher.agent.fault_requests`); nothing else should. The
 helper outlives the agent it stops or kills, so it can end the fault as a campaign run on this
 machine would: it thaws a frozen node after ``--duration-s``, and starts a killed or departed
 node's agent again after ``--restart-after-s`` with the command line, directory and environment

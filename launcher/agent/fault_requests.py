@@ -4,10 +4,10 @@ cannot signal (another machine, no ssh).
 A requester writes a JSON request under ``<prefix>/<job_id>.chaos/requests/<node_id>/<id>``,
 under a lease of its own, so that a request nobody took vanishes with its requester. The node's
 agent follows its own folder (:class:`FaultRequests`, one small watch), decides
-(:func:`launcher.decisions.answer_fault_request`: only a job started with ``chaos.allow=true``
+(:func:`launcher.agent.decisions.answer_fault_request`: only a job started with ``chaos.allow=true``
 takes any), writes its answer to ``.../answers/<node_id>/<id>``, deletes the request, and, when
-it accepted, starts ``python -m launcher.fault_helper`` in a session of its own: the helper strikes
-and ends the fault (thaws the node, starts it again), so it outlives the agent it stops or
+it accepted, starts ``python -m launcher.agent.fault_helper`` in a session of its own: the helper
+strikes and ends the fault (thaws the node, starts it again), so it outlives the agent it stops or
 kills. The keys sit beside the job's prefix, not under it, so the rendezvous's watch never
 carries them.
 """
@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from launcher.decisions import FaultAnswer
-from launcher.keys import JobKeys
+from launcher.agent.decisions import FaultAnswer
+from launcher.rendezvous.keys import JobKeys
 
 log = logging.getLogger(__name__)
 

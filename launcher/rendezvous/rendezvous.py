@@ -1,6 +1,6 @@
 """etcd v3 rendezvous: which nodes are in the job and which round they train in.
 
-Keys under ``<prefix>/<job>/`` (:mod:`launcher.keys` builds them):
+Keys under ``<prefix>/<job>/`` (:mod:`launcher.rendezvous.keys` builds them):
 
 - ``nodes/<node_id>``: a live node, JSON :class:`NodeRecord`, under the node's lease. A dead
   machine's key vanishes when the lease expires; a node that leaves revokes its lease. A node
@@ -16,7 +16,7 @@ Keys under ``<prefix>/<job>/`` (:mod:`launcher.keys` builds them):
 - ``done``: put under a lease by the first node whose workers finished the job; it names the
   round that trained it.
 - ``quarantine/<node_id>``: a node kept out of the job for a cooldown (the key's lease), written
-  by :mod:`launcher.quarantine`. Such a node is never placed in a round.
+  by :mod:`launcher.health.quarantine`. Such a node is never placed in a round.
 
 Every agent keeps a local :class:`JobView` up to date from one prefix watch, applying events one by
 one (no re-reading of all nodes per change), so a membership change costs O(nodes) work in total.
@@ -56,16 +56,16 @@ from typing import Any
 
 from elastic.config import RendezvousConfig
 from elastic.events import EventLog
-from launcher.etcd import (
+from launcher.rendezvous.etcd import (
     allow_watch_filters,
     denied,
     etcd_errors,
     lease_gone,
     read_at_one_revision,
 )
-from launcher.keys import JobKeys
-from launcher.lease import KeepAliveStream, NoAnswer
-from launcher.membership import (
+from launcher.rendezvous.keys import JobKeys
+from launcher.rendezvous.lease import KeepAliveStream, NoAnswer
+from launcher.rendezvous.membership import (
     JobView,
     Member,
     NodeRecord,
@@ -73,7 +73,13 @@ from launcher.membership import (
     RoundIncomplete,
     leader_value,
 )
-from launcher.round_plan import draining, only_drops, plan_round, shrink_only, switch_step
+from launcher.rendezvous.round_plan import (
+    draining,
+    only_drops,
+    plan_round,
+    shrink_only,
+    switch_step,
+)
 
 log = logging.getLogger(__name__)
 
