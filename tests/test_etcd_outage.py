@@ -18,9 +18,9 @@ import pytest
 from elastic.events import EventLog, read_events
 from launcher.rendezvous.embedded_etcd import EmbeddedEtcd
 from launcher.rendezvous.etcd import connect, grpc_target
-from launcher.rendezvous.lease import KeepAliveStream
+from launcher.rendezvous.lease import KeepAliveStream, Lease, lease_verdict
 from launcher.rendezvous.membership import NodeRecord
-from launcher.rendezvous.rendezvous import Lease, Rendezvous, backoff, lease_verdict
+from launcher.rendezvous.rendezvous import Rendezvous, backoff
 
 from .conftest import FAST
 

@@ -81,10 +81,10 @@ from launcher.health.checks import run_checks
 from launcher.health.quarantine import Entry, Quarantine, clear_command
 from launcher.health.report import Status
 from launcher.rendezvous.etcd import EtcdUnavailable, connect, etcd_errors, etcd_security
+from launcher.rendezvous.lease import ETCD_LOST_FIX
 from launcher.rendezvous.membership import JobView, Member, NodeRecord, Round
 from launcher.rendezvous.progress_key import ProgressPublisher
 from launcher.rendezvous.rendezvous import (
-    ETCD_LOST_FIX,
     EtcdDenied,
     EtcdLost,
     NodeIdInUse,

@@ -527,3 +527,31 @@ def allow_watch_filters(client: etcd3.Etcd3Client) -> None:
 
     create_watch_request.appends_filters = True  # type: ignore[attr-defined]
     watcher._create_watch_request = create_watch_request
+
+
+def prefix_end(prefix: str) -> bytes:
+    """The end of etcd's key range for ``prefix`` (its last byte incremented)."""
+    raw = prefix.encode()
+    return raw[:-1] + bytes([raw[-1] + 1])
+
+
+@dataclass
+class EtcdLoad:
+    """What this node has cost etcd so far: its requests (a watch created counts as one), and
+    the watch events and their bytes (key and value) delivered to it. Counted where they happen,
+    so that the events can say what a round costs the server (:meth:`take`)."""
+
+    requests: int = 0
+    watch_events: int = 0
+    watch_bytes: int = 0
+    _taken: tuple[int, int, int] = (0, 0, 0)
+
+    def count_request(self) -> None:
+        self.requests += 1
+
+    def take(self) -> dict[str, int]:
+        """The load since the previous call, as event fields."""
+        now = (self.requests, self.watch_events, self.watch_bytes)
+        delta = [a - b for a, b in zip(now, self._taken, strict=True)]
+        self._taken = now
+        return dict(zip(("etcd_requests", "watch_events", "watch_bytes"), delta, strict=True))

@@ -1,4 +1,10 @@
-"""One keep-alive stream per lease.
+"""Keeping a node's lease alive, and what a keep-alive says about the node's place in the job.
+
+:class:`LeaseKeeper` refreshes the lease every quarter TTL on a thread of its own and acts on
+:func:`lease_verdict`. An unreachable etcd is not a lost lease: the lease lives on the server,
+which restores it with a fresh TTL when it comes back, and no other node can form a round without
+etcd. So only the server's word fences the node (a lease it says expired), and past
+``rendezvous.etcd_grace_s`` without an answer the node gives up.
 
 The etcd3 client's ``Lease.refresh()`` opens a new gRPC stream for every keep-alive and closes
 it after one answer. A thousand nodes refreshing four times per TTL then cost etcd four thousand
@@ -10,12 +16,50 @@ A broken stream (etcd restarted, a member lost) is opened again at the next refr
 
 from __future__ import annotations
 
+import enum
+import logging
 import queue
 import threading
-from collections.abc import Iterator
-from typing import Any
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
+from elastic.config import RendezvousConfig
 from launcher.rendezvous.etcd import etcd_errors
+
+ETCD_LOST_FIX = (
+    "bring etcd back (or check cluster.etcd_endpoints and the network to it), then launch the "
+    "job again to resume from the newest checkpoint"
+)
+
+
+class Emit(Protocol):
+    def __call__(
+        self, event: str, message: str | None = None, /, *, level: int = ..., **fields: Any
+    ) -> None: ...
+
+
+class Lease(enum.Enum):
+    """What a keep-alive round trip says about this node's place in the job."""
+
+    ALIVE = "alive"  # refreshed
+    EXPIRED = "expired"  # the server says the lease is gone: the node is out (fenced)
+    OUTAGE = "outage"  # no answer: keep training, keep trying
+    ETCD_LOST = "etcd_lost"  # no answer for longer than rendezvous.etcd_grace_s: stop
+
+
+def lease_verdict(ttl: int | None, unreachable_s: float, grace_s: float) -> Lease:
+    """The verdict on a keep-alive: ``ttl`` is the TTL the server answered (None: no answer),
+    ``unreachable_s`` how long etcd has not answered (monotonic), ``grace_s`` the grace period.
+
+    Only the server can say a lease is gone: a node that cannot reach etcd does not know that
+    the others can, and it need not: they can only replace it in a round that etcd forms, and
+    then its old round's collectives fail.
+    """
+    if ttl is not None:
+        return Lease.ALIVE if ttl > 0 else Lease.EXPIRED
+    return Lease.ETCD_LOST if unreachable_s > grace_s else Lease.OUTAGE
+
 
 _CLOSE = object()
 
@@ -89,3 +133,109 @@ class KeepAliveStream:
 
         threading.Thread(target=read, name="etcd-keepalive-stream", daemon=True).start()
         self._requests = requests
+
+
+class LeaseKeeper:
+    """Refreshes one node's lease until stopped, the lease expires or etcd stays away past the
+    grace period; says so through ``emit`` and the callbacks. Durations are on the monotonic
+    clock, so a stepped wall clock changes nothing."""
+
+    def __init__(
+        self,
+        client: Any,
+        lease_id: int,
+        cfg: RendezvousConfig,
+        node_id: str,
+        emit: Emit,
+        *,
+        on_back: Callable[[], None],
+        on_expired: Callable[[], None],
+        on_lost: Callable[[], None],
+        count_request: Callable[[], None],
+    ) -> None:
+        """``on_back``: etcd answers again after an outage; ``on_expired``: the server says the
+        lease is gone; ``on_lost``: no answer past ``rendezvous.etcd_grace_s`` (after the
+        ``etcd_lost`` event). The last two end the keeping."""
+        self._client, self._lease_id, self._cfg = client, lease_id, cfg
+        self._node_id, self._emit = node_id, emit
+        self._on_back, self._on_expired, self._on_lost = on_back, on_expired, on_lost
+        self._count_request = count_request
+        self._last_refresh = time.monotonic()
+        self._down_since: float | None = None  # monotonic; None while etcd answers
+
+    def run(self, stop: threading.Event) -> None:
+        """The keeping thread's body: a refresh every quarter TTL until ``stop`` is set."""
+        stream = KeepAliveStream(self._client, self._lease_id)
+        try:
+            while not stop.wait(self._cfg.lease_ttl_s / 4):
+                if not self._refresh(stream):
+                    return
+        finally:
+            stream.close()
+
+    def _refresh(self, stream: KeepAliveStream) -> bool:
+        """One keep-alive and its verdict; False once the keeping is over."""
+        ttl: int | None = None
+        error = ""
+        try:
+            self._count_request()
+            ttl = stream.refresh(timeout_s=self._cfg.lease_ttl_s / 2)
+        except (*etcd_errors(), NoAnswer) as exc:
+            error = exc.__class__.__name__
+        now = time.monotonic()
+        verdict = lease_verdict(ttl, now - self._last_refresh, self._cfg.etcd_grace_s)
+        if verdict is Lease.ALIVE:
+            self._last_refresh = now
+            self._back(now)
+            return True
+        if verdict is Lease.OUTAGE:
+            self._away(now, error)
+            return True
+        if verdict is Lease.EXPIRED:
+            self._back(now)
+            self._on_expired()
+        else:
+            self._give_up(now - self._last_refresh, error)
+        return False
+
+    def _away(self, now: float, error: str) -> None:
+        """A keep-alive found no etcd: say so once per outage."""
+        if self._down_since is not None:
+            return
+        self._down_since = now
+        self._emit(
+            "etcd_unreachable",
+            f"{self._node_id}: etcd does not answer ({error}); training goes on, retrying "
+            f"for up to rendezvous.etcd_grace_s={self._cfg.etcd_grace_s:g} s",
+            level=logging.WARNING,
+            error=error,
+            grace_s=self._cfg.etcd_grace_s,
+        )
+
+    def _back(self, now: float) -> None:
+        if self._down_since is None:
+            return
+        down, self._down_since = now - self._down_since, None
+        self._emit(
+            "etcd_reachable",
+            f"{self._node_id}: etcd answers again after {down:.1f} s",
+            down_s=round(down, 3),
+        )
+        self._on_back()
+
+    def _give_up(self, waited: float, error: str) -> None:
+        """etcd stayed away beyond the grace period."""
+        reason = (
+            f"etcd did not answer for {waited:.0f} s (rendezvous.etcd_grace_s="
+            f"{self._cfg.etcd_grace_s:g}; last error {error}): the node stops, and the newest "
+            "checkpoint is kept"
+        )
+        self._emit(
+            "etcd_lost",
+            f"{self._node_id}: {reason}. Fix: {ETCD_LOST_FIX}",
+            level=logging.ERROR,
+            reason=reason,
+            fix=ETCD_LOST_FIX,
+            waited_s=round(waited, 3),
+        )
+        self._on_lost()

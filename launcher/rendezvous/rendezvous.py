@@ -34,7 +34,7 @@ only the server's word fences it: a lease the server says expired, or this node'
 (evicted). A node cut off from etcd alone cannot train on without the others either: once they
 form a round without it, its collectives in the old one fail. Past ``rendezvous.etcd_grace_s``
 without etcd the node gives up (:attr:`Rendezvous.etcd_lost`), and the agent stops the node
-cleanly. :func:`lease_verdict` is that decision, on plain data. Writes of this node's own record
+cleanly (:mod:`launcher.rendezvous.lease`). Writes of this node's own record
 (ready, a failure) that find etcd away are kept and retried by the sync thread; each write is
 conditioned on this node's registration, so a node evicted meanwhile never re-creates its key.
 
@@ -45,26 +45,28 @@ node fences itself; it then reads :attr:`Rendezvous.view`, :attr:`Rendezvous.fen
 
 from __future__ import annotations
 
-import enum
 import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from elastic.config import RendezvousConfig
 from elastic.events import EventLog
 from launcher.rendezvous.etcd import (
+    EtcdLoad,
     allow_watch_filters,
     denied,
     etcd_errors,
     lease_gone,
+    prefix_end,
     read_at_one_revision,
 )
 from launcher.rendezvous.keys import JobKeys
-from launcher.rendezvous.lease import KeepAliveStream, NoAnswer
+from launcher.rendezvous.leader import Leadership, leads
+from launcher.rendezvous.lease import LeaseKeeper
 from launcher.rendezvous.membership import (
     JobView,
     Member,
@@ -72,13 +74,6 @@ from launcher.rendezvous.membership import (
     Round,
     RoundIncomplete,
     leader_value,
-)
-from launcher.rendezvous.round_plan import (
-    draining,
-    only_drops,
-    plan_round,
-    shrink_only,
-    switch_step,
 )
 
 log = logging.getLogger(__name__)
@@ -102,57 +97,12 @@ class EtcdDenied(EtcdLost):
     waiting out the grace period cannot change a role."""
 
 
-ETCD_LOST_FIX = (
-    "bring etcd back (or check cluster.etcd_endpoints and the network to it), then launch the "
-    "job again to resume from the newest checkpoint"
-)
 RETRY_MIN_S, RETRY_MAX_S = 0.25, 4.0  # backoff of the calls retried while etcd is away
-
-
-class Lease(enum.Enum):
-    """What a keep-alive round trip says about this node's place in the job."""
-
-    ALIVE = "alive"  # refreshed
-    EXPIRED = "expired"  # the server says the lease is gone: the node is out (fenced)
-    OUTAGE = "outage"  # no answer: keep training, keep trying
-    ETCD_LOST = "etcd_lost"  # no answer for longer than rendezvous.etcd_grace_s: stop
-
-
-def lease_verdict(ttl: int | None, unreachable_s: float, grace_s: float) -> Lease:
-    """The verdict on a keep-alive: ``ttl`` is the TTL the server answered (None: no answer),
-    ``unreachable_s`` how long etcd has not answered (monotonic), ``grace_s`` the grace period.
-
-    Only the server can say a lease is gone: a node that cannot reach etcd does not know that
-    the others can, and it need not: they can only replace it in a round that etcd forms, and
-    then its old round's collectives fail.
-    """
-    if ttl is not None:
-        return Lease.ALIVE if ttl > 0 else Lease.EXPIRED
-    return Lease.ETCD_LOST if unreachable_s > grace_s else Lease.OUTAGE
 
 
 def backoff(attempt: int) -> float:
     """Seconds before retry number ``attempt`` (0-based) of a call that found etcd away."""
     return min(RETRY_MAX_S, RETRY_MIN_S * 2 ** min(attempt, 16))
-
-
-@dataclass
-class EtcdLoad:
-    """What this node has cost etcd so far: its requests (a watch created counts as one), and
-    the watch events and their bytes (key and value) delivered to it. Counted where they happen,
-    so that the events can say what a round costs the server (:meth:`take`)."""
-
-    requests: int = 0
-    watch_events: int = 0
-    watch_bytes: int = 0
-    _taken: tuple[int, int, int] = (0, 0, 0)
-
-    def take(self) -> dict[str, int]:
-        """The load since the previous call, as event fields."""
-        now = (self.requests, self.watch_events, self.watch_bytes)
-        delta = [a - b for a, b in zip(now, self._taken, strict=True)]
-        self._taken = now
-        return dict(zip(("etcd_requests", "watch_events", "watch_bytes"), delta, strict=True))
 
 
 def _membership(nodes: Mapping[Any, NodeRecord | None]) -> dict[Any, tuple[int, int, bool]]:
@@ -167,12 +117,6 @@ def only_deletes() -> list[int]:
     from etcd3 import etcdrpc
 
     return [etcdrpc.WatchCreateRequest.NOPUT]
-
-
-def _prefix_end(prefix: str) -> bytes:
-    """The end of etcd's key range for ``prefix`` (its last byte incremented)."""
-    raw = prefix.encode()
-    return raw[:-1] + bytes([raw[-1] + 1])
 
 
 def _done_in(value: bytes) -> int:
@@ -200,9 +144,6 @@ class Rendezvous:
         self._client = client
         allow_watch_filters(client)
         self._cfg = cfg
-        self._min, self._max = min_nodes, max_nodes
-        self._initial_settle = max(cfg.first_round_wait_s, cfg.settle_s)
-        self._drain_seen: dict[str, float] = {}  # drained members: when the leader first saw them
         self._events = events
         self._on_change = on_change or (lambda: None)
         self.node = node
@@ -227,10 +168,12 @@ class Rendezvous:
         self._applied: dict[str, int] = {}  # by key: the mod revision of the newest event applied
         self._floor = 0  # the revision of the snapshot the watches started after
         self._reread = False  # the watches missed something (a split round's parts): read again
-        self._down_since: float | None = None  # monotonic; None while etcd answers
         self.fenced = threading.Event()
         self.etcd_lost = threading.Event()
         self.load = EtcdLoad()
+        self.leadership = Leadership(
+            client, self.keys, cfg, min_nodes, max_nodes, self._emit, self.load
+        )
 
     # --- membership --------------------------------------------------------------------------
 
@@ -258,9 +201,21 @@ class Rendezvous:
             )
         self._registration = responses[0].response_put.header.revision
         self._lease = lease
-        self._last_refresh = time.monotonic()
+        keeper = LeaseKeeper(
+            self._client,
+            lease.id,
+            self._cfg,
+            self.node.node_id,
+            self._emit,
+            on_back=self._wake.set,  # the sync thread re-reads the job and re-opens the watch
+            on_expired=self._lease_expired,
+            on_lost=self._etcd_gone,
+            count_request=self.load.count_request,
+        )
         self._threads = [
-            threading.Thread(target=self._keepalive_loop, name="rdzv-keepalive", daemon=True),
+            threading.Thread(
+                target=keeper.run, args=(self._stop,), name="rdzv-keepalive", daemon=True
+            ),
             threading.Thread(target=self._sync_loop, name="rdzv-sync", daemon=True),
         ]
         for t in self._threads:
@@ -495,7 +450,7 @@ class Rendezvous:
         keys = list(self._singles())
         if everyone:
             ranges = [self.keys.nodes, self.keys.quarantine]
-            reads = [(k, None) for k in keys] + [(r, _prefix_end(r)) for r in ranges]
+            reads = [(k, None) for k in keys] + [(r, prefix_end(r)) for r in ranges]
         else:
             reads = [(k, None) for k in [*keys, self._node_key, self._own_quarantine_key]]
         self.load.requests += len(reads)
@@ -622,89 +577,19 @@ class Rendezvous:
 
     # --- background threads ------------------------------------------------------------------
 
-    def _keepalive_loop(self) -> None:
-        """Refresh the lease every quarter TTL and act on :func:`lease_verdict`: fence this node
-        when the server says the lease expired, ride out an etcd outage, give up past the grace
-        period. Durations are on the monotonic clock, so a stepped wall clock changes nothing."""
-        stream = KeepAliveStream(self._client, self._lease.id)
-        try:
-            self._keep_alive(stream)
-        finally:
-            stream.close()
+    def _lease_expired(self) -> None:
+        """The keeper's word: the server says this node's lease is gone."""
+        with self._cond:
+            fenced = self._fence("the lease expired (etcd says so)")
+        if fenced:
+            self._changed()
 
-    def _keep_alive(self, stream: KeepAliveStream) -> None:
-        while not self._stop.wait(self._cfg.lease_ttl_s / 4):
-            ttl: int | None = None
-            error = ""
-            try:
-                self.load.requests += 1
-                ttl = stream.refresh(timeout_s=self._cfg.lease_ttl_s / 2)
-            except (*etcd_errors(), NoAnswer) as exc:
-                error = exc.__class__.__name__
-            now = time.monotonic()
-            verdict = lease_verdict(ttl, now - self._last_refresh, self._cfg.etcd_grace_s)
-            if verdict is Lease.ALIVE:
-                self._last_refresh = now
-                self._etcd_back(now)
-                continue
-            if verdict is Lease.OUTAGE:
-                self._etcd_away(now, error)
-                continue
-            with self._cond:
-                if verdict is Lease.EXPIRED:
-                    self._etcd_back(now)
-                    changed = self._fence("the lease expired (etcd says so)")
-                else:
-                    changed = self._give_up(now - self._last_refresh, error)
-            if changed:
-                self._changed()
-            return
-
-    def _etcd_away(self, now: float, error: str) -> None:
-        """A keep-alive found no etcd: say so once per outage."""
-        if self._down_since is not None:
-            return
-        self._down_since = now
-        self._emit(
-            "etcd_unreachable",
-            f"{self.node.node_id}: etcd does not answer ({error}); training goes on, retrying "
-            f"for up to rendezvous.etcd_grace_s={self._cfg.etcd_grace_s:g} s",
-            level=logging.WARNING,
-            error=error,
-            grace_s=self._cfg.etcd_grace_s,
-        )
-
-    def _etcd_back(self, now: float) -> None:
-        if self._down_since is None:
-            return
-        down, self._down_since = now - self._down_since, None
-        self._emit(
-            "etcd_reachable",
-            f"{self.node.node_id}: etcd answers again after {down:.1f} s",
-            down_s=round(down, 3),
-        )
-        self._wake.set()  # the sync thread re-reads the job and re-opens the watch now
-
-    def _give_up(self, waited: float, error: str) -> bool:
-        """etcd stayed away beyond the grace period; called with ``self._cond`` held."""
-        if self.etcd_lost.is_set():
-            return False
-        reason = (
-            f"etcd did not answer for {waited:.0f} s (rendezvous.etcd_grace_s="
-            f"{self._cfg.etcd_grace_s:g}; last error {error}): the node stops, and the newest "
-            "checkpoint is kept"
-        )
-        self._emit(
-            "etcd_lost",
-            f"{self.node.node_id}: {reason}. Fix: {ETCD_LOST_FIX}",
-            level=logging.ERROR,
-            reason=reason,
-            fix=ETCD_LOST_FIX,
-            waited_s=round(waited, 3),
-        )
-        self.etcd_lost.set()
-        self._cond.notify_all()
-        return True
+    def _etcd_gone(self) -> None:
+        """The keeper's word: etcd stayed away past ``rendezvous.etcd_grace_s``."""
+        with self._cond:
+            self.etcd_lost.set()
+            self._cond.notify_all()
+        self._changed()
 
     def _fence(self, reason: str) -> bool:
         """Consider this node out of the job; called with ``self._cond`` held, and then
@@ -730,7 +615,7 @@ class Rendezvous:
             deadline: float | None = None
             try:
                 now = time.monotonic()
-                leads = self._leads(self.view)
+                leads = self._leads()
                 if not self._watch_ids or leads != self._following_all:
                     self._subscribe(leads)
                     next_resync = now + self._cfg.resync_s
@@ -740,9 +625,12 @@ class Rendezvous:
                     next_resync = now + self._cfg.resync_s
                 if self._record_dirty:
                     self._put_record()
-                if not self.view.leader and self._watch_ids:
-                    self._claim_lead()
-                deadline = self._maybe_propose()
+                if not self.view.leader and self._watch_ids and self._claimable():
+                    self.leadership.claim(self.node.node_id, self._registration, self._lease)
+                if not self.fenced.is_set():
+                    deadline = self.leadership.maybe_propose(
+                        self.view, self.node.node_id, self._registration, self._last_change
+                    )
                 failures = 0
             except etcd_errors() as exc:  # the keep-alive says when etcd is away; no log spam
                 log.debug("rendezvous sync failed (%s); retrying", exc)
@@ -753,9 +641,12 @@ class Rendezvous:
             self._wake.wait(timeout=max(0.01, wait))
             self._wake.clear()
 
-    def _leads(self, view: JobView) -> bool:
-        """Whether this registration holds the ``leader`` key."""
-        return view.leader == leader_value(self.node.node_id, self._registration)
+    def _claimable(self) -> bool:
+        """Whether this registration may claim the lead: live, not fenced."""
+        return not self.fenced.is_set() and self._lease is not None
+
+    def _leads(self) -> bool:
+        return leads(self.view, self.node.node_id, self._registration)
 
     def _subscribe(self, everyone: bool) -> None:
         """Watch what this node follows, from a fresh snapshot on: the round, the leader and
@@ -769,7 +660,7 @@ class Rendezvous:
         ids = [add(k, self._on_watch, start_revision=start) for k in self._singles()]
         if everyone:
             ids += [
-                add(p, self._on_watch, range_end=_prefix_end(p), start_revision=start)
+                add(p, self._on_watch, range_end=prefix_end(p), start_revision=start)
                 for p in (self.keys.nodes, self.keys.quarantine)
             ]
         else:
@@ -783,30 +674,6 @@ class Rendezvous:
     def _singles(self) -> tuple[str, ...]:
         return (self.keys.round, self.keys.leader, self.keys.done)
 
-    def _claim_lead(self) -> None:
-        """Take the ``leader`` key (under this node's lease, so it goes with the node) if nobody
-        holds it and this registration is still live; of many claims, one wins."""
-        if self.fenced.is_set() or self._lease is None:
-            return
-        t = self._client.transactions
-        self.load.requests += 1
-        ok, _ = self._client.transaction(
-            compare=[
-                t.version(self.keys.leader) == 0,
-                t.create(self._node_key) == self._registration,
-            ],
-            success=[
-                t.put(
-                    self.keys.leader,
-                    leader_value(self.node.node_id, self._registration),
-                    self._lease,
-                )
-            ],
-            failure=[],
-        )
-        if ok:
-            self._emit("leader_elected", registration=self._registration)
-
     def _cancel_watches(self) -> None:
         ids, self._watch_ids = self._watch_ids, []
         for watch_id in ids:
@@ -815,85 +682,9 @@ class Rendezvous:
             except Exception as exc:  # etcd away, or the stream already broke
                 log.debug("cancel_watch: %s", exc)
 
-    def _maybe_propose(self) -> float | None:
-        """As leader, replace the round when :func:`plan_round` says so and membership settled.
-
-        Returns the monotonic time at which to look again (settle time still running), or None.
-        """
-        view = self.view
-        if self.fenced.is_set() or not view.complete or not self._leads(view):
-            return None
-        if self.node.node_id not in view.nodes:
-            return None
-        members = plan_round(view, self._min, self._max)
-        if members is None:
-            return None
-        # A drained member gets a lease TTL to say after which step it leaves (it answers in
-        # milliseconds; one that cannot is dropped as a failed one would be). Only a round that
-        # would just drop drained members waits; any other change is made at once.
-        now = time.monotonic()
-        self._drain_seen = {n: self._drain_seen.get(n, now) for n in draining(view)}
-        waiting = {n: t + self._cfg.lease_ttl_s for n, t in self._drain_seen.items()}
-        waiting = {n: t for n, t in waiting.items() if t > now}
-        if waiting and only_drops(view.round, members, waiting.keys()):
-            return min(waiting.values())
-        if not shrink_only(view.round, members):
-            settle = self._initial_settle if view.round is None else self._cfg.settle_s
-            settles_at = self._last_change + settle
-            if len(members) < self._max and time.monotonic() < settles_at:
-                return settles_at
-        self.propose(view, members)
-        return None
-
     def propose(self, view: JobView, members: list[NodeRecord]) -> bool:
-        """Replace the round seen in ``view`` by one of ``members``; False if it was stale.
-
-        The transaction only succeeds if the round key still has the revision this node read, so
-        of two proposers working from the same view exactly one wins, and a proposer with an old
-        view loses.
-        """
-        number = view.round.number + 1 if view.round else 1
-        new = Round.build(number, members, switch_step(view, members))
-        # A round too large for one value goes first into parts of its own (this proposal's
-        # folder: a rival's never mixes in); the round key then names them.
-        parts_id = f"{number:012d}-{self._registration:012d}"
-        head, parts = new.to_values(parts_id)
-        folder = self.keys.round_part_folder(parts_id)
-        for i, part in enumerate(parts):
-            self.load.requests += 1
-            self._client.put(f"{folder}{i:06d}", part)
-        t = self._client.transactions
-        fence = (
-            (t.mod(self.keys.round) == view.round_rev)
-            if view.round
-            else (t.version(self.keys.round) == 0)
-        )
-        # Won: the older rounds' parts go (every folder that sorts before this one). Lost: this
-        # proposal's own parts go.
-        older = folder if parts else _prefix_end(self.keys.round_parts)
-        self.load.requests += 1
-        ok, _ = self._client.transaction(
-            compare=[fence],
-            success=[
-                t.put(self.keys.round, head),
-                t.delete(self.keys.round_parts, range_end=older),
-            ],
-            failure=[t.delete(folder, range_end=_prefix_end(folder))] if parts else [],
-        )
-        if ok:
-            before = {m.node_id for m in view.round.members} if view.round else set()
-            after = {m.node_id for m in new.members}
-            self._emit(
-                "round_formed",
-                round=number,
-                world_size=new.world_size,
-                members=[m.node_id for m in new.members],
-                removed=sorted(before - after),
-                added=sorted(after - before),
-                store=f"{new.store_host}:{new.store_port}",
-                after_step=new.after_step,
-            )
-        return bool(ok)
+        """:meth:`Leadership.propose` as this registration."""
+        return self.leadership.propose(view, members, self._registration)
 
     def _emit(
         self, event: str, message: str | None = None, /, *, level: int = logging.INFO, **fields: Any

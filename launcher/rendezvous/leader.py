@@ -1,0 +1,146 @@
+"""The leader's part of a node's rendezvous: holding the ``leader`` key and proposing rounds.
+
+Only the leader, the live registration that claimed the ``leader`` key first, proposes rounds.
+A round that only removes members is proposed at once (the survivors are waiting); one that adds
+members closes when at least ``min_nodes`` are ready and either ``max_nodes`` are or membership
+has been still for ``settle_s``. Who is in it is :func:`launcher.rendezvous.round_plan.plan_round`;
+this module adds the timing and the fenced write.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from elastic.config import RendezvousConfig
+from launcher.rendezvous.etcd import EtcdLoad, prefix_end
+from launcher.rendezvous.keys import JobKeys
+from launcher.rendezvous.lease import Emit
+from launcher.rendezvous.membership import JobView, NodeRecord, Round, leader_value
+from launcher.rendezvous.round_plan import (
+    draining,
+    only_drops,
+    plan_round,
+    shrink_only,
+    switch_step,
+)
+
+
+def leads(view: JobView, node_id: str, registration: int) -> bool:
+    """Whether the registration ``registration`` of ``node_id`` holds the ``leader`` key."""
+    return view.leader == leader_value(node_id, registration)
+
+
+class Leadership:
+    """Claims the lead and, as leader, replaces the round; each call names the registration it
+    acts for (its node id, create revision and lease), which changes when the node rejoins."""
+
+    def __init__(
+        self,
+        client: Any,
+        keys: JobKeys,
+        cfg: RendezvousConfig,
+        min_nodes: int,
+        max_nodes: int,
+        emit: Emit,
+        load: EtcdLoad,
+    ) -> None:
+        self._client, self._keys, self._cfg = client, keys, cfg
+        self._min, self._max = min_nodes, max_nodes
+        self._emit, self._load = emit, load
+        self._initial_settle = max(cfg.first_round_wait_s, cfg.settle_s)
+        self._drain_seen: dict[str, float] = {}  # drained members: when the leader first saw them
+
+    def claim(self, node_id: str, registration: int, lease: Any) -> None:
+        """Take the ``leader`` key (under the node's lease, so it goes with the node) if nobody
+        holds it and the registration is still live; of many claims, one wins."""
+        t = self._client.transactions
+        self._load.requests += 1
+        ok, _ = self._client.transaction(
+            compare=[
+                t.version(self._keys.leader) == 0,
+                t.create(self._keys.node(node_id)) == registration,
+            ],
+            success=[t.put(self._keys.leader, leader_value(node_id, registration), lease)],
+            failure=[],
+        )
+        if ok:
+            self._emit("leader_elected", registration=registration)
+
+    def maybe_propose(
+        self, view: JobView, node_id: str, registration: int, last_change: float
+    ) -> float | None:
+        """As leader, replace the round when :func:`plan_round` says so and membership settled
+        (it last changed at ``last_change``, monotonic).
+
+        Returns the monotonic time at which to look again (settle time still running), or None.
+        """
+        if not view.complete or not leads(view, node_id, registration):
+            return None
+        if node_id not in view.nodes:
+            return None
+        members = plan_round(view, self._min, self._max)
+        if members is None:
+            return None
+        # A drained member gets a lease TTL to say after which step it leaves (it answers in
+        # milliseconds; one that cannot is dropped as a failed one would be). Only a round that
+        # would just drop drained members waits; any other change is made at once.
+        now = time.monotonic()
+        self._drain_seen = {n: self._drain_seen.get(n, now) for n in draining(view)}
+        waiting = {n: t + self._cfg.lease_ttl_s for n, t in self._drain_seen.items()}
+        waiting = {n: t for n, t in waiting.items() if t > now}
+        if waiting and only_drops(view.round, members, waiting.keys()):
+            return min(waiting.values())
+        if not shrink_only(view.round, members):
+            settle = self._initial_settle if view.round is None else self._cfg.settle_s
+            settles_at = last_change + settle
+            if len(members) < self._max and time.monotonic() < settles_at:
+                return settles_at
+        self.propose(view, members, registration)
+        return None
+
+    def propose(self, view: JobView, members: list[NodeRecord], registration: int) -> bool:
+        """Replace the round seen in ``view`` by one of ``members``; False if it was stale.
+
+        The transaction only succeeds if the round key still has the revision this node read, so
+        of two proposers working from the same view exactly one wins, and a proposer with an old
+        view loses.
+        """
+        keys = self._keys
+        number = view.round.number + 1 if view.round else 1
+        new = Round.build(number, members, switch_step(view, members))
+        # A round too large for one value goes first into parts of its own (this proposal's
+        # folder: a rival's never mixes in); the round key then names them.
+        parts_id = f"{number:012d}-{registration:012d}"
+        head, parts = new.to_values(parts_id)
+        folder = keys.round_part_folder(parts_id)
+        for i, part in enumerate(parts):
+            self._load.requests += 1
+            self._client.put(f"{folder}{i:06d}", part)
+        t = self._client.transactions
+        fence = (
+            (t.mod(keys.round) == view.round_rev) if view.round else (t.version(keys.round) == 0)
+        )
+        # Won: the older rounds' parts go (every folder that sorts before this one). Lost: this
+        # proposal's own parts go.
+        older = folder if parts else prefix_end(keys.round_parts)
+        self._load.requests += 1
+        ok, _ = self._client.transaction(
+            compare=[fence],
+            success=[t.put(keys.round, head), t.delete(keys.round_parts, range_end=older)],
+            failure=[t.delete(folder, range_end=prefix_end(folder))] if parts else [],
+        )
+        if ok:
+            before = {m.node_id for m in view.round.members} if view.round else set()
+            after = {m.node_id for m in new.members}
+            self._emit(
+                "round_formed",
+                round=number,
+                world_size=new.world_size,
+                members=[m.node_id for m in new.members],
+                removed=sorted(before - after),
+                added=sorted(after - before),
+                store=f"{new.store_host}:{new.store_port}",
+                after_step=new.after_step,
+            )
+        return bool(ok)
