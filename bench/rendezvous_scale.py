@@ -321,7 +321,7 @@ def ours_process(
         nonlocal crashed
         try:
             nodes[node_id].join()
-            nodes[node_id].set_ready()
+            nodes[node_id].record.set_ready()
         except Exception:  # an agent would crash here: counted, as the table's "crashed"
             crashed += 1
 

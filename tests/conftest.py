@@ -76,7 +76,7 @@ def make(etcd_endpoint: str, job_id: str):  # type: ignore[no-untyped-def]
             max_nodes=max_nodes,
         )
         r.join()
-        r.set_ready()
+        r.record.set_ready()
         joined.append(r)
         return r
 

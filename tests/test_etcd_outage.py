@@ -75,7 +75,7 @@ def joined(
         events=EventLog(tmp_path / "run", name, role="agent"),
     )
     r.join()
-    r.set_ready()
+    r.record.set_ready()
     return r
 
 
@@ -101,7 +101,7 @@ def test_an_etcd_restart_longer_than_the_lease_fences_nobody_and_keeps_the_round
         retried = a.load.requests - before
         assert retried <= 40, f"{retried} requests in 6 s of outage: the retries ignore backoff"
         # A write made while etcd is away is kept, and lands once it is back.
-        b.report_failure("a worker crashed while etcd was away")
+        b.record.report_failure("a worker crashed while etcd was away")
         own_etcd.start_member(0)
         after = lead.wait(
             lambda v: v.nodes.get("b") is not None and v.nodes["b"].incarnation == 1, 20
@@ -150,8 +150,8 @@ def test_losing_one_member_of_three_costs_nothing(tmp_path: Path) -> None:
             # Its stream ended with the member: the refresh goes out again on a new one, at once
             # (answered once the survivors have a raft leader, if the dead member was theirs).
             assert keepalive.refresh(timeout_s=3.0) > 0
-            b.report_failure("a worker crashed after the member died")
-            b.set_ready()
+            b.record.report_failure("a worker crashed after the member died")
+            b.record.set_ready()
             after = a.wait(formed(2), timeout=15)
             assert after is not None, "no new round through the surviving members"
             assert not a.fenced.is_set() and not b.fenced.is_set()

@@ -262,14 +262,14 @@ def test_nodes_join_keep_their_lease_and_watch_over_tls_with_auth(
     second = _node(secure_etcd, job, "n2", 1002)
     try:
         first.join()
-        first.set_ready()
+        first.record.set_ready()
         assert _wait(lambda: first.view.round is not None and first.view.round.member("n1"), 5)
         time.sleep(2 * FAST.lease_ttl_s + 0.5)  # two lease TTLs; the token's TTL runs out too
         assert not first.fenced.is_set()
         assert not first.etcd_lost.is_set()
         assert f"{PREFIX}/{job}/nodes/n1" in secure_etcd.keys(f"{PREFIX}/{job}/nodes/")
         second.join()
-        second.set_ready()
+        second.record.set_ready()
 
         def both() -> bool:
             rnd = first.view.round

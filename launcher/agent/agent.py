@@ -298,7 +298,7 @@ class Agent:
         elif isinstance(msg, WorkerLeaving):
             self.leave_answers[msg.local_rank] = msg.after_step
             if len(self.leave_answers) == len(self.workers.slots):
-                self.rdzv.leave_after(max(self.leave_answers.values()))
+                self.rdzv.record.leave_after(max(self.leave_answers.values()))
         elif isinstance(msg, FaultRequested) and msg.request_id not in self.requests_taken:
             self.requests_taken.add(msg.request_id)
             self._on_fault_request(msg.request_id, msg.request)
@@ -407,7 +407,7 @@ class Agent:
                 and self.rdzv.synced
                 and self._reaches_the_round(self.rdzv.view)
             ):
-                self.rdzv.set_ready()
+                self.rdzv.record.set_ready()
             probing = self._probe_peers(view)
             self._follow_round(view)
             self.progress.tick(self.current)  # rank 0's node: the progress key, once a second
@@ -546,7 +546,7 @@ class Agent:
 
     def _leave_round(self, reason: str) -> None:
         """Leave the current round at once (a failure report), the workers standing by."""
-        self.rdzv.report_failure(reason)
+        self.rdzv.record.report_failure(reason)
         if self.current is not None:
             self.workers.standby()
             self.current = None
