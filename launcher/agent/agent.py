@@ -48,12 +48,7 @@ import contextlib
 import logging
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType
@@ -65,7 +60,8 @@ from elastic import config
 from elastic.control import WorkerEnv
 from elastic.events import EventLog
 from launcher.agent import decisions as decide
-from launcher.agent.fault_requests import FaultRequests
+from launcher.agent.admission import EXIT_ETCD_LOST, EXIT_UNHEALTHY, Admission
+from launcher.agent.fault_requests import FaultAnswerer, FaultRequests
 from launcher.agent.inbox import (
     FaultRequested,
     Inbox,
@@ -75,49 +71,24 @@ from launcher.agent.inbox import (
     WorkerLeaving,
     WorkerPeerLost,
 )
+from launcher.agent.peers import PROBE_AGAIN_S, Peers
+from launcher.agent.planned_leave import PlannedLeave
 from launcher.agent.slots import local_slots
 from launcher.agent.workers import WorkerGroup
-from launcher.health.checks import run_checks
-from launcher.health.quarantine import Entry, Quarantine, clear_command
-from launcher.health.report import Status
+from launcher.health.quarantine import Quarantine
 from launcher.rendezvous.etcd import EtcdUnavailable, connect, etcd_errors, etcd_security
 from launcher.rendezvous.lease import ETCD_LOST_FIX
-from launcher.rendezvous.membership import JobView, Member, NodeRecord, Round
+from launcher.rendezvous.membership import JobView, NodeRecord, Round
 from launcher.rendezvous.progress_key import ProgressPublisher
 from launcher.rendezvous.rendezvous import (
-    EtcdDenied,
     EtcdLost,
-    NodeIdInUse,
     Rendezvous,
 )
 
 log = logging.getLogger("launcher.agent")
 
 STOP_GRACE_S = 5.0  # how long workers get to exit after SIGTERM before SIGKILL
-EXIT_UNHEALTHY = 3  # the node failed its health checks (or cannot reach etcd) and did not join
-EXIT_ETCD_LOST = 4  # etcd stayed away beyond rendezvous.etcd_grace_s; the checkpoint is kept
-EXIT_NODE_ID_IN_USE = 5  # another live node holds this node's id (cluster.node_id)
-QUARANTINE_POLL_S = 2.0  # how often a quarantined node looks up from its wait (signals)
 IDLE_WAKE_S = 1.0  # the loop looks at the workers' watchdogs and the join timeout this often
-PROBE_AGAIN_S = 0.2  # after a failed collective, peers are probed this often until a new round
-# A survivor that is not the round's first live member evicts a dead peer itself after probing
-# this long (or a lease TTL, if shorter) with the round still standing. The first one may be
-# frozen, or may not have seen the failure at all: gloo's ring leaves a rank waiting on a live
-# neighbour that gave up, without an error, so its agent never probes.
-EVICT_BACKUP_S = 1.0
-
-
-def probe(host: str, port: int, timeout_s: float) -> decide.Reach:
-    """Whether an agent listens at ``host:port``. A refused connection means its process is
-    gone; a stopped process still accepts (the kernel does), so a frozen node is not "dead";
-    no answer at all within ``timeout_s`` is the network (or a machine that is off)."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return decide.Reach.ALIVE
-    except ConnectionRefusedError:
-        return decide.Reach.DEAD
-    except OSError:
-        return decide.Reach.UNREACHABLE
 
 
 class Agent:
@@ -149,40 +120,21 @@ class Agent:
         self.workers: WorkerGroup
         self.current: Round | None = None  # the round this node's workers were sent to
         self.crashes = 0
-        self.lost_round = 0  # the newest round in which a local worker saw a collective fail
-        self.probing_since: float | None = None  # monotonic: when probing for lost_round began
         self.leave_reason = ""  # why the node leaves the job, when it leaves on its own
-        self.draining_since: float | None = None  # a planned leave: when the workers were asked
-        self.leave_answers: dict[int, int] = {}  # local rank: the step it can stop after
-        self.cut_off = False  # it could not reach the round's members when it last looked
-        self.requests_taken: set[str] = set()  # fault requests answered (a re-read repeats them)
 
     # --- life cycle ----------------------------------------------------------------------------
 
     def run(self) -> int:
         self.events.emit("agent_started", pgid=os.getpgid(0), slots=self.slots, device=self.device)
-        store = dist.TCPStore(
+        store = dist.TCPStore(  # used when this node holds rank 0 of a round
             "0.0.0.0",
             0,
             is_master=True,
             wait_for_workers=False,
             timeout=timedelta(seconds=self.cfg.rendezvous.pg_timeout_s),
         )
-        try:
-            client = connect(
-                self.endpoints,
-                timeout_s=self.cfg.health.etcd_timeout_s,
-                security=etcd_security(self.cfg.cluster),
-            )
-        except EtcdUnavailable as exc:
-            self.events.emit(
-                "node_left",
-                f"{self.node_id} cannot join: {exc}",
-                level=logging.ERROR,
-                code=EXIT_UNHEALTHY,
-                signal=None,
-                reason=str(exc),
-            )
+        client = self._connect()
+        if client is None:
             return EXIT_UNHEALTHY
         self.guard = Quarantine(
             client, self.cfg.rendezvous.prefix, self.cfg.job_id, self.cfg.health, self.events
@@ -197,16 +149,37 @@ class Agent:
             events=self.events,
             on_change=lambda: self.inbox.put(RendezvousChanged()),
         )
-        self.requests = FaultRequests(
-            client,
-            self.cfg.rendezvous.prefix,
-            self.cfg.job_id,
+        self.faults = FaultAnswerer(
+            FaultRequests(
+                client,
+                self.cfg.rendezvous.prefix,
+                self.cfg.job_id,
+                self.node_id,
+                post=lambda rid, request: self.inbox.put(FaultRequested(rid, request)),
+            ),
             self.node_id,
-            post=lambda rid, request: self.inbox.put(FaultRequested(rid, request)),
+            self.run_dir,
+            self.cfg.chaos.allow,
+            self.slots,
+            self.events,
+            worker_pid=lambda i: p.pid if (p := self.workers.slots[i].proc) else 0,
+        )
+        self.peers = Peers(self.node_id, self.cfg.rendezvous, self.events, self.rdzv.evict)
+        self.admission = Admission(
+            self.cfg,
+            self.node_id,
+            self.host,
+            self.endpoints,
+            self.slots,
+            self.device,
+            self.guard,
+            self.rdzv,
+            self.events,
+            stopped=self._stopped,
         )
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
-        code = self._admit(in_running_job=False) or self._register()
+        code = self._join(in_running_job=False)
         if code:  # an unfit node's checks said why already; etcd's refusal is said here
             self.events.emit(
                 "node_left",
@@ -218,23 +191,25 @@ class Agent:
             )
             client.close()
             return code
-        envs = [
-            WorkerEnv(
-                config=self.config_path,
-                run_dir=str(self.run_dir),
-                node_id=self.node_id,
-                local_rank=i,
-                local_world_size=self.slots,
-                threads=self.threads,
-            )
-            for i in range(self.slots)
-        ]
         self.workers = WorkerGroup.start(
-            envs,
+            [
+                WorkerEnv(
+                    self.config_path, str(self.run_dir), self.node_id, i, self.slots, self.threads
+                )
+                for i in range(self.slots)
+            ],
             self.run_dir / "logs" / self.node_id,
             self.events,
             self.cfg.rendezvous.watchdog_s,
             post=self.inbox.put,
+        )
+        self.leaving = PlannedLeave(
+            self.node_id,
+            self.cfg.cluster.min_nodes,
+            self.cfg.rendezvous.watchdog_s,
+            self.workers,
+            self.events,
+            self.rdzv.record.leave_after,
         )
         log.info(
             "%s joined job %s (%d %s worker(s))",
@@ -262,6 +237,25 @@ class Agent:
             # The client's channel is left to the process's exit: closed, it makes the etcd
             # client's watch thread (etcd3 0.12) die with a traceback in every agent's log.
         return code
+
+    def _connect(self) -> Any:
+        """The etcd client, or None once the node's exit is said (etcd cannot be reached)."""
+        try:
+            return connect(
+                self.endpoints,
+                timeout_s=self.cfg.health.etcd_timeout_s,
+                security=etcd_security(self.cfg.cluster),
+            )
+        except EtcdUnavailable as exc:
+            self.events.emit(
+                "node_left",
+                f"{self.node_id} cannot join: {exc}",
+                level=logging.ERROR,
+                code=EXIT_UNHEALTHY,
+                signal=None,
+                reason=str(exc),
+            )
+            return None
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.inbox.put(Signal(signum))  # reentrant: safe even if the main thread is in the queue
@@ -294,62 +288,11 @@ class Agent:
         if isinstance(msg, Signal):
             self.stop_signal = msg.signum
         elif isinstance(msg, WorkerPeerLost):
-            self.lost_round = max(self.lost_round, msg.round)
+            self.peers.lost_round = max(self.peers.lost_round, msg.round)
         elif isinstance(msg, WorkerLeaving):
-            self.leave_answers[msg.local_rank] = msg.after_step
-            if len(self.leave_answers) == len(self.workers.slots):
-                self.rdzv.record.leave_after(max(self.leave_answers.values()))
-        elif isinstance(msg, FaultRequested) and msg.request_id not in self.requests_taken:
-            self.requests_taken.add(msg.request_id)
-            self._on_fault_request(msg.request_id, msg.request)
-
-    def _on_fault_request(self, request_id: str, request: dict[str, Any]) -> None:
-        """Answer a fault request; if accepted, hand it to ``python -m
-        launcher.agent.fault_helper``, in
-        a session of its own, so that it outlives this agent when it stops or kills it."""
-        answer = decide.answer_fault_request(request, self.cfg.chaos.allow, self.slots)
-        kind, by = request.get("kind"), request.get("by", "?")
-        if answer.accepted:
-            self.events.emit(
-                "fault_request_accepted",
-                f"{self.node_id}: carrying out {kind} requested by {by}",
-                request=request_id,
-                kind=kind,
-                by=by,
-            )
-        else:
-            self.events.emit(
-                "fault_refused",
-                f"{self.node_id}: refused a {kind} request from {by}: {answer.reason}",
-                level=logging.WARNING,
-                request=request_id,
-                kind=kind,
-                by=by,
-                reason=answer.reason,
-            )
-        try:
-            self.requests.answer(request_id, answer)
-        except etcd_errors() as exc:  # the requester then times out and says so
-            log.warning("%s: could not answer fault request %s (%s)", self.node_id, request_id, exc)
-        if not answer.accepted:
-            return
-        local_rank = int(request.get("local_rank", 0))
-        slot = self.workers.slots[local_rank]
-        argv = [
-            sys.executable,
-            "-m",
-            "launcher.agent.fault_helper",
-            f"--run-dir={self.run_dir}",
-            f"--node={self.node_id}",
-            f"--agent-pid={os.getpid()}",
-            f"--kind={kind}",
-            f"--duration-s={float(request.get('duration_s', 0))}",
-            f"--restart-after-s={float(request.get('restart_after_s', -1))}",
-            f"--worker-pid={slot.proc.pid if slot.proc else 0}",
-            f"--local-rank={local_rank}",
-        ]
-        with open(self.run_dir / "logs" / f"{self.node_id}.chaos.log", "ab") as out:
-            subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            self.leaving.answer(msg.local_rank, msg.after_step)
+        elif isinstance(msg, FaultRequested):
+            self.faults.take(msg.request_id, msg.request)
 
     def _loop(self) -> int:
         """Until the node is done or must go: gather the facts, decide
@@ -375,16 +318,16 @@ class Agent:
                     return code
                 waiting_since = time.monotonic()
                 continue
-            self._kill_frozen()
+            self.workers.kill_frozen()
             with contextlib.suppress(*etcd_errors()):  # etcd away: followed again on a later pass
-                self.requests.follow()
+                self.faults.requests.follow()
             exits = decide.on_worker_exits(
                 self.workers.exit_codes(), self.crashes, self.cfg.cluster.max_restarts
             )
             if isinstance(exits, decide.Finish):  # the others finish the same last step
                 self._finish()
                 return 0
-            if decide.leaves_done_job(view.done_in, self.current, self.lost_round):
+            if decide.leaves_done_job(view.done_in, self.current, self.peers.lost_round):
                 log.info("the job is done")
                 return 0
             if isinstance(exits, decide.GiveUp):
@@ -405,10 +348,13 @@ class Agent:
                 not self.rdzv.node.ready
                 and self.workers.ready
                 and self.rdzv.synced
-                and self._reaches_the_round(self.rdzv.view)
+                and self.peers.reaches_the_round(self.rdzv.view)
             ):
                 self.rdzv.record.set_ready()
-            probing = self._probe_peers(view)
+            lost = self.peers.on_lost(self.current, view)
+            if isinstance(lost, str):
+                self._leave_round(lost)
+            probing = isinstance(lost, decide.Probe)
             self._follow_round(view)
             self.progress.tick(self.current)  # rank 0's node: the progress key, once a second
             now = time.monotonic()
@@ -424,47 +370,18 @@ class Agent:
                     waited_s=now - waiting_since,
                 )
                 return 1
-            soon = probing or self.draining_since is not None
+            soon = probing or self.leaving.since is not None
             self._wait(timeout=PROBE_AGAIN_S if soon else IDLE_WAKE_S)
 
     # --- acting on decisions -------------------------------------------------------------------
 
     def _drained(self, view: JobView) -> bool:
         """A stop signal came, or a quarantine: whether the node may leave now, or drains first
-        (:func:`decisions.on_stop`); a drain is started here."""
-        now = time.monotonic()
-        since = self.draining_since
-        answered = len(self.leave_answers) == len(self.workers.slots)
-        step = decide.on_stop(
-            in_round=self.current is not None,
-            others_go_on=decide.others_go_on(view, self.node_id, self.cfg.cluster.min_nodes),
-            asked=since is not None,
-            out=(self.current is None and self.workers.out_of_round)
-            or (answered and max(self.leave_answers.values()) == 0)
-            or self.rdzv.fenced.is_set()
-            or any(code is not None for code in self.workers.exit_codes()),
-            overdue=since is not None and now - since > 2 * self.cfg.rendezvous.watchdog_s,
+        (:meth:`PlannedLeave.may_leave`)."""
+        why = signal.Signals(self.stop_signal).name if self.stop_signal else "quarantined"
+        return self.leaving.may_leave(
+            view, self.current is not None, self.rdzv.fenced.is_set(), why
         )
-        if isinstance(step, decide.Drain):
-            self.draining_since = now
-            why = signal.Signals(self.stop_signal).name if self.stop_signal else "quarantined"
-            self.events.emit("node_draining", reason=why)
-            self.workers.leave()
-        return isinstance(step, decide.Leave)
-
-    def _kill_frozen(self) -> None:
-        """Kill the workers the watchdog takes for frozen; they are restarted as crashed."""
-        for slot in self.workers.slots:
-            reason = slot.frozen()
-            if reason is not None:
-                self.events.emit(
-                    "worker_frozen",
-                    f"{self.node_id}: worker {slot.env.local_rank} frozen ({reason})",
-                    level=logging.WARNING,
-                    local_rank=slot.env.local_rank,
-                    reason=reason,
-                )
-                slot.kill()
 
     def _follow_round(self, view: JobView) -> None:
         """Send the workers into a new round that lists this node, or to standby if it does not."""
@@ -488,62 +405,6 @@ class Agent:
             )
             self.current = rnd
 
-    def _probe_peers(self, view: JobView) -> bool:
-        """A worker saw a collective of the current round fail: drop the peers that are dead.
-        True while the round stands, so the loop probes again soon."""
-        found = decide.on_peer_lost(self.current, self.lost_round, view, self.node_id)
-        if found is None:
-            self.probing_since = None
-            return False
-        reach = self._probe(found.peers)
-        now = time.monotonic()
-        self.probing_since = self.probing_since or now
-        waited = now - self.probing_since
-        if decide.no_one_to_blame(found, reach, waited, self.cfg.rendezvous.lease_ttl_s):
-            self._leave_round(
-                f"round {found.round.number}'s collectives failed, yet every peer answers: "
-                "leaving it so that it is formed again"
-            )
-            self.probing_since = None
-            return False
-        backup = min(EVICT_BACKUP_S, self.cfg.rendezvous.lease_ttl_s)
-        if not decide.evicts_now(found, reach, self.node_id, waited, backup):
-            return True
-        for member in decide.peers_to_evict(found, reach, self.node_id):
-            why = {
-                decide.Reach.DEAD: "its agent refuses connections",
-                decide.Reach.UNREACHABLE: "unreachable from the majority of the round",
-            }
-            self.rdzv.evict(member, why[reach[member.node_id]])
-        return True
-
-    def _probe(self, peers: Sequence[Member]) -> dict[str, decide.Reach]:
-        """Each peer's agent port, probed in parallel: by node id."""
-        timeout = self.cfg.rendezvous.probe_timeout_s
-        with ThreadPoolExecutor(max_workers=max(1, min(32, len(peers)))) as pool:
-            found = list(pool.map(lambda p: probe(p.host, p.port, timeout), peers))
-        return {p.node_id: r for p, r in zip(peers, found, strict=True)}
-
-    def _reaches_the_round(self, view: JobView) -> bool:
-        """Before saying ready: whether this node reaches every live member of the current
-        round (:func:`decisions.reaches_the_round`); logged once while it does not."""
-        if view.round is None:
-            return True
-        reach = self._probe([m for m in view.round.members if m.node_id != self.node_id])
-        ok = decide.reaches_the_round(view.round, reach, self.node_id)
-        cut = sorted(n for n, r in reach.items() if r is decide.Reach.UNREACHABLE)
-        if not ok and not self.cut_off:
-            self.events.emit(
-                "peers_unreachable",
-                f"{self.node_id} cannot reach {', '.join(cut)} of round {view.round.number}: "
-                "waiting for the network before it joins (a check of every node's links and "
-                "firewall between the hosts' store ports may help)",
-                level=logging.WARNING,
-                peers=cut,
-            )
-        self.cut_off = not ok
-        return ok
-
     def _leave_round(self, reason: str) -> None:
         """Leave the current round at once (a failure report), the workers standing by."""
         self.rdzv.record.report_failure(reason)
@@ -560,9 +421,9 @@ class Agent:
         for s in failed:
             s.stop(0)
         if plan.strike is not None:
-            if self._strike(plan.strike):
+            if self.admission.strike(plan.strike):
                 return self._rejoin(decide.Rejoin("quarantined", strike=False))
-            code = self._check(in_running_job=True)
+            code = self.admission.check(in_running_job=True)
             if code:
                 return code
         for s in failed:
@@ -572,7 +433,7 @@ class Agent:
     def _rejoin(self, rejoin: decide.Rejoin) -> int:
         """Fenced or quarantined: this node's rounds go on without it. Leave, wait out any
         quarantine, check the node again and join as a new member; 0, or the exit code."""
-        sentenced = self._strike(rejoin.reason) if rejoin.strike else None
+        sentenced = self.admission.strike(rejoin.reason) if rejoin.strike else None
         quarantined = sentenced is not None or self.node_id in self.rdzv.view.quarantined
         keep = decide.keeps_workers(rejoin, quarantined, self.workers.exit_codes())
         log.warning(
@@ -586,57 +447,15 @@ class Agent:
         else:
             self.workers.stop(STOP_GRACE_S)
         self.current = None
-        self.draining_since, self.leave_answers = None, {}
+        self.leaving.reset()
         self.rdzv.leave()
-        code = self._admit(in_running_job=True)
-        if code:
-            return code
-        code = self._register()
+        code = self._join(in_running_job=True)
         if code:
             return code
         if not keep:
             for s in self.workers.slots:
                 s.start()
         return 0
-
-    def _register(self) -> int:
-        """Join the job (:meth:`Rendezvous.join`): 0, or the exit code, with
-        :attr:`leave_reason` set. An id held by this node's own earlier incarnation is taken
-        over at once; one held by a live node is waited for, up to two lease TTLs."""
-        ttl = self.cfg.rendezvous.lease_ttl_s
-        deadline = time.monotonic() + 2 * ttl + 1
-        while True:
-            try:
-                self.rdzv.join()
-                return 0
-            except EtcdLost as exc:
-                return self._gave_up(exc)
-            except NodeIdInUse as exc:
-                holder = exc.holder
-                timeout = self.cfg.rendezvous.probe_timeout_s
-                alive = probe(holder.host, holder.store_port, timeout) is not decide.Reach.DEAD
-                step = decide.on_node_id_in_use(
-                    holder.host, self.host, alive, time.monotonic() > deadline
-                )
-                if isinstance(step, decide.IdTaken):
-                    self.leave_reason = str(exc)
-                    return EXIT_NODE_ID_IN_USE
-                if isinstance(step, decide.TakeOver):
-                    self.rdzv.evict(holder, "an earlier incarnation of this node, now gone")
-                    continue
-            self._receive(timeout=ttl / 4)
-            if self.stop_signal is not None:
-                self.leave_reason = "stopped by a signal before it could register"
-                return 128 + self.stop_signal
-
-    def _gave_up(self, exc: EtcdLost) -> int:
-        """etcd stayed away past the grace period, or refused this node the job's keys: the
-        exit code, with :attr:`leave_reason` naming the fix."""
-        if isinstance(exc, EtcdDenied):
-            self.leave_reason = str(exc)
-            return EXIT_UNHEALTHY
-        self.leave_reason = f"{exc}; {ETCD_LOST_FIX}"
-        return EXIT_ETCD_LOST
 
     def _finish(self) -> None:
         """A local worker finished the job: let the others finish, then mark the job done."""
@@ -659,84 +478,14 @@ class Agent:
 
     # --- health and quarantine -----------------------------------------------------------------
 
-    def _admit(self, in_running_job: bool) -> int:
-        """Wait while this node is quarantined, then run the health checks: 0 when it may join,
-        else the exit code."""
-        try:
-            found = self.rdzv.retry("read the quarantine", lambda: self.guard.get(self.node_id))
-        except EtcdLost as exc:
-            return self._gave_up(exc)
-        if found is not None:
-            entry, left = found
-            self.events.emit(
-                "quarantine_wait",
-                f"{self.node_id} is quarantined for {left:.0f} s more "
-                f"({'; '.join(entry.reasons)}); waiting. To end it sooner: "
-                + clear_command(self.node_id, self.cfg.job_id, self.endpoints, self.cfg.cluster),
-                level=logging.WARNING,
-                left_s=left,
-                reasons=list(entry.reasons),
-                by=entry.by,
-            )
-            try:
-                while not self.rdzv.retry(
-                    "wait for the quarantine to end",
-                    lambda: self.guard.wait_cleared(self.node_id, QUARANTINE_POLL_S),
-                ):
-                    self._receive(timeout=0)
-                    if self.stop_signal is not None:
-                        return 128 + self.stop_signal
-            except EtcdLost as exc:
-                return self._gave_up(exc)
-            self.events.emit("quarantine_over")
-        return self._check(in_running_job)
+    def _join(self, in_running_job: bool) -> int:
+        """:meth:`Admission.join`: 0 once registered, else the exit code and its reason."""
+        code = self.admission.join(in_running_job)
+        if code:
+            self.leave_reason = self.admission.reason
+        return code
 
-    def _check(self, in_running_job: bool) -> int:
-        """Run the health checks and publish the report; 0 if the node may (re)join, else strike
-        it and return :data:`EXIT_UNHEALTHY`. A node already in a running job is not refused for
-        what every node shares (:func:`launcher.agent.decisions.refusing_checks`): that is a
-        warning."""
-        if not self.cfg.health.enabled:
-            log.warning("%s: health checks are off (health.enabled=false)", self.node_id)
-            return 0
-        report = run_checks(self.cfg, self.node_id, self.endpoints, self.slots, self.device)
-        try:
-            self.guard.publish(report)
-        except etcd_errors() as exc:  # etcd away: the report waits for the next check
-            log.warning("%s: could not publish the health report (%s)", self.node_id, exc)
-        refusing = set(decide.refusing_checks([r.name for r in report.failures], in_running_job))
-        shared = [r for r in report.failures if r.name not in refusing]
-        warnings = [f"{r.name}: {r.message}" for r in report.results if r.status is Status.WARN]
-        warnings += [
-            f"{r.name} (the whole job shares it; not refused): {r.message}" for r in shared
-        ]
-        self.events.emit(
-            "health_checked",
-            report.table(),
-            ok=not refusing,
-            seconds=round(report.seconds, 3),
-            counts=report.counts,
-            warnings=warnings,
-        )
-        if not refusing:
-            return 0
-        failed = [r for r in report.failures if r.name in refusing]
-        failures = [f"{r.name}: {r.message}" for r in failed]
-        entry = self._strike("failed health checks: " + ", ".join(r.name for r in failed))
-        self.events.emit(
-            "health_failed",
-            f"{self.node_id} failed its health checks and does not join the job:\n  "
-            + "\n  ".join(failures),
-            level=logging.ERROR,
-            failures=failures,
-            quarantined_until=entry.until if entry else None,
-        )
-        return EXIT_UNHEALTHY
-
-    def _strike(self, reason: str) -> Entry | None:
-        """Count a failure of this node; the quarantine entry if this one put it there."""
-        try:
-            return self.guard.strike(self.node_id, reason)
-        except etcd_errors() as exc:  # etcd away: the lease decides this node's fate instead
-            log.warning("%s: could not record a strike (%s)", self.node_id, exc)
-            return None
+    def _stopped(self, timeout: float) -> int | None:
+        """The stop signal, once the messages that come within ``timeout`` are taken in."""
+        self._receive(timeout)
+        return self.stop_signal

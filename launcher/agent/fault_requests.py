@@ -16,11 +16,17 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
-from launcher.agent.decisions import FaultAnswer
+from elastic.events import EventLog
+from launcher.agent.decisions import FaultAnswer, answer_fault_request
+from launcher.rendezvous.etcd import etcd_errors
 from launcher.rendezvous.keys import JobKeys
 
 log = logging.getLogger(__name__)
@@ -92,3 +98,75 @@ class FaultRequests:
         except ValueError:
             request = None
         self._post(request_id, request if isinstance(request, dict) else {"kind": None})
+
+
+class FaultAnswerer:
+    """Answers each of this node's fault requests once (a re-read repeats them), and starts the
+    helper for each one it accepts; ``worker_pid(local_rank)`` is that worker's pid (0: none)."""
+
+    def __init__(
+        self,
+        requests: FaultRequests,
+        node_id: str,
+        run_dir: Path,
+        allow: bool,
+        slots: int,
+        events: EventLog,
+        worker_pid: Callable[[int], int],
+    ) -> None:
+        self.requests, self._node_id, self._run_dir = requests, node_id, run_dir
+        self._allow, self._slots, self._events = allow, slots, events
+        self._worker_pid = worker_pid
+        self._taken: set[str] = set()
+
+    def take(self, request_id: str, request: dict[str, Any]) -> None:
+        """Answer a fault request; if accepted, hand it to ``python -m
+        launcher.agent.fault_helper`` in a session of its own, so that it outlives this agent
+        when it stops or kills it."""
+        if request_id in self._taken:
+            return
+        self._taken.add(request_id)
+        answer = answer_fault_request(request, self._allow, self._slots)
+        kind, by = request.get("kind"), request.get("by", "?")
+        if answer.accepted:
+            self._events.emit(
+                "fault_request_accepted",
+                f"{self._node_id}: carrying out {kind} requested by {by}",
+                request=request_id,
+                kind=kind,
+                by=by,
+            )
+        else:
+            self._events.emit(
+                "fault_refused",
+                f"{self._node_id}: refused a {kind} request from {by}: {answer.reason}",
+                level=logging.WARNING,
+                request=request_id,
+                kind=kind,
+                by=by,
+                reason=answer.reason,
+            )
+        try:
+            self.requests.answer(request_id, answer)
+        except etcd_errors() as exc:  # the requester then times out and says so
+            log.warning(
+                "%s: could not answer fault request %s (%s)", self._node_id, request_id, exc
+            )
+        if not answer.accepted:
+            return
+        local_rank = int(request.get("local_rank", 0))
+        argv = [
+            sys.executable,
+            "-m",
+            "launcher.agent.fault_helper",
+            f"--run-dir={self._run_dir}",
+            f"--node={self._node_id}",
+            f"--agent-pid={os.getpid()}",
+            f"--kind={kind}",
+            f"--duration-s={float(request.get('duration_s', 0))}",
+            f"--restart-after-s={float(request.get('restart_after_s', -1))}",
+            f"--worker-pid={self._worker_pid(local_rank)}",
+            f"--local-rank={local_rank}",
+        ]
+        with open(self._run_dir / "logs" / f"{self._node_id}.chaos.log", "ab") as out:
+            subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

@@ -11,6 +11,7 @@ inbox (:mod:`launcher.agent.inbox`); heartbeats only feed the slot's watchdog.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import subprocess
 import sys
@@ -185,8 +186,9 @@ class WorkerSlot:
 class WorkerGroup:
     """The slots of one node."""
 
-    def __init__(self, slots: list[WorkerSlot]) -> None:
+    def __init__(self, slots: list[WorkerSlot], events: EventLog) -> None:
         self.slots = slots
+        self._events = events
         self.standby_seq = 0  # the number of the last standby sent
 
     @classmethod
@@ -199,7 +201,7 @@ class WorkerGroup:
         post: Callable[[Message], None],
     ) -> WorkerGroup:
         log_dir.mkdir(parents=True, exist_ok=True)
-        group = cls([WorkerSlot(env, log_dir, events, watchdog_s, post) for env in envs])
+        group = cls([WorkerSlot(env, log_dir, events, watchdog_s, post) for env in envs], events)
         for slot in group.slots:
             slot.start()
         return group
@@ -232,6 +234,20 @@ class WorkerGroup:
         self.standby_seq += 1
         for slot in self.slots:
             slot.send("standby", after_step=after_step, seq=self.standby_seq)
+
+    def kill_frozen(self) -> None:
+        """Kill the workers the watchdog takes for frozen; they are restarted as crashed."""
+        for slot in self.slots:
+            reason = slot.frozen()
+            if reason is not None:
+                self._events.emit(
+                    "worker_frozen",
+                    f"{slot.env.node_id}: worker {slot.env.local_rank} frozen ({reason})",
+                    level=logging.WARNING,
+                    local_rank=slot.env.local_rank,
+                    reason=reason,
+                )
+                slot.kill()
 
     def leave(self) -> None:
         """Ask every worker after which step it can leave its round (answered by ``leaving``)."""

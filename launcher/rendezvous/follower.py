@@ -93,7 +93,6 @@ class JobFollower:
         with self._cond:
             return self._view
 
-    @property
     def synced(self, registration: int) -> bool:
         """Whether the view is of etcd as of this node's registration or later. Before that it
         is empty (a rejoin starts afresh), and an empty view says nothing about the round: a
