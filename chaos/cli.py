@@ -2,21 +2,14 @@
 campaign against a job and judge it.
 
 Overrides that start with ``campaign`` choose and tune the campaign (``conf/campaign/``, the
-schema in :mod:`chaos.campaign`); every other override is the job's, exactly as for ``python -m
-launcher``. By default the command starts an etcd of its own for a local job (so that it can
-start killed nodes again), launches the job with ``trainer.record_samples=true`` (the invariants
-need every rank's samples), carries out the schedule (:mod:`chaos.runner`), judges the job's
-event log (:mod:`chaos.verdict`: the invariants, each recovery, the goodput at the job's own
-fault-free pace), and writes ``report.json``, ``summary.txt`` and ``timeline.png`` to
-``<run_dir>/chaos/``.
-
-With ``campaign.attach=true`` it launches nothing: it joins the running job named by
-``job_id``, ``cluster.etcd_endpoints`` and ``run_dir`` (where the job's config and events are: a
-shared file system, or this machine), and requests each fault from the target node's agent
-through etcd; the job must have been started with ``chaos.allow=true`` and
-``trainer.record_samples=true``.
-
-It exits 1 if an invariant broke, 2 on bad input.
+schema in :mod:`chaos.campaign`); every other override is the job's, as for ``python -m
+launcher``. By default it launches a local job on an etcd of its own (so that it can start killed
+nodes again), carries out the schedule (:mod:`chaos.runner`), judges the job's event log
+(:mod:`chaos.verdict`) and writes ``report.json``, ``summary.txt`` and ``timeline.png`` to
+``<run_dir>/chaos/``. With ``campaign.attach=true`` it joins the running job named by ``job_id``,
+``cluster.etcd_endpoints`` and ``run_dir`` instead (started with ``chaos.allow=true`` and
+``trainer.record_samples=true``) and requests each fault from the node's agent through etcd. It
+exits 1 if an invariant broke, 2 on bad input.
 """
 
 from __future__ import annotations
@@ -113,7 +106,8 @@ def nothing_to_judge(events: list[dict[str, Any]], out_dir: Path) -> str | None:
 
 
 def launch(cfg: Config, campaign: CampaignConfig, job: list[str]) -> int:
-    """Launch a local job on an etcd of our own, run the campaign on it, and judge it."""
+    """Launch a local job on an etcd of our own, run the campaign on it, and judge it. The job
+    records every rank's samples (``trainer.record_samples=true``): the invariants need them."""
     found = problems(campaign, cfg.cluster.nodes)
     if cfg.cluster.mode is not ClusterMode.local:
         found.append(
@@ -207,7 +201,9 @@ def launch(cfg: Config, campaign: CampaignConfig, job: list[str]) -> int:
 
 def attach(cfg: Config, campaign: CampaignConfig) -> int:
     """Run the campaign on the running job ``cfg`` names, through fault requests, and judge
-    it from its event log."""
+    it from its event log. ``run_dir`` is where the job's config and events are (a shared file
+    system, or this machine); the job must have been started with ``chaos.allow=true`` and
+    ``trainer.record_samples=true``."""
     run_dir = Path(cfg.run_dir)
     if not (run_dir / "config.yaml").exists():
         return refuse(

@@ -1,27 +1,13 @@
-"""A convergence trial on real data that no one here made: the real job (``python -m launcher``)
-on scikit-learn's handwritten digits (``data=digits``), run fault-free or with a node SIGKILLed
-and started again (it rejoins), the same seed either way, and what each run learnt read back
-from its event log.
+"""A convergence trial on real data that no one here made: the real job on scikit-learn's digits.
 
-``tests/test_convergence.py`` asserts on these runs and ``bench/convergence.py`` draws them, so
-both run exactly the job defined here (:data:`JOB`). The job trains with Akiba et al.'s RMSprop
-warm-up (``optim=akiba``: per-element second moments that the state sync must carry) and bf16
-gradients in the all-reduce (``comm.grad_dtype=bf16``).
-
-It computes in fp32, as ``trainer.precision=auto`` does on a CPU. fp16 is accepted there and
-runs (autocast in fp16, a GradScaler whose state the checkpoints carry), but torch 2.14's oneDNN
-has no fast fp16 kernel for a convolution's weight gradient on the CPU (``ONEDNN_VERBOSE=1``
-names ``ref:any``: 0.67 s against 1.7 ms for the forward of a 64x64 3x3 convolution). A step of
-this job took 6-7 s instead of 0.3 s (the run 14 minutes instead of one); with 32-pixel crops
-17-27 s, longer than the agent's watchdog (``rendezvous.watchdog_s=10``), which took the
-workers for frozen at step 1, three times, and quarantined both nodes. bf16 ran, a little slower
-than fp32, but two of three runs of this job turned to NaN, one at step 33 after 32 steps whose
-losses were bit for bit those of a run that stayed finite (nondeterminism in a bf16 CPU kernel,
-it seems, not the fault: none of the fp32 runs here did).
-
-The etcd the job uses is the caller's, not one the launcher embeds: the node started again is
-this process's child, not the launcher's, and may still be ending when the launcher has ended
-(and would have stopped its etcd).
+``python -m launcher`` with ``data=digits`` runs fault-free or with a node SIGKILLed and started
+again (it rejoins), the same seed either way, and what each run learnt is read back from its
+event log. ``tests/test_convergence.py`` asserts on these runs and ``bench/convergence.py`` draws
+them, so both run exactly the job defined here (:data:`JOB`): Akiba et al.'s RMSprop warm-up
+(``optim=akiba``: per-element second moments that the state sync must carry) and bf16 gradients
+in the all-reduce (``comm.grad_dtype=bf16``). It computes in fp32, as ``trainer.precision=auto``
+does on a CPU: there fp16 ran twenty times slower and bf16 turned to NaN (the comment above
+:data:`JOB` has the measurements).
 """
 
 from __future__ import annotations
@@ -51,6 +37,16 @@ EPOCHS = 8
 STEPS = EPOCHS * -(-SAMPLES_PER_EPOCH // (NODES * BATCH))  # without a fault
 KILL_AT_STEP = STEPS // 2  # mid-run: the rest has little time to hide a recovery that lost ground
 
+# The job computes in fp32. fp16 is accepted on the CPU and runs (autocast in fp16, a GradScaler
+# whose state the checkpoints carry), but torch 2.14's oneDNN has no fast fp16 kernel for a
+# convolution's weight gradient on the CPU (``ONEDNN_VERBOSE=1`` names ``ref:any``: 0.67 s against
+# 1.7 ms for the forward of a 64x64 3x3 convolution). A step of this job took 6-7 s instead of
+# 0.3 s (the run 14 minutes instead of one); with 32-pixel crops 17-27 s, longer than the agent's
+# watchdog (``rendezvous.watchdog_s=10``), which took the workers for frozen at step 1, three
+# times, and quarantined both nodes. bf16 ran, a little slower than fp32, but two of three runs of
+# this job turned to NaN, one at step 33 after 32 steps whose losses were bit for bit those of a
+# run that stayed finite (nondeterminism in a bf16 CPU kernel, it seems, not the fault: none of
+# the fp32 runs here did).
 JOB = [
     "data=digits",
     f"data.generate.images_per_class={IMAGES_PER_CLASS}",
@@ -60,7 +56,7 @@ JOB = [
     f"trainer.epochs={EPOCHS}",
     "trainer.eval_every_epochs=1",
     "trainer.record_samples=true",  # the invariants need every rank's samples
-    "trainer.precision=fp32",  # not fp16 nor bf16 on the CPU: see the module's docstring
+    "trainer.precision=fp32",  # not fp16 nor bf16 on the CPU: see the comment above
     "comm.grad_dtype=bf16",
     "optim=akiba",
     "optim.lr=0.2",  # per 256 samples: 0.05 at the global batch of 64
@@ -183,6 +179,10 @@ def run(
     ``etcd_endpoint``; with ``fault``, SIGKILL the node without rank 0 after step
     :data:`KILL_AT_STEP`, and once the other trained a step alone, start it again and wait until
     it is back in a round. Raises :class:`TrialFailed` when any of it does not happen in time.
+
+    The etcd is the caller's, not one the launcher embeds: the node started again is this
+    process's child, not the launcher's, and may still be ending when the launcher has ended
+    (and would have stopped its etcd).
     """
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "launcher", *JOB, *overrides]

@@ -1,29 +1,12 @@
-"""The verdict of a campaign, from the run's event log: the invariants, each fault's recovery,
-and the goodput.
+"""The verdict of a campaign, from its event log: the invariants, each recovery and the goodput.
 
 Goodput is the samples trained and kept, as a fraction of what the same job trains at its own
-fault-free pace in the same time::
-
-    goodput = kept samples / sum over windows of max(the samples the window's steps trained,
-                                                     its time x the pace at each step's world size)
-
-The pace at each world size is the campaign's own: the median samples/s between consecutive
-steps of one round (:func:`pace`), so no separate fault-free run is needed and none can be slow
-or fast on a day of its own. "Kept" is the samples the last step has trained (a rollback to a
-checkpoint loses the samples after it). A stall (the time from a fault to the first step of the
-next round: detection, rendezvous, rebuild, sync), a hang and redone steps cost goodput, and a
-world made smaller by a dead node does not. The steps are taken in windows of ``WINDOW_S``
-seconds, each counting at least the samples it trained: the kept samples never exceed the
-reference, so goodput is at most 100 % by construction, and within a window the jitter of
-single steps (a checkpoint's copy, a busy core) evens out, which a cap on every step would
-charge in full to a job whose steps are irregular and not to one whose steps are regular. What
-the median leaves out is still charged (checkpoint stalls and evaluations, steps slower than
-usual), so a fault-free stretch of the same job scores a little under 100 %
-(:attr:`Verdict.fault_free_goodput`).
-
-The second figure, goodput of the nodes up, also charges the time a repaired node takes to train
-again: each moment counts at the pace of the nodes that were up then (a killed or departed node
-is down until the campaign starts it again, a frozen one until it is thawed).
+fault-free pace in the same time (:func:`goodput`). The pace at each world size is the campaign's
+own (:func:`pace`), so no separate fault-free run is needed and none can be slow or fast on a day
+of its own. A stall (from a fault to the first step of the next round: detection, rendezvous,
+rebuild, sync), a hang and redone steps cost goodput, and a world made smaller by a dead node
+does not. The second figure, goodput of the nodes up, also charges the time a repaired node takes
+to train again: each moment counts at the pace of the nodes that were up then (:func:`capacity`).
 """
 
 from __future__ import annotations
@@ -98,7 +81,8 @@ class Interval:
 
 def capacity(events: list[dict[str, Any]], nodes: int, t0: float, t1: float) -> list[tuple]:
     """``(start, end, nodes up)`` segments covering ``[t0, t1]``, from the chaos events; the
-    nodes up at first are the first round's members (``node<K>`` before any round)."""
+    nodes up at first are the first round's members (``node<K>`` before any round). A killed or
+    departed node is down until the campaign starts it again, a frozen one until it is thawed."""
     first = next((e for e in events if e["event"] == "round_formed"), None)
     up = set(first["members"]) if first else {f"node{i}" for i in range(nodes)}
     changes: list[tuple[float, str, bool]] = []
@@ -171,11 +155,23 @@ def goodput(
     up: list[tuple[float, float, int]] | None = None,
     window_s: float = WINDOW_S,
 ) -> tuple[float, float]:
-    """``(reference samples, goodput)`` of ``kept`` samples trained over ``spans``. Each span
-    counts at the pace of the world size that trained it, or, with ``up`` (:func:`capacity`),
-    of the nodes up meanwhile (a world below ``min_nodes`` trains nothing); the spans are taken
-    in windows of ``window_s`` seconds (0: each alone), and each window counts at least the
-    samples it trained, so goodput is at most 1."""
+    """``(reference samples, goodput)`` of ``kept`` samples trained over ``spans``::
+
+        goodput = kept samples / sum over windows of
+                  max(the samples the window's steps trained,
+                      its time x the pace at each step's world size)
+
+    Each span counts at the pace of the world size that trained it, or, with ``up``
+    (:func:`capacity`), of the nodes up meanwhile (a world below ``min_nodes`` trains nothing).
+    "Kept" is the samples the last step has trained (a rollback to a checkpoint loses the
+    samples after it). The spans are taken in windows of ``window_s`` seconds (0: each alone),
+    and each window counts at least the samples it trained: the kept samples never exceed the
+    reference, so goodput is at most 1 by construction, and within a window the jitter of single
+    steps (a checkpoint's copy, a busy core) evens out, which a cap on every step would charge in
+    full to a job whose steps are irregular and not to one whose steps are regular. What the
+    median pace leaves out is still charged (checkpoint stalls and evaluations, steps slower than
+    usual), so a fault-free stretch of the same job scores a little under 1
+    (:attr:`Verdict.fault_free_goodput`)."""
 
     def fault_free(s: Interval) -> float:
         if up is None:

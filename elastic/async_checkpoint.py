@@ -1,25 +1,13 @@
 """Checkpoints written while training goes on.
 
-A save stalls the training thread only while it copies the state into a staging copy in host
-memory (pinned for a GPU): one copy per rank, allocated at the first save and reused by every
-later one. After the first save of a round a rank copies only its share, the tensors DCP had it
-write: DCP splits the replicated tensors among the ranks the same way at every save of a round
-(a save that finds otherwise fails, and the next copies everything); it then writes them as DCP
-planned them at the round's first save, without DCP (``elastic.checkpoint.Plan``). A thread of
-its own writes the copy out and commits it (:meth:`elastic.checkpoint.CheckpointManager.save`)
-on the round's save group, a gloo group beside the training group (``Communicator.save_group``),
-so that the save's collectives never interleave with training's and a peer frozen in the middle
-of a save holds only the save.
-
-The rules that keep a background save safe:
-
-- One save at a time per rank: the next waits for the previous one of the same round, abortably
-  (the ranks then enter the save group's collectives in the same order).
-- Leaving a round abandons its save if it is not done (:meth:`BackgroundSaver.abandon`). An
-  abandoned save that has not begun to read its staged copy never does, so the next round's save
-  may refill it; one reading it finishes first (the refill waits for it). An abandoned save is
-  never committed, and the folder it leaves has no manifest: the next prune or load removes it.
-- The end of training waits for the last save (:meth:`BackgroundSaver.wait`).
+A save holds the training thread only while it copies the state into a staged copy in host
+memory (pinned for a GPU), one per rank, allocated once and reused. A thread of its own then
+writes the copy out and commits it (:class:`elastic.checkpoint.CheckpointManager`) on the round's
+save group, a gloo group beside the training group (``Communicator.save_group``), so that the
+save's collectives never interleave with training's and a peer frozen in the middle of a save
+holds only the save. One save runs at a time per rank, so the ranks enter the save group's
+collectives in the same order. Leaving a round abandons its save (:meth:`BackgroundSaver.abandon`),
+and the end of training waits for the last one (:meth:`BackgroundSaver.wait`).
 """
 
 from __future__ import annotations
@@ -156,7 +144,13 @@ class BackgroundSaver:
         is gathered to every rank with the save's hashes, with this call's stall added.
 
         Raises :class:`RoundAborted` when ``aborted()`` turns true while the previous save of
-        this round is still being written.
+        this round, which this one waits for, is still being written.
+
+        After the first save of a round a rank stages only its share, the tensors DCP had it
+        write: DCP splits the replicated tensors among the ranks the same way at every save of a
+        round (a save that finds otherwise fails, and the next stages everything). It then writes
+        them as DCP planned them at the round's first save, without DCP
+        (:class:`elastic.checkpoint.Plan`).
         """
         t0 = time.perf_counter()
         previous = self._current
@@ -284,7 +278,12 @@ class BackgroundSaver:
             save.done.set()
 
     def abandon(self) -> None:
-        """The worker left the round: its save, if not done, must not write or commit."""
+        """The worker left the round: its save, if not done, must not write or commit.
+
+        An abandoned save that has not begun to read its staged copy never does, so the next
+        round's save may refill it; one reading it finishes first (the refill waits for it). The
+        folder it leaves has no manifest: the next prune or load removes it.
+        """
         save = self._current
         if save is not None and not save.done.is_set():
             save.abandoned = True

@@ -1,33 +1,13 @@
 """Sharded checkpoints with torch.distributed.checkpoint (DCP) to any fsspec URL.
 
-Layout: ``<url>/step_<step>/`` holds one shard file per rank (replicated DDP tensors are
-de-duplicated across ranks by DCP's planner, at a round's first save; the round's later saves
-replay that plan, see :class:`Plan`; the bytes are laid out by :mod:`elastic.shard_io`),
-DCP's ``.metadata``, and our ``manifest.json``, the commit record, written last by rank 0. It
-lists every file with its size and digest (sha256, in pieces: ``elastic.manifest.PieceDigest``)
-and carries the training progress as JSON.
-
-Each rank hashes its shard from the memory it writes, as it writes it, and the save's last
-collective gathers the hashes to rank 0: no file is read back, and no rank reads another's
-shards over the network. On a local file system the commit is durable: the shards and
-``.metadata`` are fsynced, and the folder is fsynced before the manifest (itself fsynced) is
-renamed into it and after. A remote store gets the manifest in one put, which object stores make
-atomic.
-
-Loading takes the newest checkpoint whose manifest exists and whose files all match it, each
-rank verifying its share of the files; a folder without a manifest is an interrupted save and is
-removed, one whose files do not match is moved aside as ``*.corrupt``. DCP's ``.metadata`` is a
-pickle, so verifying it against our own manifest before DCP reads it is what keeps resume from
-unpickling anything we did not write. DCP reshards on load, so a checkpoint written at one world
-size loads at any other.
-
-A save that fails on this side of the network (disk full, permission lost, the store down) is
-:class:`SaveFailed`: the half-written folder is removed, the newest good checkpoint stays, and
-the caller trains on and tries again at the next interval. DCP (or, at a save that replays a
-round's plan, the gathering of the hashes) reports such a failure on every rank through a
-collective that completed, so the ranks agree on it. A save whose round was left
-before it was written is :class:`SaveAbandoned` (see :mod:`elastic.async_checkpoint`, which runs
-saves in the background): it writes nothing and is never committed.
+``<url>/step_<step>/`` holds one shard file per rank (laid out by :mod:`elastic.shard_io`), DCP's
+``.metadata``, and ``manifest.json``, the commit record that rank 0 writes last
+(:mod:`elastic.manifest`). DCP writes a replicated tensor once and reshards on load, so a
+checkpoint loads at any world size. Each rank hashes its shard from memory as it writes it: no
+file is read back, and no rank reads another's. A load takes the newest checkpoint whose files
+all match its manifest: DCP's ``.metadata`` is a pickle, and verifying it against our own
+manifest first keeps resume from unpickling anything we did not write. A failed save
+(:class:`SaveFailed`) or an abandoned one (:class:`SaveAbandoned`) commits nothing.
 """
 
 from __future__ import annotations
@@ -81,7 +61,14 @@ def _fsync_dir(path: str) -> None:
 
 
 class SaveFailed(Exception):
-    """A checkpoint could not be written here; the round and the older checkpoints are intact."""
+    """A checkpoint could not be written here; the round and the older checkpoints are intact.
+
+    It fails on this side of the network (disk full, permission lost, the store down): the
+    half-written folder is removed, the newest good checkpoint stays, and the caller trains on
+    and tries again at the next interval. DCP (or, at a save that replays a round's plan, the
+    gathering of the hashes) reports it on every rank through a collective that completed, so
+    the ranks agree on it.
+    """
 
     def __init__(self, step: int, reason: str, fix: str) -> None:
         super().__init__(f"checkpoint of step {step} failed: {reason}. Fix: {fix}")
@@ -397,7 +384,12 @@ class CheckpointManager:
             return None
 
     def _commit(self, path: str, manifest: dict[str, Any]) -> None:
-        """Put the manifest in place: durably on a local file system, in one put elsewhere."""
+        """Put the manifest in place: durably on a local file system, in one put elsewhere.
+
+        Locally, the shards and ``.metadata`` are already fsynced; the folder is fsynced before
+        the manifest (itself fsynced) is renamed into it, and after. An object store makes a
+        single put atomic.
+        """
         data = json.dumps(manifest, indent=1).encode()
         target = f"{path}/{MANIFEST}"
         if not isinstance(self.fs, LocalFileSystem):
@@ -542,7 +534,8 @@ class CheckpointManager:
         return CheckpointInfo(self._url(path), manifest["step"], manifest)
 
     def _set_aside(self, path: str, reason: str) -> None:
-        """Remove an interrupted save; move a damaged checkpoint aside for a person to look at."""
+        """Remove an interrupted save (no manifest); move a damaged checkpoint (files that do
+        not match its manifest) aside as ``<folder>.corrupt`` for a person to look at."""
         if reason != "incomplete":  # file by file: object stores have no folder to move
             aside = f"{path}.corrupt"
             self.fs.makedirs(aside, exist_ok=True)

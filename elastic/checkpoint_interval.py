@@ -1,18 +1,11 @@
-"""How many steps apart checkpoints are: a pure function of the settings and of what the last
-save measured.
+"""How many steps apart checkpoints are: a pure function of the settings and the last save.
 
 ``checkpoint.interval=auto`` follows Young (1974) and Daly (2006): when a checkpoint costs C
 seconds of training and failures come every M seconds on average, the interval that loses the
-least time is about sqrt(2 C M). With background saves, C is the stall (the staging), and since a
-save starts only once the previous one is written, the interval is at least the time a save takes
-to write. M is ``checkpoint.mtbf_hours``, or by default Llama 3's rate (419 unexpected
-interruptions in 54 days on 16,384 GPUs, about 50,700 GPU-hours per interruption) divided by the
-job's GPUs. ``interval=fixed`` saves every ``every_steps``, or every ``every_minutes`` converted
-to steps when that comes first.
-
-The figures come from the save itself: each rank's step time, stall and write time are
-all-gathered by its last collective, and the worst rank's are used. Every rank thus computes the
-same interval from the same numbers without a collective of its own, and saves at the same steps.
+least time is about sqrt(2 C M) (:func:`choose_interval`). The figures come from the save itself:
+each rank's step time, stall and write time are all-gathered by its last collective, and the
+worst rank's are used (:class:`Measured`). Every rank thus computes the same interval from the
+same numbers without a collective of its own, and saves at the same steps.
 """
 
 from __future__ import annotations
@@ -50,13 +43,20 @@ class Interval:
 
 
 def job_mtbf_hours(cfg: CheckpointConfig, gpus: int) -> float:
-    """``checkpoint.mtbf_hours``, or Llama 3's failure rate scaled to ``gpus``."""
+    """``checkpoint.mtbf_hours``, or Llama 3's failure rate scaled to ``gpus``: 419 unexpected
+    interruptions in 54 days on 16,384 GPUs, about 50,700 GPU-hours per interruption."""
     return cfg.mtbf_hours or LLAMA3_GPU_HOURS_PER_INTERRUPTION / max(1, gpus)
 
 
 def choose_interval(cfg: CheckpointConfig, measured: Measured | None, gpus: int) -> Interval:
     """The steps between checkpoints, from the settings and the last save's figures (None
-    before the first save of a round has measured anything: ``every_steps`` until then)."""
+    before the first save of a round has measured anything: ``every_steps`` until then).
+
+    With ``interval=auto`` and background saves, the cost C of Young/Daly is the stall (the
+    staging), and since a save starts only once the previous one is written, the interval is at
+    least the time a save takes to write. ``interval=fixed`` saves every ``every_steps``, or
+    every ``every_minutes`` converted to steps when that comes first.
+    """
     fixed = Interval(cfg.every_steps, f"checkpoint.every_steps={cfg.every_steps}")
     if measured is None or measured.step_s <= 0:
         return fixed

@@ -1,28 +1,13 @@
 """A worker's process group, rebuilt in place for every round, and abortable from any thread.
 
-The worker process lives across rounds; only its process group is replaced. For each round the
-group bootstraps through the c10d TCPStore that the agent of the round's first node hosts, under
-a key prefix per round, so groups of different rounds never mix even on the same store. Gloo is
-used on CPU and NCCL on GPU, chosen from the device (``comm.backend=gloo`` puts gloo on GPU
-tensors too: a test aid for simulated nodes that share one GPU).
-
-Why a comm hook: DDP waits for its gradient all-reduce inside ``backward()``, and a collective
-blocked on a frozen peer would hold the worker until the group's timeout. The hook hands DDP a
-future of our own that completes with the all-reduce, or fails as soon as :meth:`abort` is called
-(the agent announced a new round), so a stuck step is abandoned at once. The abandoned collective
-may linger on the old group's threads until its timeout (gloo cannot abort it); it holds only
-buffers of the discarded DDP instance. Dropping the last reference to a gloo group joins its
-threads, so a group with a collective still in flight is retired, not dropped: it is kept until
-the collective ends, which would otherwise stall the next round by up to the group's timeout.
-On NCCL, :meth:`abort` also aborts the communicator, and a round that only removed ranks
-shrinks the old group (``torch.distributed.shrink_group``) instead of building a new one.
-
-Whether a round broke is a fact the communicator records, never a guess from an error's text:
-every collective of a round runs through it (the comm hook's all-reduce, the group's set-up,
-DDP's one-time bucket rebuild, and the blocks the trainer runs under
-:meth:`Communicator.collective`: the state sync and the checkpoint collectives), and the first
-one that fails is kept as :attr:`Communicator.failure`. An exception raised anywhere else is the
-worker's own fault.
+The worker process lives across rounds; only its process group is replaced. Why a comm hook: DDP
+waits for its gradient all-reduce inside ``backward()``, and a collective blocked on a frozen
+peer would hold the worker until the group's timeout. The hook hands DDP a future of our own that
+completes with the all-reduce, or fails as soon as :meth:`Communicator.abort` is called (the
+agent announced a new round), so a stuck step is abandoned at once. Whether a round broke is a
+fact the communicator records, never a guess from an error's text: every collective of a round
+runs through it, the first one that fails is kept as :attr:`Communicator.failure`, and an
+exception raised anywhere else is the worker's own fault (:func:`round_end`).
 """
 
 # No ``from __future__ import annotations`` here: DDP checks the comm hook's annotations at run
@@ -205,6 +190,9 @@ class Communicator:
             raise errors[0]
 
     def _init_group(self, assignment: Assignment) -> None:
+        """Build the round's group on the c10d TCPStore that the agent of the round's first node
+        hosts, under a key prefix per round, so that groups of different rounds never mix even
+        on the same store."""
         store = dist.TCPStore(
             assignment.store_host, assignment.store_port, is_master=False, timeout=self.timeout
         )
@@ -236,7 +224,8 @@ class Communicator:
         return True
 
     def abort(self, reason: str, before_round: int | None = None) -> None:
-        """Make the step in flight fail now; callable from any thread.
+        """Make the step in flight fail now; callable from any thread. On NCCL it also aborts
+        the communicator.
 
         With ``before_round``, only a round older than that is aborted: the training thread may
         already have entered the announced round by the time the message reader gets here, and
@@ -265,7 +254,9 @@ class Communicator:
 
     @property
     def failure(self) -> CollectiveFailure | None:
-        """The first collective of the current round that failed, if one did."""
+        """The first collective of the current round that failed, if one did: the comm hook's
+        all-reduce, the group's set-up, DDP's one-time bucket rebuild, or a block the trainer
+        runs under :meth:`collective` (the state sync and the checkpoint collectives)."""
         with self._lock:
             return self._failure
 
@@ -292,7 +283,13 @@ class Communicator:
             self._failure = CollectiveFailure(what, f"{type(exc).__name__}: {exc}"[:300])
 
     def close(self) -> None:
-        """Destroy the current group; retire it instead while a collective is still in flight."""
+        """Destroy the current group; retire it instead while a collective is still in flight.
+
+        An abandoned collective may linger on the old group's threads until its timeout (gloo
+        cannot abort it); it holds only buffers of the discarded DDP instance. Dropping the last
+        reference to a gloo group joins its threads, which would stall the next round by up to
+        the group's timeout, so such a group is kept until its collectives end.
+        """
         self._retired = [
             (pg, works) for pg, works in self._retired if not all(w.is_completed() for w in works)
         ]

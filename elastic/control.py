@@ -1,22 +1,12 @@
 """The contract between an agent and each of its workers: environment, messages, exit codes.
 
 A worker is started with a :class:`WorkerEnv` in its environment, talks to its agent over a
-control channel (JSON lines over a socket pair), and ends with an exit code the agent acts on:
-0 (the job is trained), :data:`EXIT_PEER_LOST` (peers went away and no round came: not this
-worker's fault), anything else a local failure (a strike, and a restart).
-
-Workers live across rounds, so the agent cannot hand them a round through the environment once;
-it sends each new assignment down this channel, and the worker sends back what the agent needs to
-supervise it: that it is ready, a heartbeat with its step and phase, and that it saw a peer fail.
-One socket pair per worker, created by the agent and inherited by the worker (its fd number is in
-``ELASTIC_CONTROL_FD``); when either side dies the other reads end-of-file at once.
-
-Messages, agent to worker: ``assign`` (round, rank, world size, store address) and ``standby``
-(leave the current round and wait; numbered by ``seq``), each at once or, with ``after_step``,
-once that step is trained (a planned leave switches rounds between two steps); ``leave`` (this
-node is about to leave: say after which step). Worker to agent: ``ready``, ``status`` (step,
-phase, round, and ``stood_by``: the ``seq`` of the last standby carried out, sent at once),
-``peer_lost`` (round, error) and ``leaving`` (after_step: the step the node can stop after).
+control channel (:class:`Channel`), and ends with an exit code the agent acts on: 0 (the job is
+trained), :data:`EXIT_PEER_LOST` (peers went away and no round came: not this worker's fault),
+anything else a local failure (a strike, and a restart). Workers live across rounds, so the agent
+cannot hand them a round through the environment once; it sends each new assignment down the
+channel, and the worker sends back what the agent needs to supervise it: that it is ready, a
+heartbeat with its step and phase, and that it saw a peer fail.
 """
 
 from __future__ import annotations
@@ -101,7 +91,18 @@ class Assignment:
 
 
 class Channel:
-    """One end of a control socket; :meth:`serve` reads messages on a daemon thread."""
+    """One end of a control socket; :meth:`serve` reads messages on a daemon thread.
+
+    Messages are JSON lines over a socket pair, one per worker, created by the agent and
+    inherited by the worker (its fd number is in ``ELASTIC_CONTROL_FD``); when either side dies
+    the other reads end-of-file at once. Agent to worker: ``assign`` (round, rank, world size,
+    store address) and ``standby`` (leave the current round and wait; numbered by ``seq``), each
+    at once or, with ``after_step``, once that step is trained (a planned leave switches rounds
+    between two steps); ``leave`` (this node is about to leave: say after which step). Worker to
+    agent: ``ready``, ``status`` (step, phase, round, and ``stood_by``: the ``seq`` of the last
+    standby carried out, sent at once), ``peer_lost`` (round, error) and ``leaving``
+    (after_step: the step the node can stop after).
+    """
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock

@@ -1,23 +1,13 @@
 """Validation over all ranks of a round, and the batch-norm statistics it evaluates with.
 
 Each rank evaluates a contiguous shard of the validation set (:func:`shard`), so every sample is
-counted exactly once whatever the world size, and the ranks add up their sums with a single
-all-reduce. Only that all-reduce, and the one of :func:`average_bn_stats`, run through the
+counted exactly once whatever the world size. The evaluation's all-reduces run through the
 communicator (``Communicator.all_reduce``): a peer lost there breaks the round like any other
-collective, a new round announced meanwhile ends it at once (a frozen peer would otherwise hold
-every rank until it thawed), and a fault of this rank's own (an unreadable JPEG) stays a local
-fault.
-
-Batch norm evaluates with running statistics, and DDP keeps those per replica
-(``broadcast_buffers=False``), so before every evaluation :func:`average_bn_stats` averages them
-over the ranks: the replicas become one model for the evaluation. With
-``model.bn_stats=last_batch`` (Akiba et al., arXiv:1711.04325) the running statistics are those of
-each rank's last training minibatch (:func:`use_last_batch_stats`), and the same average is
-Akiba's averaging of the last minibatches' statistics over the workers.
-
-When an evaluation is due is a pure function of the progress record (:func:`due_evaluation`):
-the trainer keeps the number of the last completed evaluation there, so an evaluation that a
-broken round interrupted is redone in the next round, and a completed one is never counted twice.
+collective, a new round announced meanwhile ends it at once, and a fault of this rank's own (an
+unreadable JPEG) stays a local fault. DDP keeps batch-norm statistics per replica, so
+:func:`average_bn_stats` averages them first and the replicas evaluate as one model. When an
+evaluation is due is a pure function of the progress record (:func:`due_evaluation`), so one that
+a broken round interrupted is redone in the next round, and a completed one is never counted twice.
 """
 
 from __future__ import annotations
@@ -73,7 +63,8 @@ def _batch_norms(model: torch.nn.Module) -> list[_BatchNorm]:
 
 
 def use_last_batch_stats(model: torch.nn.Module) -> int:
-    """Make every batch norm keep the last training minibatch's statistics; returns how many.
+    """Make every batch norm keep the last training minibatch's statistics
+    (``model.bn_stats=last_batch``, Akiba et al., arXiv:1711.04325); returns how many.
 
     A batch norm updates ``running = (1 - momentum) * running + momentum * batch``; at momentum
     1.0 this is ``running = batch`` exactly (the old value is multiplied by zero), so after each
@@ -95,7 +86,8 @@ def average_bn_stats(model: torch.nn.Module, world_size: int, *, all_reduce: All
     One all-reduce of all of them flattened into a single tensor (a model has a hundred small
     batch norms; one message each would cost a hundred latencies). The variance averaged is each
     rank's own (the mean of the per-rank variances, as Akiba et al. average them), not that of
-    the union of the ranks' samples.
+    the union of the ranks' samples. Run before every evaluation: DDP keeps the statistics per
+    replica (``broadcast_buffers=False``), and this makes the replicas one model to evaluate.
     """
     buffers = [b for bn in _batch_norms(model) for b in (bn.running_mean, bn.running_var)]
     if world_size == 1 or not buffers:

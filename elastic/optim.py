@@ -1,20 +1,13 @@
 """The update rules the seeds train with (``optim.name``), and what each needs set per step.
 
-- ``sgd``: torch's momentum SGD, as Goyal et al. (arXiv:1706.02677) train ResNets.
-- ``akiba``: :class:`Akiba`, the RMSprop warm-up of Akiba et al. (arXiv:1711.04325): every update
-  blends an RMSprop step into the momentum-SGD step, and the SGD share ramps from 0 to 1 over the
-  first epochs (:func:`sgd_share`), so the first steps at a 32k batch do not diverge.
-- ``lars``: :class:`LARS` (You et al., arXiv:1708.03888) as the MLPerf ResNet-50 reference applies
-  it: a per-layer trust ratio, with none (and no weight decay) on batch-norm parameters and biases.
-
-Every optimizer built here holds all of its per-parameter state from the moment it is built, as
-zeros: a checkpoint restore and the in-place recovery copy a state into the tensors that
-:meth:`elastic.state.TrainState.tensors` returns, so those tensors must exist before the first
-step (torch creates SGD's momentum buffers only at the first step; :func:`create_state` makes
-them up front).
-
-The LR itself is not set here: the trainer sets ``lr`` from :mod:`elastic.lr_policy` before every
-step, and the other per-step settings from :func:`step_settings`.
+``sgd`` is torch's momentum SGD, as Goyal et al. (arXiv:1706.02677) train ResNets; ``akiba`` is
+the RMSprop warm-up of Akiba et al. (:class:`Akiba`); ``lars`` is :class:`LARS` as the MLPerf
+ResNet-50 reference applies it. Every optimizer built here holds all of its per-parameter state
+from the moment it is built, as zeros: a checkpoint restore and the in-place recovery copy a
+state into the tensors that :meth:`elastic.state.TrainState.tensors` returns, so those tensors
+must exist before the first step (:func:`create_state`). The LR itself is not set here: the
+trainer sets ``lr`` from :mod:`elastic.lr_policy` before every step, and the other per-step
+settings from :func:`step_settings`.
 """
 
 from __future__ import annotations
@@ -150,7 +143,8 @@ def _closure_loss(closure: Callable[[], float] | None) -> float | None:
 
 class Akiba(_EagerState):
     """RMSprop warm-up (Akiba et al., arXiv:1711.04325): momentum SGD on a blend of the SGD step
-    and an RMSprop step, the blend set by the group's ``sgd_share`` (s).
+    and an RMSprop step, the blend set by the group's ``sgd_share`` (s). The SGD share ramps
+    from 0 to 1 over the first epochs, so that the first steps at a 32k batch do not diverge.
 
     Per parameter, with g the gradient plus ``weight_decay * p`` (as SGD adds it)::
 

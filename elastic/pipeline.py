@@ -1,27 +1,13 @@
-"""The input pipeline from JPEG files to the device: how many loader processes, the DataLoader of a
-round, and the copy of the next batch to the GPU while the current one trains.
+"""The input pipeline from JPEG files to the device, built so that the GPU never waits for data.
 
-A GPU that waits for data wastes what the rest of the runtime saves. Three things keep it busy:
-
-- enough loader processes to decode and augment a batch in less time than a step takes
-  (:func:`loader_workers`), each working ahead of the training loop (:func:`make_loader`);
-- pinned host memory, so that a host-to-device copy is a DMA the CPU does not wait for;
-- the copy of batch k+1 issued on a side stream while the GPU computes batch k
-  (:class:`Prefetcher`), so that the step never starts with a copy.
-
-Where the host's cores cannot decode JPEGs as fast as the GPU trains (ResNet-50 in bf16 wants
-thousands of images a second), ``data.decode=device`` moves the decoding to the GPU: the loader
-processes only read the files and draw each sample's crop and flip
-(:class:`elastic.data.Encoded`), and the side stream decodes the batch with nvJPEG, crops, flips
-and normalises it (:class:`DeviceDecoder`). The draws are the host transform's, from the same
-seeds, so the samples are the same crops of the same images; the pixels differ only by the
-decoder's and the resize's rounding.
-
-None of this changes what is trained. The DataLoader is driven by the sampler's batch keys
-(:meth:`elastic.sampler.ElasticSampler.batches`), and the augmentation is seeded per sample by
-``(seed, epoch, index)`` (:class:`elastic.data.SeededImageFolder`), so the batches, their order and
-their pixels are the same whatever the number of loader processes and however far ahead they work;
-the exactly-once invariant rests on that.
+Enough loader processes decode and augment ahead of the training loop (:func:`loader_workers`,
+:func:`make_loader`), the batches arrive in pinned memory, and batch k+1 is copied on a side
+stream while batch k trains (:class:`Prefetcher`). Where the host's cores cannot decode as fast
+as the GPU trains (ResNet-50 in bf16 wants thousands of images a second), ``data.decode=device``
+decodes on the GPU (:class:`DeviceDecoder`). None of this changes what is trained: the
+DataLoader is driven by the sampler's batch keys and each sample's augmentation is seeded
+(:class:`elastic.data.SeededImageFolder`), so the batches and their pixels are the same however
+many loader processes work and however far ahead; the exactly-once invariant rests on that.
 """
 
 from __future__ import annotations
@@ -131,7 +117,12 @@ class DeviceDecoder:
     """Decodes an :class:`EncodedBatch` on ``device`` into the pixels :func:`imagenet_transform
     <elastic.data.imagenet_transform>` gives on the host: each image decoded as RGB (nvJPEG on
     CUDA, libjpeg on the CPU), its box resized to ``crop_size`` square (bilinear, antialiased),
-    flipped where drawn, scaled to [0, 1] and normalised with ImageNet's mean and std."""
+    flipped where drawn, scaled to [0, 1] and normalised with ImageNet's mean and std.
+
+    The loader processes only read the files and draw each sample's crop and flip, the host
+    transform's draws from the same seeds (:class:`~elastic.data.Encoded`), so the samples are the
+    same crops of the same images; the pixels differ only by the decoder's and the resize's
+    rounding."""
 
     def __init__(self, crop_size: int, device: torch.device) -> None:
         self.size = [crop_size, crop_size]

@@ -1,19 +1,13 @@
-"""Mixed precision: the dtype the forward and backward compute in, the GradScaler that fp16
-needs, and the dtype gradients travel in through the all-reduce.
+"""Mixed precision: the dtypes a worker computes and all-reduces in, and fp16's GradScaler.
 
 Weights, gradients and optimizer state stay fp32; only the arithmetic inside
 :meth:`MixedPrecision.autocast` runs in bf16 or fp16. bf16 has fp32's range, so its gradients
 need no scaling. fp16 does: small gradients underflow to zero, so the loss is multiplied by a
 dynamic scale before backward, and a step whose gradients overflowed to inf/nan is skipped and
-the scale halved. That scale, and the count of good steps since it last changed, are training
-state like the weights: :meth:`MixedPrecision.tensors` exposes them as tensors, so checkpoints
-and the state sync carry them, and a resumed or resized job goes on with the scale it had.
-
-The gradient all-reduce dtype (``comm.grad_dtype``) is separate: the communicator's hook casts
-each bucket to it for the network and back (:class:`elastic.communicator.Communicator`).
-Which backend reduces which dtype is a table in :mod:`elastic.config` (``REDUCIBLE``), so that
-``validate`` can refuse a combination before a job starts instead of failing in its first
-backward.
+the scale halved. That scale is training state like the weights (:meth:`MixedPrecision.tensors`):
+checkpoints and the state sync carry it, so a resumed or resized job goes on with the scale it
+had. The gradient all-reduce dtype (``comm.grad_dtype``) is separate: the communicator's hook
+casts each bucket to it (:class:`elastic.communicator.Communicator`).
 """
 
 from __future__ import annotations
@@ -98,7 +92,8 @@ class MixedPrecision:
         return torch.autocast(self.device.type, dtype=self.dtype)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The scaler's state, the very tensors it updates in place; empty without a scaler."""
+        """The scaler's state (the scale, and the count of good steps since it last changed),
+        the very tensors it updates in place; empty without a scaler."""
         if not self.scaler.is_enabled():
             return {}
         return {

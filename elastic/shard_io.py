@@ -1,24 +1,13 @@
 """How a checkpoint's shards lie in storage: each rank's tensors as raw bytes, back to back.
 
-DCP decides what a save holds: which rank writes which item (a replicated tensor once), and, in
-its ``.metadata``, each tensor's dtype, shape and chunks and where each item's bytes went. A
-storage writer and reader, the extension point DCP has for this, decide the bytes themselves.
-DCP's own file writer wraps every tensor in a ``torch.save`` archive of its own, and its reader
-unpacks each with ``torch.load``: for the ResNet-50 training state (481 tensors) that writer took
-about 1.75 times as long as writing the same bytes (``bench/checkpoint.py``). Here each rank
-writes one file, its items' bytes in plan order: a tensor's memory as it is, a non-tensor item
-as the pickle DCP's planner made of it. So:
-
-- The file is the state's memory verbatim. Its digest is taken from that memory, in pieces on
-  threads of its own, while the writer writes it (``elastic.manifest.PieceDigest``), with no
-  copy and no read-back. The caller keeps the memory unchanged until the write returns (the
-  staged copy of a background save is, ``elastic.checkpoint.SaveGuard``).
-- Loading reads each item's bytes into a tensor of the dtype and chunk shape that ``.metadata``
-  records, and narrows it to what the loading rank asks for, so resharding works as with DCP's
-  reader.
-
-Checkpoints in DCP's own layout (manifest format 1, written before this layout) load with DCP's
-reader (:func:`elastic.checkpoint.CheckpointManager.load` picks by format).
+DCP decides what a save holds (which rank writes which item, a replicated tensor once) and
+records in its ``.metadata`` each tensor's dtype, shape and chunks and where each item's bytes
+went; a storage writer and reader decide the bytes. DCP's own file writer wraps every tensor in a
+``torch.save`` archive (its reader unpacks each with ``torch.load``): for the ResNet-50 training
+state (481 tensors) that took about 1.75 times as long as writing the same bytes
+(``bench/checkpoint.py``). Here each rank writes one file, its items' bytes in plan order, so the
+file is the state's memory verbatim, hashed from that memory as it is written, with no copy and
+no read-back. Checkpoints in DCP's own layout (manifest format 1) load with DCP's reader.
 """
 
 from __future__ import annotations
@@ -88,7 +77,14 @@ def _sync(stream: Any) -> None:
 class ShardWriter(FsspecWriter):
     """DCP's fsspec writer (any URL fsspec opens) with this module's layout: one file per rank,
     fsynced where local, whose manifest entry (size and digest) is in ``written`` by file name
-    once :meth:`write_data` returns."""
+    once :meth:`write_data` returns.
+
+    The file holds a tensor item as its memory is, and a non-tensor item as the pickle DCP's
+    planner made of it. Its digest is taken from that memory, in pieces on threads of its own,
+    while the file is written (``elastic.manifest.PieceDigest``). The caller keeps the memory
+    unchanged until the write returns (the staged copy of a background save is:
+    ``elastic.checkpoint.SaveGuard``).
+    """
 
     def __init__(self, url: str) -> None:
         super().__init__(url)
@@ -158,7 +154,10 @@ def _read_exact(stream: Any, length: int) -> bytearray:
 
 class ShardReader(FsspecReader):
     """Reads what :class:`ShardWriter` wrote, into the tensors DCP's planner asks for, at any
-    world size."""
+    world size: each item's bytes become a tensor of the dtype and chunk shape that ``.metadata``
+    records, narrowed to what the loading rank asks for, so resharding works as with DCP's
+    reader. :meth:`elastic.checkpoint.CheckpointManager.load` picks this reader or DCP's by the
+    manifest's format."""
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any

@@ -1,14 +1,10 @@
 """The small data sets that stand in for ImageNet, generated once as an ImageFolder of JPEGs.
 
 No data set can be downloaded on the machines this is developed and tested on, so the default job
-generates one (``data.generate.source``). ``stripes``: each class has its own colour and stripe
-orientation, blurred by noise, which a ResNet learns in a few epochs; its validation split is
-drawn from the same classes with a random stream of its own, so no image is in both. ``digits``:
-scikit-learn's handwritten digits, real scans that no one here made, in a fixed seeded split of
-each digit's images, upscaled to JPEGs a ResNet crop can take; accuracy on them says more than on
-stripes that differ in colour. The real path reads ImageNet's ``train/<wnid>/*.JPEG`` and
-``val/<wnid>/*.JPEG`` instead (:mod:`elastic.data`).
-
+generates one (``data.generate.source``): ``stripes``, whose classes differ in colour and stripe
+orientation, which a ResNet learns in a few epochs, or ``digits``, scikit-learn's handwritten
+digits, real scans that no one here made, on which accuracy says more. The real path reads
+ImageNet's ``train/<wnid>/*.JPEG`` and ``val/<wnid>/*.JPEG`` instead (:mod:`elastic.data`).
 Only numpy and PIL: the launcher prepares the data before any node starts, and must not pay for
 importing torch to do it.
 """
@@ -92,7 +88,9 @@ def _spec(cfg: DataConfig) -> dict[str, object]:
 
 def _write_stripes(tmp: Path, cfg: DataConfig) -> None:
     """The stripes' train split and, with ``data.val_dir``, their validation split under
-    ``tmp``."""
+    ``tmp``: each class its own colour and stripe orientation, blurred by noise. The validation
+    split is drawn from the same classes with a random stream of its own, so no image is in
+    both."""
     g = cfg.generate
     _draw_stripes(tmp / cfg.train_dir, g, g.images_per_class, np.random.default_rng(g.seed))
     if cfg.val_dir:

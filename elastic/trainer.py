@@ -1,24 +1,13 @@
 """The worker: one process per GPU (or CPU slot), started once by its node's agent.
 
-A worker outlives rounds. Read it top to bottom:
-
-- :func:`main` builds what does not depend on the round (data, model, optimizer), then loops:
-  wait for the agent's assignment, train in that round until the job is trained or the round
-  breaks, and when it breaks wait for the next assignment with everything still in memory.
-- :func:`train_round` is one round: build the round's process group, agree on the newest state
-  any rank holds and broadcast it (from a checkpoint only when no rank holds one), wrap DDP, and
-  train step by step from where the state says, with the LR the policy gives for this world size.
-- :func:`train_step` is one step: this rank's share of the global batch, in micro-batches when
-  the policy keeps the global batch, then one optimizer step.
-
-A round ends in one of three ways, told apart by what the communicator recorded
-(:func:`elastic.communicator.round_end`), never by an error's text: the agent announced a new
-round (the communicator fails the step in flight), a collective failed (a peer died: the worker
-tells its agent, which finds the dead peer), or neither, which is this worker's own fault (bad
-data, a CUDA error): it exits with :data:`~elastic.control.EXIT_FAILED` and the traceback in its
-log, and its agent counts a strike. In the first two cases at most the step in flight is lost,
-and the survivors' state carries on. A checkpoint that cannot be written is not any of these:
-the round trains on, and the next interval tries again.
+A worker outlives rounds, so that a broken round costs at most the step in flight: the survivors
+keep their state in memory and carry on from it. Read it top to bottom: :func:`main` builds what
+does not depend on the round and loops over the agent's assignments, :func:`train_round` is one
+round, and :func:`train_step` one optimizer step. A round ends in one of three ways, told apart
+by what the communicator recorded (:func:`elastic.communicator.round_end`), never by an error's
+text: the agent announced a new round, a collective failed (a peer died: the worker tells its
+agent, which finds the dead peer), or neither, which is this worker's own fault: it exits with
+:data:`~elastic.control.EXIT_FAILED`. A checkpoint that cannot be written ends nothing.
 """
 
 from __future__ import annotations
@@ -192,6 +181,9 @@ class Worker:
 
 
 def main() -> int:
+    """Build what does not depend on the round (data, model, optimizer), then loop: wait for the
+    agent's assignment, train in that round until the job is trained or the round breaks, and
+    when it breaks wait for the next assignment with everything still in memory."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     # The agent decides when this worker stops (it closes the control channel). A SIGTERM sent
     # to the whole node (a scheduler's preemption, systemd) must reach the agent's planned leave
@@ -316,7 +308,9 @@ class RoundStart:
 
 
 def train_round(w: Worker, a: Assignment) -> None:
-    """Enter round ``a``, then train step by step until the job is trained; a collective."""
+    """Enter round ``a`` (:func:`enter_round`: its group, the newest state any rank holds, the
+    LR for its world size), wrap DDP, then train step by step from where the state says until
+    the job is trained; a collective."""
     cfg, events, rank, world = w.cfg, w.events, a.rank, a.world_size
     ckpt = CheckpointManager(cfg.checkpoint.url, cfg.checkpoint.keep, events, w.comm.collective)
     start = enter_round(w, a, ckpt)

@@ -1,22 +1,13 @@
 """``python -m launcher.status``: one screen for an operator of a running job.
 
-It shows the job's members (host, ranks, ready, incarnation, health report, quarantine), the
-current round and its leader, the newest step (samples, LR, samples/s) that rank 0's agent published
-in the ``progress`` key (:mod:`launcher.rendezvous.progress_key`), and the newest committed
-checkpoint with its age. ``--json`` prints the same data as JSON; ``--watch [seconds]`` refreshes
-until Ctrl-C.
-
-The job and its etcd come from the launch's Hydra overrides (:mod:`launcher.compose`), as for
-``python -m launcher.quarantine``: ``job_id=... cluster.etcd_endpoints=[...]``. A local run's
-embedded etcd is found in its run directory (``etcd.endpoints``, written while it runs), so
-``job_id=<id>`` (or ``run_dir=<dir>``) is enough, and with neither the newest running local job
-under ``runs/`` is shown.
-
-The job's keys are read in one range read: ``<prefix>/<job_id>/`` (nodes, round, leader, done,
-quarantine, progress) and the health reports and strikes beside it (``<job_id>.health/``). The
-checkpoint is found from its manifests (:mod:`elastic.manifest`): the newest one whose files are
-all there with the sizes it lists; it is not loaded or hashed. Everything shown is computed by
-:func:`gather` and :func:`render`, pure functions of that data and the time.
+It shows the members (host, ranks, readiness, health report, quarantine), the round and its
+leader, the newest step rank 0's agent published (:mod:`launcher.rendezvous.progress_key`) and the
+newest committed checkpoint with its age; ``--json`` prints the same data, ``--watch [seconds]``
+refreshes it. The job and its etcd come from the launch's Hydra overrides (``job_id=...
+cluster.etcd_endpoints=[...]``); a local run's embedded etcd is found in its run directory, and
+with no job named the newest running local job is shown. Everything is read in one range read
+and a listing of the checkpoints' manifests (nothing is loaded or hashed); :func:`gather` and
+:func:`render` are pure functions of that data and the time.
 """
 
 from __future__ import annotations

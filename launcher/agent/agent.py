@@ -1,45 +1,13 @@
 """The per-node agent: joins the job in etcd and supervises this node's workers across rounds.
 
 One agent runs on every node (``cluster=bare_metal``), or one per simulated node
-(``cluster=local``, spawned by :mod:`launcher.local_cluster`). Its life:
-
-1. Prove the node fit (:mod:`launcher.health.checks`): wait out a quarantine if there is one, then
-   run the health checks and publish the report to etcd. A node that fails them does not join; it
-   exits with :data:`EXIT_UNHEALTHY` and the others carry on without it.
-2. Host a c10d TCPStore (used when this node holds rank 0 of a round), register in etcd, and start
-   one worker per GPU or CPU slot. Workers load data and model, then say they are ready; the node
-   then reports itself ready and the leader places it in the next round.
-3. Whenever a new round lists this node, send each worker its rank in it over the control
-   channel; the workers rebuild their process group in place and carry on from the newest state
-   any of them holds. A round without this node puts the workers on standby.
-4. Faults: a worker that reports a failed collective makes the agent probe the round's other
-   agents, and a peer that refuses the connection is dead: its key is deleted at once, and the
-   leader forms a smaller round. A local worker that crashes, or that the watchdog finds frozen,
-   makes this node leave the round at once (the incarnation goes up) and is started again; the
-   node comes back in a later round. A node that lost its lease (fenced) puts its workers on
-   standby and registers again as a new member; its workers enter the next round with the
-   survivors' state (a quarantined node stops them instead). Each crash or fencing is a strike
-   (:mod:`launcher.health.quarantine`); too many and the node is quarantined: it leaves, waits
-   out the cooldown and starts over at 1.
-   The health checks run again before every rejoin and every worker restart.
-5. When the workers finish the job, mark it done; when another node did, leave too.
-
-The node that holds global rank 0 also writes the job's ``progress`` key, at most once a second,
-from its rank-0 worker's step events (:mod:`launcher.rendezvous.progress_key`), for ``python -m
-launcher.status``.
-
-SIGTERM or SIGINT stops a node cleanly. A node in a round that goes on without it leaves as
-planned: it asks its workers after which step they can stop (the step in flight and the next),
-publishes that step, and the others form the next round without it and switch to it between two
-steps, so no step is dropped and no failure has to be detected. Then its workers are stopped and
-its lease revoked (its keys vanish at once). Workers ignore SIGTERM: a signal sent to the whole
-node reaches them too, and the agent decides when they stop.
-
-Everything the agent reacts to arrives in its inbox (:mod:`launcher.agent.inbox`): worker messages
-and exits, signals, fault requests (:mod:`launcher.agent.fault_requests`), and changes of the
-rendezvous's view. Its loop is "gather the facts, decide, act":
-the decisions (what a worker exit, a lost peer, fencing or quarantine, a new round mean for this
-node) are pure functions in :mod:`launcher.agent.decisions`, and the loop carries out their answers.
+(``cluster=local``). It gets the node admitted (:mod:`launcher.agent.admission`), starts one worker
+per GPU or CPU slot once, and then loops: gather the facts (worker exits, the rendezvous's view,
+probes of peers, the time), decide with the pure functions of :mod:`launcher.agent.decisions`,
+act (send the workers into a round or to standby, restart a crashed worker, rejoin after
+fencing, leave as planned, finish), and wait for its inbox (:mod:`launcher.agent.inbox`).
+Workers ignore SIGTERM: a signal sent to the whole node reaches them too, and the agent decides
+when they stop.
 """
 
 from __future__ import annotations
@@ -92,6 +60,8 @@ IDLE_WAKE_S = 1.0  # the loop looks at the workers' watchdogs and the join timeo
 
 
 class Agent:
+    """One node's agent; :meth:`run` is its whole life and returns its exit code."""
+
     def __init__(
         self,
         cfg: config.Config,
@@ -295,9 +265,8 @@ class Agent:
             self.faults.take(msg.request_id, msg.request)
 
     def _loop(self) -> int:
-        """Until the node is done or must go: gather the facts, decide
-        (:mod:`launcher.agent.decisions`),
-        act, and wait for the inbox (at most :data:`IDLE_WAKE_S`: watchdogs, the join timeout)."""
+        """Until the node is done or must go: gather the facts, decide, act, and wait for the
+        inbox (at most :data:`IDLE_WAKE_S`: watchdogs, the join timeout)."""
         waiting_since = time.monotonic()
         while True:
             view = self.rdzv.view

@@ -2,16 +2,12 @@
 and ended.
 
 An agent of a job started with ``chaos.allow=true`` starts this helper, in a session of its own,
-for each fault request it accepts (:mod:`launcher.agent.fault_requests`); nothing else should. The
-helper outlives the agent it stops or kills, so it can end the fault as a campaign run on this
-machine would: it thaws a frozen node after ``--duration-s``, and starts a killed or departed
-node's agent again after ``--restart-after-s`` with the command line, directory and environment
-it had (a repaired machine whose supervisor starts the launcher again).
-
-It lives in the launcher, not in ``chaos/``: a runtime path never runs test tooling. The signal
-primitives below are the ones :mod:`chaos.injectors` uses too: each fault is written to the
-event log (role ``chaos``) with the moment its signal was sent, before it is sent, so recovery
-is measured from the log alone.
+for each fault request it accepts (:mod:`launcher.agent.fault_requests`). It outlives the agent
+it stops or kills, so it can end the fault as a campaign on this machine would: it thaws a frozen
+node after ``--duration-s`` and starts a killed node's agent again after ``--restart-after-s``,
+as it was started. It lives in the launcher because the runtime never runs test tooling; the
+signal primitives below are the ones :mod:`chaos.injectors` uses too, and each fault is logged
+(role ``chaos``) before its signal is sent, so recovery is measured from the log alone.
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """The agent's inbox: everything the agent reacts to arrives here as one small message.
 
-Worker slots post what their workers say and when they exit (:mod:`launcher.agent.workers`), the
-rendezvous posts when its view of the job changes or it fences this node
-(:mod:`launcher.rendezvous.rendezvous`), and the signal handlers post the signals. The agent's loop
-blocks on the inbox alone, with a timeout for what only time reveals (a frozen worker, the join
-timeout).
-
-Most messages are wake-ups: what they are about stays the truth of its owner (a slot's exit code,
-the rendezvous's view and fencing), which the agent reads when it wakes, so a message about a
-worker process that was replaced meanwhile does no harm. What exists only as a message is carried
-in it: a signal, a fault request, the round in which a worker saw a collective fail, and the step
-after which a leaving worker can stop.
-
-The queue is a :class:`queue.SimpleQueue`, whose ``put`` is reentrant: a signal handler, which
-runs on the main thread between any two bytecodes, may post even while that thread is inside
-``get`` or ``put`` itself.
+Worker slots post what their workers say and when they exit, the rendezvous posts when its view
+changes or it fences the node, and the signal handlers post the signals; the agent's loop blocks
+on the inbox alone, with a timeout for what only time reveals. Most messages are wake-ups: what
+they are about stays the truth of its owner (a slot's exit code, the rendezvous's view), read
+when the agent wakes, so a message about a worker replaced meanwhile does no harm. What exists
+only as a message is carried in it: a signal, a fault request, the round of a failed collective,
+the step after which a leaving worker can stop. The queue's ``put`` is reentrant, so a signal
+handler may post while the main thread is inside ``get``.
 """
 
 from __future__ import annotations

@@ -3,18 +3,11 @@
 ChainerMN's ImageNet-in-15-minutes run kept crashing as it grew, not from bugs in training but
 from the machines: NCCL ran out of file descriptors under the default ``ulimit -n``, threads
 overflowed the default stack, and some GPUs were broken. One such node drags every round it joins
-down with it, so an agent proves its node fit before it joins (and before each rejoin), and a
-node that fails does not join at all.
-
-Every check reports pass, warn, fail or skip with a message that names the limit, the value found
-and, when it is not a pass, the fix. The host checks are here; the GPU checks are in
-:mod:`launcher.health.gpu`; :func:`run_checks` runs both into a report, whose types are
-:mod:`launcher.health.report`'s. Thresholds are the ``health`` config group. The agent publishes
-the report to etcd (:mod:`launcher.health.quarantine`), and ``python -m launcher.doctor`` prints it.
-
-The checks run before every join, so they cost only what they need: the size of a checkpoint
-comes from the newest checkpoint's manifest, and only a job without one yet builds the model (on
-the meta device, which imports torch and torchvision) to size it.
+down with it, so an agent proves its node fit before every join, and a node that fails does not
+join. Each check says pass, warn, fail or skip, naming the limit, the value found and the fix.
+The GPU checks are :mod:`launcher.health.gpu`'s; :func:`run_checks` runs both into a report. The
+checks cost only what they need: a checkpoint's size comes from the newest manifest, and only a
+job without one builds the model (on the meta device) to size it.
 """
 
 from __future__ import annotations

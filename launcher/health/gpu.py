@@ -1,20 +1,12 @@
 """The GPU checks: the devices are there, NVML sees no damage, and each one computes.
 
 Everything that touches a GPU runs in a child process (``python -m launcher.health.gpu``) under
-``health.gpu_probe_timeout_s``: the agent itself never creates a CUDA context (it would hold
-memory on every GPU for the whole job), and a hung GPU fails the check instead of hanging the
-agent. The child prints one JSON line per reading or probe as it goes, so a timeout still tells
-which device and stage hung. The readings are judged here, in the agent, by pure functions.
-
-Probes, in order: NVML readings through nvidia-ml-py (uncorrected ECC errors, retired pages
-pending, row remapping, temperature, clock slowdown reasons); per device, matmuls with a known
-result (fp32 against a float64 reference, fp16 on tensor cores with integer inputs, whose result
-is exact); a device memory probe (allocate a share of the free memory, write, read back); an
-all-reduce across the node's GPUs through NCCL. CPU-only nodes skip all of it and say so.
-
-The rows are :mod:`launcher.health.report`'s types; :mod:`launcher.health.checks` puts them in the
-node's report. torch and nvidia-ml-py are imported only where a GPU is used, so a CPU node never
-loads them.
+``health.gpu_probe_timeout_s``: the agent never creates a CUDA context (it would hold memory on
+every GPU for the whole job), and a hung GPU fails the check instead of hanging the agent. The
+child prints one JSON line per reading or probe as it goes, so a timeout still tells which device
+and stage hung; the readings are judged here, in the agent, by pure functions. CPU-only nodes
+skip all of it and say so, and never import torch or nvidia-ml-py for it. The probes, in order,
+are :func:`probe_main`'s.
 """
 
 from __future__ import annotations
@@ -330,6 +322,11 @@ def _allreduce(devices: list[int]) -> dict[str, Any]:
 
 
 def probe_main(argv: list[str] | None = None) -> int:
+    """The child's probes, in order: NVML readings through nvidia-ml-py (uncorrected ECC errors,
+    retired pages pending, row remapping, temperature, clock slowdown reasons); per device,
+    matmuls with a known result (fp32 against a float64 reference, fp16 on tensor cores with
+    integer inputs, whose result is exact); a memory probe (allocate a share of the free memory,
+    write, read back); an all-reduce across the node's GPUs through NCCL."""
     parser = argparse.ArgumentParser(description="GPU probes; JSON lines on stdout.")
     parser.add_argument("--devices", required=True, help="comma-separated CUDA indices")
     parser.add_argument("--memory-fraction", type=float, default=0.9)

@@ -3,17 +3,10 @@
 A node that fails again and again (its checks, its workers, its lease) costs every other node a
 new round each time it leaves and comes back. After ``health.max_strikes`` failures within
 ``health.strike_window_s`` it is quarantined: it leaves the job and stays out for
-``health.quarantine_s``, after which it checks itself again and may rejoin. The cooldown is an
-etcd lease that nobody keeps alive, so it ends on time even if the node died meanwhile, and the
-leader never places a quarantined node in a round
-(:func:`launcher.rendezvous.round_plan.plan_round`).
-
-The keys (:mod:`launcher.rendezvous.keys`): an :class:`Entry` under a lease of TTL ``quarantine_s``
-in the rendezvous, so every agent's watch sees it; the node's last health report and its recent
-failures beside it.
-
-Operators: ``python -m launcher.quarantine list|clear|add [...] job_id=... cluster...``
-(:mod:`launcher.quarantine`).
+``health.quarantine_s``, then checks itself again and may rejoin. The cooldown is an etcd lease
+that nobody keeps alive, so it ends on time even if the node died meanwhile, and the leader
+never places a quarantined node (:func:`launcher.rendezvous.round_plan.plan_round`). Operators
+use ``python -m launcher.quarantine`` (:mod:`launcher.quarantine`).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 ``<rendezvous.prefix>/<job_id>`` (:attr:`JobKeys.base`) roots three trees:
 
-- ``<base>/``: the rendezvous, which every agent follows with one prefix watch: ``nodes/<node>``
-  (a live node's record, under its lease), ``round`` (the current round's head),
+- ``<base>/``: the rendezvous (the leader watches all of it, the others a few keys):
+  ``nodes/<node>`` (a live node's record, under its lease), ``round`` (the current round's head),
   ``round_parts/<id>/<n>`` (the members of a round too large for one value), ``leader``,
   ``done``, ``quarantine/<node>`` (a node kept out, under the cooldown's lease) and ``progress``
   (the rank-0 node's figures, which no watch carries).

@@ -74,7 +74,8 @@ def backoff(attempt: int) -> float:
 
 
 class Rendezvous:
-    """One node's membership in a job: registration, the watched view, and round proposals."""
+    """One node's membership in a job: it registers, runs the lease keeper and the sync thread,
+    and wires the parts (its record, the view it follows, the leadership) to one lock."""
 
     def __init__(
         self,
