@@ -143,7 +143,7 @@ from elastic.events import read_events  # noqa: E402
 from elastic.pipeline import PREFETCH_FACTOR, loader_workers  # noqa: E402
 from elastic.sampler import ElasticSampler, SamplerState  # noqa: E402
 from elastic.synthetic import ensure_synthetic  # noqa: E402
-from launcher.compose import UsageError, compose  # noqa: E402
+from launcher.compose import UsageError, compose, validate_launch  # noqa: E402
 
 GOAL_PCT = 2.0
 TIMEOUT_S = 1800.0  # one run of either runtime, start to exit
@@ -600,7 +600,7 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Setup:
     ]
     try:
         cfg = compose(overrides)
-        config.validate(cfg)
+        validate_launch(cfg)
     except (UsageError, config.ConfigError) as exc:
         parser.error(str(exc))
     if args.image_size is not None and not cfg.data.synthetic:

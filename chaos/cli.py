@@ -36,7 +36,7 @@ from chaos.verdict import judge, summary
 from elastic import config
 from elastic.config import ClusterMode, Config, ConfigError
 from elastic.events import EventFollower, read_events
-from launcher.compose import UsageError, compose, finalize
+from launcher.compose import UsageError, compose, finalize, validate_launch
 from launcher.rendezvous.embedded_etcd import HOST, EmbeddedEtcd
 from launcher.rendezvous.etcd import EtcdUnavailable, connect, etcd_security
 
@@ -79,7 +79,7 @@ def main(argv: list[str]) -> int:
     try:
         campaign = compose_campaign(campaign_args)
         cfg = compose(job, need_job=campaign.attach)
-        config.validate(cfg)
+        validate_launch(cfg)
     except (UsageError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from elastic.config import ConfigError, OptimConfig, Policy, Schedule
+from elastic.config import ConfigError, OptimConfig, Policy, Schedule, poly_warmup_problem
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,9 @@ class LRSchedule:
         cls, cfg: OptimConfig, samples_per_epoch: int, total_samples: int | None = None
     ) -> LRSchedule:
         """``total_samples`` (the job's, ``trainer.epochs`` of samples) is needed by ``poly``,
-        which decays to the end of training; ``step`` does without."""
+        which decays to the end of training; ``step`` does without. Warm-up must end before the
+        job does (:func:`elastic.config.poly_warmup_problem`, which ``validate`` checks in
+        epochs), here in the samples this schedule rounds both to."""
         warmup_samples = round(cfg.warmup_epochs * samples_per_epoch)
         if cfg.schedule == Schedule.poly:
             if total_samples is None:
@@ -59,12 +61,9 @@ class LRSchedule:
                     "total_samples (trainer.epochs of samples) to LRSchedule.from_config / "
                     "LRPolicy.from_config."
                 )
-            if total_samples <= warmup_samples:
-                raise ConfigError(
-                    f"optim.warmup_epochs={cfg.warmup_epochs}: warm-up lasts the whole job "
-                    f"({total_samples} samples), leaving the poly decay nothing. Fix: lower "
-                    "optim.warmup_epochs below trainer.epochs."
-                )
+            epochs = total_samples / samples_per_epoch
+            if refused := poly_warmup_problem(cfg, warmup_samples, total_samples, epochs):
+                raise ConfigError(refused)
         return cls(
             base_lr=cfg.lr,
             reference_batch=cfg.reference_batch,

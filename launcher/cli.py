@@ -24,7 +24,7 @@ from elastic import config
 from elastic.config import ClusterMode, Config, ConfigError
 from elastic.events import EventFollower, read_events
 from elastic.synthetic import ensure_synthetic
-from launcher.compose import finalize
+from launcher.compose import finalize, validate_launch
 from launcher.health.preflight import preflight
 from launcher.local_cluster import run_local
 from launcher.progress import ProgressDisplay, summary
@@ -34,7 +34,7 @@ log = logging.getLogger("launcher")
 
 def launch(cfg: Config) -> int:
     try:
-        config.validate(cfg)
+        validate_launch(cfg)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

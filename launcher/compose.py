@@ -3,7 +3,8 @@
 Every command of the project reads its configuration the same way: ``python -m launcher`` (through
 ``@hydra.main``), and the commands beside it (the doctor, the quarantine command) through
 :func:`compose`, so that they see the thresholds, job and etcd of the launch they are given the
-overrides of. :func:`finalize` fills in the values that default to "now" or "here".
+overrides of. :func:`finalize` fills in the values that default to "now" or "here", and
+:func:`validate_launch` checks every value, the launcher's own rules included.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from elastic import config
 from elastic.config import ClusterMode, Config
+from launcher.rendezvous.credentials import etcd_security_problems
 
-# conf/config.yaml starts from this schema: types and defaults come from elastic/config.py.
+# conf/config.yaml starts from this schema: types and defaults come from elastic/config/.
 ConfigStore.instance().store(name="schema", node=Config)
 
 
@@ -45,6 +48,13 @@ def finalize(cfg: Config) -> Config:
     )
 
 
+def validate_launch(cfg: Config) -> None:
+    """:func:`elastic.config.validate` with the rules only the launcher applies: the etcd
+    credentials (:func:`launcher.rendezvous.credentials.etcd_security_problems`), which a
+    worker never reads. Raises :class:`~elastic.config.ConfigError` listing every problem."""
+    config.validate(cfg, lambda c: etcd_security_problems(c.cluster))
+
+
 def compose(overrides: list[str], need_job: bool = False) -> Config:
     """The configuration a launch with ``overrides`` would run.
 
@@ -61,7 +71,7 @@ def compose(overrides: list[str], need_job: bool = False) -> Config:
         cause = f"\n{exc.__cause__}" if exc.__cause__ is not None else ""
         raise UsageError(
             f"{exc}{cause}\nFix: pass overrides as key=value with the keys of conf/config.yaml "
-            "(every key is documented in elastic/config.py)"
+            "(every key is documented in elastic/config/)"
         ) from exc
     if need_job and not cfg.job_id:
         raise UsageError("job_id is empty. Fix: pass job_id=<the job's id>")

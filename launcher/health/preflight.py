@@ -1,9 +1,9 @@
 """What the launcher checks before any agent starts: the places the job will need.
 
-:func:`elastic.config.validate` checks the values; this checks the world they point at: the
-etcd endpoints answer, the checkpoint URL can be written, the data root can be read. A launch
-that fails here has started nothing and created nothing, and each problem names the key, the
-value and the fix, like a config error. The agents still check their own node before they join
+:func:`launcher.compose.validate_launch` checks the values; this checks the world they point
+at: the etcd endpoints answer, the checkpoint URL can be written, the data root can be read. A
+launch that fails here has started nothing and created nothing, and each problem names the key,
+the value and the fix, like a config error. The agents still check their own node before they join
 (:mod:`launcher.health.checks`); this only spares every node of a job from finding the same shared
 fault one by one, and the operator from waiting for it.
 """

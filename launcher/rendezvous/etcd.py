@@ -35,7 +35,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from elastic.config import ETCD_PASSWORD_ENV, ClusterConfig, etcd_security_problems
+from elastic.config import ClusterConfig
+from launcher.rendezvous.credentials import (
+    ETCD_PASSWORD_ENV,
+    etcd_security_problems,
+    read_password,
+)
 
 if TYPE_CHECKING:
     import etcd3
@@ -98,7 +103,8 @@ def etcd_security(cluster: ClusterConfig, *, with_password: bool = True) -> Etcd
     """The security settings of ``cluster`` (:data:`INSECURE` for the embedded etcd, which has
     no endpoints configured). The password is read here, from ``cluster.etcd_password_file`` or
     ``$ELASTIC_ETCD_PASSWORD``; ``with_password=False`` leaves it out (the health check needs
-    only the certificates). Raises :class:`EtcdRefused` for settings that cannot work."""
+    only the certificates). Raises :class:`EtcdRefused` for settings that cannot work
+    (:func:`launcher.rendezvous.credentials.etcd_security_problems`)."""
     if not cluster.etcd_endpoints:
         return INSECURE
     problems = etcd_security_problems(cluster)
@@ -122,16 +128,6 @@ def etcd_security(cluster: ClusterConfig, *, with_password: bool = True) -> Etcd
         user=cluster.etcd_user,
         password=password,
     )
-
-
-def read_password(password_file: str) -> str:
-    """The etcd user's password: the content of ``password_file`` without its trailing line
-    end, or, with no file named, ``$ELASTIC_ETCD_PASSWORD`` ("" when unset); never a command-line
-    argument, which the process list shows. Raises OSError when the file cannot be read."""
-    if not password_file:
-        return os.environ.get(ETCD_PASSWORD_ENV, "")
-    with open(password_file) as f:
-        return f.read().rstrip("\r\n")
 
 
 RECONNECT_BACKOFF_MS = 1000  # a restarted member is found again within about this long

@@ -80,14 +80,20 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from elastic.config import ETCD_PASSWORD_ENV, credential_problems
+from launcher.rendezvous.credentials import (
+    CLUSTER_NAMES,
+    ETCD_PASSWORD_ENV,
+    credential_problems,
+    rdzv_conf_name,
+    read_password,
+    torchrun_glossary,
+)
 from launcher.rendezvous.etcd import (
     EtcdRefused,
     EtcdSecurity,
     EtcdUnavailable,
     connect,
     etcd_errors,
-    read_password,
 )
 
 NAME = "etcd-v3"
@@ -355,14 +361,13 @@ def _security(params: RendezvousParameters) -> EtcdSecurity:
     """TLS files and the etcd user from ``--rdzv-conf``, checked before any connection by the
     launcher's own rules (:func:`credential_problems`, named as rdzv_conf settings); the
     password from ``password_file`` or the environment."""
-    names = ("ca", "cert", "key", "server_name", "user", "password_file")
-    conf = {name: str(params.get(name, "") or "") for name in names}
+    conf = {name: str(params.get(name, "") or "") for name in CLUSTER_NAMES}
     if params.get("password") is not None:
         raise ValueError(
             "etcd-v3 rendezvous: rdzv_conf password would show in the process list. Fix: put "
             f"it in a file named by rdzv_conf password_file, or in ${ETCD_PASSWORD_ENV}"
         )
-    problems = credential_problems(*conf.values(), name=lambda name: f"rdzv_conf {name}")
+    problems = credential_problems(**conf, name=rdzv_conf_name)
     if problems:
         raise ValueError("etcd-v3 rendezvous: " + "; ".join(problems))
     password = read_password(conf["password_file"]) if conf["user"] else ""
@@ -396,9 +401,7 @@ def _connect(endpoints: list[str], timeout_s: float, security: EtcdSecurity) -> 
         ) from exc
     except EtcdRefused as exc:
         raise RendezvousConnectionError(
-            f"etcd-v3 rendezvous: {exc} (under torchrun, cluster.etcd_tls.ca/cert/key/"
-            "server_name, cluster.etcd_user and cluster.etcd_password_file are rdzv_conf ca, "
-            "cert, key, server_name, user and password_file)"
+            f"etcd-v3 rendezvous: {exc} (under torchrun, {torchrun_glossary()})"
         ) from exc
     finally:
         if before is None:

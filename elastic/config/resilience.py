@@ -1,0 +1,108 @@
+"""The ``checkpoint``, ``health`` and ``chaos`` sections: how a job outlives its faults.
+
+Where and how often the training state is saved, what a node must prove before it joins a round
+and how one that keeps failing is kept out, and whether the agents carry out fault requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elastic.config.schema import ANY_MINIMUM, SECONDS, Choice, bounded
+
+
+class CheckpointInterval(Choice):
+    """How far apart checkpoints are (:mod:`elastic.checkpoint_interval`)."""
+
+    fixed = "fixed"  # every_steps, or every_minutes when that comes first
+    auto = "auto"  # Young/Daly: sqrt(2 x the measured save cost x the MTBF)
+
+
+@dataclass
+class CheckpointConfig:
+    """Sharded DCP checkpoints to an fsspec URL, committed by a JSON manifest."""
+
+    url: str = ""  # "" = file://<run_dir>/checkpoints
+    every_steps: int = bounded(
+        50, ge=1, fix="set checkpoint.every_steps to the steps between checkpoints"
+    )
+    # Also at most this many minutes apart, converted to steps from the measured step time at
+    # each save; 0: by steps alone.
+    every_minutes: float = bounded(
+        0.0, ge=0, fix="set checkpoint.every_minutes to 0 (off) or the minutes between checkpoints"
+    )
+    interval: CheckpointInterval = CheckpointInterval.fixed
+    # The job's mean time between failures, for interval=auto; 0: Llama 3's rate (419
+    # interruptions in 54 days on 16,384 GPUs) scaled to the job's GPUs (its world size).
+    mtbf_hours: float = bounded(
+        0.0, ge=0, fix="set checkpoint.mtbf_hours to 0 (derived) or the job's MTBF in hours"
+    )
+    keep: int = bounded(3, ge=1, why="must keep at least one", fix="set checkpoint.keep=1 or more")
+
+
+@dataclass
+class HealthConfig:
+    """What a node must prove before it joins a round, and how a node that keeps failing is kept
+    out. The checks are in :mod:`launcher.health.checks` and :mod:`launcher.health.gpu`."""
+
+    enabled: bool = True
+    # NCCL opens several descriptors per peer and channel, and the data loader one per shared
+    # batch: ChainerMN hit "unhandled system error" at 192 GPUs with the default 1024. The soft
+    # limit is raised to the hard one; below this the node fails.
+    min_open_files: int = bounded(4096, ge=0, fix=ANY_MINIMUM)
+    # Deep call chains in NCCL's and MPI's progress threads segfaulted ChainerMN at 944 GPUs with
+    # a small stack. A lower soft limit is raised to this; a hard limit below it fails.
+    min_stack_mb: int = bounded(8, ge=0, fix=ANY_MINIMUM)
+    # NCCL's intra-node transport and the data loader's workers pass tensors through /dev/shm
+    # (Docker gives 64 MB unless told --shm-size). Fails on GPU nodes or with loader workers,
+    # warns otherwise.
+    min_shm_mb: int = bounded(512, ge=0, fix=ANY_MINIMUM)
+    # Free space where checkpoints go, at least this much and at least checkpoint.keep + 1
+    # checkpoints of the model (a new one is written before the oldest is deleted).
+    # The etcd client certificate and CA (cluster.etcd_tls) warn this many days before they
+    # expire; an expired one fails.
+    cert_warn_days: int = bounded(14, ge=0, fix="set health.cert_warn_days=14 (0: no warning)")
+    min_checkpoint_free_gb: float = bounded(
+        1.0,
+        ge=0,
+        fix="set health.min_checkpoint_free_gb=0 to check only the estimated checkpoint size",
+    )
+    etcd_timeout_s: float = bounded(3.0, gt=0, fix=SECONDS)
+    # The node's wall clock against the etcd server's: event times and round ages compare
+    # clocks across nodes.
+    max_clock_skew_s: float = bounded(2.0, gt=0, fix=SECONDS)
+    # GPUs this node must see; 0: cluster.workers_per_node, or at least one.
+    expected_gpus: int = bounded(0, ge=0, fix=ANY_MINIMUM)
+    max_gpu_temp_c: int = 85
+    # Hardware slowdown (thermal, power brake) is a warning unless this is on.
+    fail_on_throttle: bool = False
+    # The share of each GPU's free memory the allocation probe fills and reads back.
+    gpu_memory_fraction: float = bounded(
+        0.9, gt=0, le=0.99, fix="set health.gpu_memory_fraction=0.9"
+    )
+    # The matmul, memory and all-reduce probes run in a child process with this time limit: a
+    # hung GPU fails the check instead of hanging the agent.
+    gpu_probe_timeout_s: float = bounded(120.0, gt=0, fix=SECONDS)
+    # Quarantine: this many failures (failed checks, worker crashes, fencing) within
+    # strike_window_s keep the node out of the job for quarantine_s.
+    max_strikes: int = bounded(
+        3, ge=1, fix="set health.max_strikes=3 (failures before a node is quarantined)"
+    )
+    strike_window_s: float = bounded(3600.0, gt=0, fix=SECONDS)
+    quarantine_s: float = bounded(
+        1800.0,
+        ge=2,
+        why="etcd does not keep leases shorter than 2 s",
+        fix="set health.quarantine_s=2 or more",
+    )
+
+
+@dataclass
+class ChaosConfig:
+    """Whether this job's agents carry out fault requests (``python -m chaos campaign.attach``).
+
+    Off by default: with it on, anyone who can write the job's etcd prefix can stop, freeze or
+    kill this job's processes (README, "Chaos on bare metal").
+    """
+
+    allow: bool = False

@@ -1,0 +1,64 @@
+"""The ``trainer`` and ``comm`` sections: how a step computes, and how its gradients travel.
+
+The dtypes the forward and backward compute in and the all-reduce carries
+(:mod:`elastic.precision`), the collective library, the job's length and its evaluations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elastic.config.schema import Choice, bounded
+
+
+class Precision(Choice):
+    """The dtype the forward and backward compute in (autocast); weights stay fp32."""
+
+    auto = "auto"  # bf16 on a GPU that has it, else fp32
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"  # with a GradScaler, whose state is part of the training state
+
+
+class GradDtype(Choice):
+    """The dtype gradients travel in through the all-reduce (ChainerMN's FP16 all-reduce)."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class CommBackend(Choice):
+    """The collective library of the training group."""
+
+    auto = "auto"  # NCCL on CUDA, gloo on the CPU
+    # gloo on CUDA tensors: a test aid, for simulated nodes that share one GPU (NCCL refuses two
+    # ranks on one device); slow, and never for a real job.
+    gloo = "gloo"
+
+
+@dataclass
+class CommConfig:
+    """How gradients travel."""
+
+    # The all-reduce casts each bucket to this dtype and back, through the abortable hook.
+    grad_dtype: GradDtype = GradDtype.fp32
+    backend: CommBackend = CommBackend.auto  # gloo: a test aid on CUDA (see CommBackend)
+
+
+@dataclass
+class TrainerConfig:
+    epochs: float = bounded(3.0, gt=0, fix="set trainer.epochs=1")
+    seed: int = 0
+    # Steps between step events (progress, stall measurement).
+    log_every: int = bounded(1, ge=1, fix="set trainer.log_every=1")
+    # Every rank logs the sample indices of every step it trains (``samples`` events), so a chaos
+    # run can prove that each sample of an epoch was trained exactly once. Off for long runs.
+    record_samples: bool = False
+    precision: Precision = Precision.auto
+    # NHWC memory layout for convolutions; null: on for CUDA, off on CPU.
+    channels_last: bool | None = None
+    # Validation every this many epochs (of samples seen) and at the end; 0: only at the end.
+    eval_every_epochs: float = bounded(
+        1.0, ge=0, fix="set trainer.eval_every_epochs=0 to evaluate only at the end"
+    )

@@ -1,0 +1,190 @@
+"""What a range cannot say about what the job trains: the data, the optimizer, the gradients'
+travel, the model.
+
+One rule function per section, each yielding :func:`~elastic.config.schema.problem` strings for
+:func:`elastic.config.validate`. The rules that the runtime also applies to a configuration it
+may be handed unvalidated are functions of their own, called there too, so that each is written
+once: :func:`grad_dtype_problem` (:mod:`elastic.precision`), :func:`poly_warmup_problem`
+(:mod:`elastic.lr_policy`) and :data:`NO_SCIKIT_LEARN` (:mod:`elastic.synthetic`).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
+
+from elastic.cache import cached
+from elastic.config.cluster import Device
+from elastic.config.job import Config
+from elastic.config.model_data import DIGITS_PER_CLASS, DataSource, SyntheticDataConfig
+from elastic.config.optim import OptimConfig, Schedule
+from elastic.config.schema import problem
+from elastic.config.trainer import CommBackend, GradDtype
+
+# Refused by validate and by elastic.data's writer alike (which a caller may reach unvalidated).
+NO_SCIKIT_LEARN = problem(
+    "data.generate.source",
+    "digits",
+    "the digits come with scikit-learn, which is not installed",
+    "pip install '.[digits]' (scikit-learn), or use data.generate.source=stripes",
+)
+
+
+def data_problems(cfg: Config) -> Iterator[str]:
+    """A real ImageFolder's splits must be directories; generated digits must fit the data set."""
+    d = cfg.data
+    if not d.synthetic:
+        train = Path(d.root) / d.train_dir
+        if not train.is_dir():
+            yield problem(
+                "data.root",
+                d.root,
+                f"{train} is not a directory",
+                "point data.root at an ImageFolder whose train split is "
+                "<data.root>/<data.train_dir>/<class>/<image>, or use data=synthetic",
+            )
+        if d.val_dir and not (Path(d.root) / d.val_dir).is_dir():
+            yield problem(
+                "data.val_dir",
+                d.val_dir,
+                f"{Path(d.root) / d.val_dir} is not a directory",
+                'set data.val_dir="" to train without validation, or point it at the validation '
+                "split sorted into class folders (<data.root>/<data.val_dir>/<class>/<image>)",
+            )
+    elif d.generate.source == DataSource.digits:
+        yield from digits_problems(d.generate, d.val_dir)
+
+
+def digits_problems(g: SyntheticDataConfig, val_dir: str) -> list[str]:
+    """What keeps ``data.generate`` from a balanced split of scikit-learn's digits: more classes
+    than the 10 digits, more images of a digit than the scarcest digit has, no scikit-learn."""
+    problems = []
+    if g.classes > 10:
+        problems.append(
+            problem(
+                "data.generate.classes",
+                g.classes,
+                "the digits are 10 classes (0 to 9)",
+                "set data.generate.classes=10 or fewer (the digits 0 to classes - 1)",
+            )
+        )
+    wanted = g.images_per_class + (g.val_images_per_class if val_dir else 0)
+    if wanted > DIGITS_PER_CLASS:
+        held_out = f" and {g.val_images_per_class} held out" if val_dir else ""
+        problems.append(
+            problem(
+                "data.generate.images_per_class",
+                g.images_per_class,
+                f"{g.images_per_class} images of each digit to train on{held_out} make "
+                f"{wanted}, and the scarcest digit has {DIGITS_PER_CLASS}",
+                "lower data.generate.images_per_class or data.generate.val_images_per_class "
+                f"until they add up to {DIGITS_PER_CLASS} at most",
+            )
+        )
+    if importlib.util.find_spec("sklearn") is None:
+        problems.append(NO_SCIKIT_LEARN)
+    return problems
+
+
+def optim_problems(cfg: Config) -> Iterator[str]:
+    o = cfg.optim
+    if list(o.milestones_epochs) != sorted(o.milestones_epochs):
+        yield problem(
+            "optim.milestones_epochs",
+            o.milestones_epochs,
+            "must be in increasing order",
+            "sort the milestones",
+        )
+    epochs = cfg.trainer.epochs
+    if warmup := poly_warmup_problem(o, o.warmup_epochs, epochs, epochs):
+        yield warmup
+    if o.nesterov and o.name != "sgd":
+        yield problem(
+            "optim.nesterov",
+            o.nesterov,
+            f"optim.name={o.name} has no Nesterov form",
+            "set optim.nesterov=false, or use optim=sgd",
+        )
+
+
+def poly_warmup_problem(o: OptimConfig, warmup: float, total: float, epochs: float) -> str | None:
+    """The refusal when the poly schedule's warm-up (``warmup``) lasts until the end of the job
+    (``total``), leaving the decay nothing; ``epochs`` is ``trainer.epochs``. Both in one unit:
+    epochs here, samples as :class:`elastic.lr_policy.LRSchedule` rounds them."""
+    if o.schedule != Schedule.poly or warmup < total:
+        return None
+    return problem(
+        "optim.warmup_epochs",
+        o.warmup_epochs,
+        f"the poly schedule decays after warm-up, and trainer.epochs={epochs:g}",
+        "lower optim.warmup_epochs below trainer.epochs, or train longer",
+    )
+
+
+# What each backend's all_reduce sums, in torch 2.14. tests/test_precision.py all-reduces every
+# dtype listed for gloo, so a torch that drops one fails there, not in a job's first backward.
+REDUCIBLE: dict[str, frozenset[GradDtype]] = {
+    "gloo": frozenset(GradDtype),
+    "nccl": frozenset(GradDtype),
+}
+
+
+def grad_dtype_problem(backend: str, grad_dtype: GradDtype) -> str | None:
+    """The refusal ``validate`` reports when ``backend`` cannot all-reduce ``grad_dtype``."""
+    if grad_dtype in REDUCIBLE.get(backend, frozenset()):
+        return None
+    return problem(
+        "comm.grad_dtype",
+        str(grad_dtype),
+        f"the {backend} backend cannot all-reduce {grad_dtype}",
+        "set comm.grad_dtype=fp32",
+    )
+
+
+def comm_problems(cfg: Config) -> Iterator[str]:
+    """gloo on CUDA only as the test aid it is, and a gradient dtype every backend can sum."""
+    comm, device = cfg.comm, cfg.cluster.device
+    if comm.backend == CommBackend.gloo and device != Device.cuda:
+        yield problem(
+            "comm.backend",
+            comm.backend,
+            f"gloo on CUDA tensors is a test aid for simulated nodes that share one GPU, and "
+            f"cluster.device={device} (on the CPU the backend is gloo already)",
+            "remove comm.backend=gloo, or set cluster.device=cuda for a test on one GPU",
+        )
+    backends = {"cpu": ["gloo"], "cuda": ["nccl"], "auto": ["gloo", "nccl"]}[str(device)]
+    if comm.backend == CommBackend.gloo:
+        backends = ["gloo"]
+    yield from (p for b in backends if (p := grad_dtype_problem(b, comm.grad_dtype)))
+
+
+def model_problems(cfg: Config) -> Iterator[str]:
+    name = cfg.model.name
+    if not name:
+        yield problem("model.name", "", "empty", "use model=resnet18 or model=resnet50")
+    elif name not in torchvision_models():
+        yield problem(
+            "model.name",
+            name,
+            "not a torchvision classification model",
+            "use model=resnet18 or model=resnet50, or model.name=<one of "
+            "torchvision.models.list_models()>",
+        )
+
+
+def torchvision_models() -> list[str]:
+    """The names of torchvision's classification models (``model.name``'s choices), learned
+    once per torchvision version (:mod:`elastic.cache`)."""
+
+    def learn() -> list[str]:
+        from torchvision import models
+
+        return models.list_models(module=models)
+
+    def valid(found: object) -> bool:
+        return isinstance(found, list) and all(isinstance(n, str) for n in found)
+
+    version = importlib.metadata.version("torchvision")
+    return cached(f"torchvision-{version}-models", valid, learn)

@@ -1,0 +1,48 @@
+"""Checking a whole configuration before anything starts, every problem at once.
+
+First every range declared with :func:`~elastic.config.schema.bounded`, then each section's
+rules (:mod:`elastic.config.job_rules`, :mod:`elastic.config.training_rules`) in the order of
+the sections, then the rules a caller adds (the launcher adds the etcd credentials, which are
+its alone). One launch attempt shows everything to fix, each with the key, the value and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from elastic.config.job import Config
+from elastic.config.job_rules import (
+    checkpoint_problems,
+    cluster_problems,
+    job_id_problems,
+    rendezvous_problems,
+)
+from elastic.config.schema import ConfigError, bound_problems
+from elastic.config.training_rules import (
+    comm_problems,
+    data_problems,
+    model_problems,
+    optim_problems,
+)
+
+Rule = Callable[[Config], Iterable[str]]
+
+RULES: tuple[Rule, ...] = (
+    bound_problems,
+    cluster_problems,
+    job_id_problems,
+    rendezvous_problems,
+    data_problems,
+    optim_problems,
+    comm_problems,
+    checkpoint_problems,
+    model_problems,
+)
+
+
+def validate(cfg: Config, *more: Rule) -> None:
+    """Raise :class:`ConfigError` listing every value that cannot work, each with its fix:
+    the problems of :data:`RULES`, then of ``more``."""
+    problems = [p for rule in (*RULES, *more) for p in rule(cfg)]
+    if problems:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
