@@ -53,6 +53,7 @@ import torch.multiprocessing as mp
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from elastic import event_types as ev  # noqa: E402
 from elastic.async_checkpoint import BackgroundSaver  # noqa: E402
 from elastic.checkpoint import CheckpointManager  # noqa: E402
 from elastic.config import ModelConfig, OptimConfig  # noqa: E402
@@ -141,8 +142,7 @@ def _rank(
         # the commit. The pruning of older checkpoints comes after, and is not counted.
         committed = [
             e["stall_s"] + e["seconds"]
-            for e in read_events(f"{root}/events")
-            if e["event"] == "checkpoint_saved"
+            for e in ev.CHECKPOINT_SAVED.of(read_events(f"{root}/events"))
         ]
         newest = json.loads(Path(root, "ours", f"step_{repeats:09d}", "manifest.json").read_text())
         figures = {

@@ -59,6 +59,7 @@ from torchrun_peer import PEERS, Peer, PeerSettings  # noqa: E402
 
 from chaos.campaign import CampaignConfig, FaultKind, pick, schedule  # noqa: E402
 from chaos.verdict import Interval, goodput, steps_of  # noqa: E402
+from elastic import event_types as ev  # noqa: E402
 from elastic.events import read_events  # noqa: E402
 
 NODES = 3
@@ -121,7 +122,7 @@ def run_ours(work: Path, args: argparse.Namespace, seed: int) -> tuple[Outcome, 
     gaps = [b["ts"] - a["ts"] for a, b in zip(steps_, steps_[1:], strict=False)]
     if not report["ok"]:
         print(f"  ours: an invariant broke: {report['violations']}", flush=True)
-    finished = any(e["event"] == "training_done" for e in events)
+    finished = any(ev.TRAINING_DONE.matches(e) for e in events)
     outcome = Outcome(
         report["goodput"], report["fault_free_goodput"], len(report["faults"]), finished
     )

@@ -511,6 +511,10 @@ def run_campaigns(out: Path, device: str) -> int:
 def judge_campaign(run_dir: Path, name: str, what: str, code: int | None) -> dict[str, object]:
     """One campaign's outcome from its chaos report and event log: the stall of each fault,
     where the state came from after it (a peer's rank, or a checkpoint's step), the verdict."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from elastic import event_types as ev  # the standard library only, like this file
+
     report_file = run_dir / "chaos" / "report.json"
     if not report_file.exists():
         ended = "timed out" if code is None else f"exited {code}"
@@ -525,9 +529,9 @@ def judge_campaign(run_dir: Path, name: str, what: str, code: int | None) -> dic
     struck = min((f["ts"] for f in report["faults"]), default=float("inf"))
     after = [e for e in events if e["ts"] > struck]
     sources = sorted(
-        {e["source"] for e in after if e["event"] == "state_synced" and e["source"] >= 0}
+        {e["source"] for e in after if ev.STATE_SYNCED.matches(e) and e["source"] >= 0}
     )
-    loaded = sorted({e.get("step") for e in after if e["event"] == "checkpoint_loaded"} - {None})
+    loaded = sorted({e.get("step") for e in ev.CHECKPOINT_LOADED.of(after)} - {None})
     stalls = ", ".join(
         f"{f['kind']} {f['stall_s']:.2f} s, {f['redone_steps']} steps redone"
         for f in report["faults"]

@@ -73,6 +73,7 @@ from chaos.injectors import (  # noqa: E402
 )
 from chaos.netns import PEER_LINK, LocalNetwork, available  # noqa: E402
 from chaos.report import Recovery, recovery  # noqa: E402
+from elastic import event_types as ev  # noqa: E402
 from elastic.events import EventFollower, read_events  # noqa: E402
 from launcher.rendezvous.embedded_etcd import EmbeddedEtcd  # noqa: E402
 
@@ -132,13 +133,13 @@ def run_ours(work: Path, fault: str, args: argparse.Namespace) -> Recovery:
         )
         stack.callback(proc.kill)
         follower = EventFollower(run_dir)
-        follower.wait_for(lambda e: e["event"] == "step" and e["step"] >= args.kill_at, 600)
+        follower.wait_for(lambda e: ev.STEP.matches(e) and e["step"] >= args.kill_at, 600)
         rank0 = node_with_rank(run_dir, 0)
         other = next(n for n in ("node2", "node1", "node0") if n != rank0)
         if fault == "freeze":
             fault_ts = kill_node(run_dir, other, signal.SIGSTOP)
             try:
-                follower.wait_for(lambda e: e["event"] == "recovered", args.freeze_wait_s)
+                follower.wait_for(ev.RECOVERED.matches, args.freeze_wait_s)
             except TimeoutError:
                 pass  # counted as no progress by recovery()
             finally:
@@ -149,7 +150,7 @@ def run_ours(work: Path, fault: str, args: argparse.Namespace) -> Recovery:
             down = stop_etcd(run_dir, etcd)
             time.sleep(max(0.0, down + args.etcd_down_s - time.time()))  # the outage
             fault_ts = start_etcd(run_dir, etcd)  # measured from here: the agents reconnect
-            steps = [e for e in read_events(run_dir) if e["event"] == "step"]
+            steps = ev.STEP.of(read_events(run_dir))
             during = [e for e in steps if down < e["ts"] < fault_ts]
             print(f"  etcd down {fault_ts - down:.1f} s: {len(during)} steps trained", flush=True)
         else:
@@ -187,12 +188,12 @@ def run_ours_partitioned(run_dir: Path, args: argparse.Namespace) -> Recovery:
             )
             stack.callback(nodes[-1].kill)
             if i == 0:  # node0's launcher makes the data set before its agent starts
-                follower.wait_for(lambda e: e["event"] == "agent_started", 600)
-        follower.wait_for(lambda e: e["event"] == "step" and e["step"] >= args.kill_at, 600)
+                follower.wait_for(ev.AGENT_STARTED.matches, 600)
+        follower.wait_for(lambda e: ev.STEP.matches(e) and e["step"] >= args.kill_at, 600)
         victim = next(i for i in (2, 1, 0) if f"node{i}" != node_with_rank(run_dir, 0))
         fault_ts = partition(run_dir, net, victim, PEER_LINK)
         try:
-            follower.wait_for(lambda e: e["event"] == "recovered", args.pg_timeout_s + 60)
+            follower.wait_for(ev.RECOVERED.matches, args.pg_timeout_s + 60)
         except TimeoutError:
             pass  # counted as no progress by recovery()
         finally:

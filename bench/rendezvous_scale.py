@@ -104,6 +104,9 @@ sys.path.insert(0, str(REPO))
 
 from torchrun_peer import DEFAULTS, TUNED, PeerSettings  # noqa: E402
 
+from elastic import event_types as ev  # noqa: E402
+from elastic.event_types import EventType  # noqa: E402
+
 LOSS, EVICT = "lost", "evicted"  # the two nodes that run alone in a process, to die for real
 CLIENTS = ("per-node", "per-process")
 IDLE_S = 5.0  # how long the idle cost of a formed round is measured: a torch keep-alive period
@@ -265,10 +268,10 @@ class _Sink:
         self.reasons: list[str] = []
         self.late = 0
 
-    def emit(self, event: str, message: str | None = None, /, **fields: Any) -> None:
-        if event == "fenced":
+    def emit(self, event: EventType, message: str | None = None, /, **fields: Any) -> None:
+        if event is ev.FENCED:
             self.reasons.append(fields.get("reason", "?"))
-        elif event == "etcd_unreachable":
+        elif event is ev.ETCD_UNREACHABLE:
             self.late += 1
 
 

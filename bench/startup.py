@@ -31,6 +31,7 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from elastic import event_types as ev  # noqa: E402
 from elastic.events import EventFollower  # noqa: E402
 
 TIMEOUT_S = 180.0
@@ -65,9 +66,9 @@ def agent_startup(workdir: Path, job_id: str, extra: list[str]) -> tuple[float, 
     try:
         follower = EventFollower(run_dir)
         checked = follower.wait_for(
-            lambda e: e["event"] == "health_checked" and e["ts"] >= launched, timeout_s=TIMEOUT_S
+            lambda e: ev.HEALTH_CHECKED.matches(e) and e["ts"] >= launched, timeout_s=TIMEOUT_S
         )
-        ready = follower.wait_for(lambda e: e["event"] == "node_ready", timeout_s=TIMEOUT_S)
+        ready = follower.wait_for(ev.NODE_READY.matches, timeout_s=TIMEOUT_S)
         started = next(
             p.create_time()
             for p in psutil.Process(launcher.pid).children(recursive=True)

@@ -136,6 +136,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from elastic import config  # noqa: E402
+from elastic import event_types as ev  # noqa: E402
 from elastic.communicator import BUFFERS_PER_REPLICA  # noqa: E402
 from elastic.config import Config  # noqa: E402
 from elastic.data import imagenet_transform, train_root  # noqa: E402
@@ -401,7 +402,7 @@ def run_ours(setup: Setup, work: Path, every: int, extra: tuple[str, ...] = ()) 
             if proc.poll() is None:  # timed out: its agents and workers die with it (lifeline)
                 proc.kill()
                 proc.wait(timeout=60)
-    steps = sorted((e for e in read_events(run_dir) if e["event"] == "step"), key=lambda e: e["ts"])
+    steps = sorted(ev.STEP.of(read_events(run_dir)), key=lambda e: e["ts"])
     numbers = [e["step"] for e in steps]
     if code != 0 or numbers != list(range(1, setup.total_steps + 1)):
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])

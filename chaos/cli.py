@@ -34,6 +34,7 @@ from chaos.runner import CampaignRunner
 from chaos.timeline import draw
 from chaos.verdict import judge, summary
 from elastic import config
+from elastic import event_types as ev
 from elastic.config import ClusterMode, Config, ConfigError
 from elastic.events import EventFollower, read_events
 from launcher.compose import UsageError, compose, finalize, validate_launch
@@ -95,9 +96,9 @@ def refuse(found: list[str]) -> int:
 def nothing_to_judge(events: list[dict[str, Any]], out_dir: Path) -> str | None:
     """Why a campaign's job cannot be judged (it trained fewer than two steps: a node refused
     by its health checks, a bad setting), or None."""
-    if sum(e["event"] == "step" for e in events) >= 2:
+    if sum(ev.STEP.matches(e) for e in events) >= 2:
         return None
-    refused = next((e for e in events if e["event"] == "health_failed"), None)
+    refused = next((e for e in events if ev.HEALTH_FAILED.matches(e)), None)
     why = f": {refused['node']} failed {'; '.join(refused['failures'])}" if refused else ""
     return (
         f"the job trained fewer than two steps, so there is nothing to judge{why}. The nodes' "
@@ -175,7 +176,7 @@ def launch(cfg: Config, campaign: CampaignConfig, job: list[str]) -> int:
 
             procs.append(start_node("node0"))  # it prepares the data before its agent starts
             EventFollower(run_dir).wait_for(
-                lambda e: e["event"] == "agent_started" or procs[0].poll() is not None,
+                lambda e: ev.AGENT_STARTED.matches(e) or procs[0].poll() is not None,
                 timeout_s=JOB_TIMEOUT_S,
             )
             procs += [start_node(f"node{i}") for i in range(1, cfg.cluster.nodes)]

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from chaos.injectors import kill_node, node_with_rank, restart_node
+from elastic import event_types as ev
 from elastic.events import EventFollower, read_events
 
 NODES = 2
@@ -95,7 +96,7 @@ class Trial:
     @property
     def evaluations(self) -> list[dict[str, Any]]:
         """The ``evaluated`` events, one per evaluation (a redone one is reported once)."""
-        return [e for e in self.events if e["event"] == "evaluated"]
+        return ev.EVALUATED.of(self.events)
 
     @property
     def final_top1(self) -> float:
@@ -105,7 +106,7 @@ class Trial:
     def steps(self) -> list[dict[str, Any]]:
         """Rank 0's ``step`` events, the newest one of each step (a step trained again after a
         fault counts as trained then)."""
-        newest = {e["step"]: e for e in self.events if e["event"] == "step"}
+        newest = {e["step"]: e for e in ev.STEP.of(self.events)}
         return [newest[s] for s in sorted(newest)]
 
     def epoch_at(self, ts: float) -> float:
@@ -206,7 +207,7 @@ def run(
         job.restarted.append(agent)
         back = job.wait_event(
             f"{victim} back in a round",
-            lambda e: e["event"] == "round_joined" and e["node"] == victim and e["ts"] > restarted,
+            lambda e: ev.ROUND_JOINED.matches(e) and e["node"] == victim and e["ts"] > restarted,
         )
         job.wait_exit()
         return Trial(run_dir, read_events(run_dir), victim, killed, restarted, back["ts"])
@@ -216,4 +217,4 @@ def run(
 
 def _step(e: dict[str, Any]) -> int:
     """The step a ``step`` event reports; 0 for any other event."""
-    return int(e["step"]) if e["event"] == "step" else 0
+    return int(e["step"]) if ev.STEP.matches(e) else 0

@@ -24,6 +24,7 @@ from typing import Any
 import psutil
 
 from chaos.netns import PEER_LINK, LocalNetwork
+from elastic import event_types as ev
 from elastic.events import read_events
 from elastic.lifeline import tied
 from elastic.manifest import MANIFEST, candidates
@@ -33,25 +34,25 @@ from launcher.rendezvous.embedded_etcd import EmbeddedEtcd
 BALLAST = ".chaos-ballast"  # the file that fills a checkpoint file system
 
 
-def _newest(run_dir: Path, event: str, **match: Any) -> dict[str, Any]:
+def _newest(run_dir: Path, event: ev.EventType, **match: Any) -> dict[str, Any]:
     found = [
         e
         for e in read_events(run_dir)
-        if e["event"] == event and all(e.get(k) == v for k, v in match.items())
+        if event.matches(e) and all(e.get(k) == v for k, v in match.items())
     ]
     if not found:
-        raise TargetNotFound(f"no {event} event with {match} in {run_dir}")
+        raise TargetNotFound(f"no {event.name} event with {match} in {run_dir}")
     return found[-1]
 
 
 def node_with_rank(run_dir: str | os.PathLike[str], rank: int = 0) -> str:
     """The node whose worker held ``rank`` in the newest round that synced its state."""
-    return str(_newest(Path(run_dir), "state_synced", rank=rank)["node"])
+    return str(_newest(Path(run_dir), ev.STATE_SYNCED, rank=rank)["node"])
 
 
 def node_processes(run_dir: str | os.PathLike[str], node_id: str) -> list[psutil.Process]:
     """A node's agent and every process under it (its workers and their helpers)."""
-    agent = _newest(Path(run_dir), "agent_started", node=node_id)
+    agent = _newest(Path(run_dir), ev.AGENT_STARTED, node=node_id)
     return process_tree(agent["pid"], f"the agent of {node_id}")
 
 
@@ -69,7 +70,7 @@ def kill_node(
 def thaw_node(run_dir: str | os.PathLike[str], node_id: str) -> float:
     """``SIGCONT`` a frozen node (logged as ``fault_cleared``): it finds itself fenced out."""
     procs = node_processes(run_dir, node_id)
-    return send(run_dir, procs, signal.SIGCONT, event="fault_cleared", kind="node", target=node_id)
+    return send(run_dir, procs, signal.SIGCONT, event=ev.FAULT_CLEARED, kind="node", target=node_id)
 
 
 def kill_agent(
@@ -89,7 +90,7 @@ def kill_worker(
     sig: signal.Signals = signal.SIGKILL,
 ) -> float:
     """Signal one worker (the newest one started for that node and local rank)."""
-    started = _newest(Path(run_dir), "worker_started", node=node_id, local_rank=local_rank)
+    started = _newest(Path(run_dir), ev.WORKER_STARTED, node=node_id, local_rank=local_rank)
     try:
         proc = psutil.Process(started["worker_pid"])
     except psutil.NoSuchProcess as exc:
@@ -104,7 +105,7 @@ def restart_node(
     agent on the run's ``config.yaml``, in a session of its own (so that :func:`kill_node`
     reaches all of it), tied to this process. Logged as ``fault_cleared`` before it starts."""
     run_dir = Path(run_dir)
-    sent = log_event(run_dir, "fault_cleared", kind="restart", target=node_id)
+    sent = log_event(run_dir, ev.FAULT_CLEARED, kind="restart", target=node_id)
     argv = [
         sys.executable,
         "-m",
@@ -138,7 +139,9 @@ def stop_etcd(run_dir: str | os.PathLike[str], etcd: EmbeddedEtcd, member: int =
     pid = etcd.pid(member)
     if pid is None:
         raise TargetNotFound(f"etcd member {member} is not running")
-    record = log_event(run_dir, "fault_injected", kind="etcd", target=f"member{member}", pids=[pid])
+    record = log_event(
+        run_dir, ev.FAULT_INJECTED, kind="etcd", target=f"member{member}", pids=[pid]
+    )
     etcd.stop_member(member, kill=True)
     return record
 
@@ -147,7 +150,7 @@ def start_etcd(run_dir: str | os.PathLike[str], etcd: EmbeddedEtcd, member: int 
     """Start a member stopped by :func:`stop_etcd` again, as an operator restarts etcd; returns
     once it is healthy (logged as ``fault_cleared`` at that moment)."""
     etcd.start_member(member)
-    return log_event(run_dir, "fault_cleared", kind="etcd", target=f"member{member}")
+    return log_event(run_dir, ev.FAULT_CLEARED, kind="etcd", target=f"member{member}")
 
 
 def kill_embedded_etcd_member(run_dir: str | os.PathLike[str], member: int) -> float:
@@ -181,10 +184,12 @@ def corrupt_shard(run_dir: str | os.PathLike[str], url: str) -> float:
             continue
         data[len(data) // 2] ^= 0xFF
         target = f"{folder.rsplit('/', 1)[-1]}/{name}"
-        sent = log_event(run_dir, "fault_injected", kind="checkpoint", target=target)
+        sent = log_event(run_dir, ev.FAULT_INJECTED, kind="checkpoint", target=target)
         manager.fs.pipe_file(f"{folder}/{name}", bytes(data))
         refused = manager.verify(folder)
-        log_event(run_dir, "checkpoint_verified", kind="checkpoint", target=target, refused=refused)
+        log_event(
+            run_dir, ev.CHECKPOINT_VERIFIED, kind="checkpoint", target=target, refused=refused
+        )
         return sent
     raise TargetNotFound(f"no committed checkpoint at {url} yet")
 
@@ -206,7 +211,7 @@ def fill_disk(
             "checkpoint.url on a small file system of its own, or raise the limit"
         )
     ballast = folder / BALLAST
-    log_event(run_dir, "fault_injected", kind="disk", target=str(folder), free_mb=free // 2**20)
+    log_event(run_dir, ev.FAULT_INJECTED, kind="disk", target=str(folder), free_mb=free // 2**20)
     chunk = b"\0" * 2**24
     with open(ballast, "wb", buffering=0) as f:  # unbuffered: a full disk fails the write itself
         try:
@@ -221,13 +226,13 @@ def fill_disk(
 def clear_disk(run_dir: str | os.PathLike[str], ballast: Path) -> float:
     """End a :func:`fill_disk`."""
     ballast.unlink(missing_ok=True)
-    return log_event(run_dir, "fault_cleared", kind="disk", target=str(ballast.parent))
+    return log_event(run_dir, ev.FAULT_CLEARED, kind="disk", target=str(ballast.parent))
 
 
 def partition(run_dir: str | os.PathLike[str], net: LocalNetwork, node: int, link: str) -> float:
     """Cut node ``node`` of ``net`` off its peers (``link="peer"``) or off etcd (``"etcd"``);
     :func:`heal` joins it again."""
-    sent = log_event(run_dir, "fault_injected", kind="partition", target=f"node{node}", link=link)
+    sent = log_event(run_dir, ev.FAULT_INJECTED, kind="partition", target=f"node{node}", link=link)
     net.set_link(node, link, up=False)
     return sent
 
@@ -235,7 +240,7 @@ def partition(run_dir: str | os.PathLike[str], net: LocalNetwork, node: int, lin
 def heal(run_dir: str | os.PathLike[str], net: LocalNetwork, node: int, link: str) -> float:
     """End a :func:`partition`."""
     net.set_link(node, link, up=True)
-    return log_event(run_dir, "fault_cleared", kind="partition", target=f"node{node}", link=link)
+    return log_event(run_dir, ev.FAULT_CLEARED, kind="partition", target=f"node{node}", link=link)
 
 
 def throttle(
@@ -244,7 +249,7 @@ def throttle(
     """Slow node ``node``'s link to its peers to ``rate_mbit`` (:meth:`LocalNetwork.set_rate`):
     a node that is slow, not dead. :func:`unthrottle` lifts the limit."""
     sent = log_event(
-        run_dir, "fault_injected", kind="slow_network", target=f"node{node}", rate_mbit=rate_mbit
+        run_dir, ev.FAULT_INJECTED, kind="slow_network", target=f"node{node}", rate_mbit=rate_mbit
     )
     net.set_rate(node, PEER_LINK, rate_mbit)
     return sent
@@ -253,4 +258,4 @@ def throttle(
 def unthrottle(run_dir: str | os.PathLike[str], net: LocalNetwork, node: int) -> float:
     """End a :func:`throttle`."""
     net.set_rate(node, PEER_LINK, None)
-    return log_event(run_dir, "fault_cleared", kind="slow_network", target=f"node{node}")
+    return log_event(run_dir, ev.FAULT_CLEARED, kind="slow_network", target=f"node{node}")

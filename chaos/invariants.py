@@ -10,6 +10,7 @@ import math
 from collections import Counter, defaultdict
 from typing import Any
 
+from elastic import event_types as ev
 from elastic.config import Config
 from elastic.lr_policy import LRPolicy, Ramp
 
@@ -29,7 +30,7 @@ def lr_violations(events: list[dict[str, Any]], cfg: Config, samples_per_epoch: 
         samples_per_epoch,
         total_samples=round(cfg.trainer.epochs * samples_per_epoch),
     )
-    steps = [e for e in events if e["event"] == "step"]
+    steps = ev.STEP.of(events)
     if not steps:
         return ["no step events"]
     first_global = steps[0]["world_size"] * cfg.data.batch_size
@@ -77,9 +78,9 @@ def sample_violations(
     """
     attempts: dict[int, dict[int, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
     for e in events:
-        if e["event"] == "samples":
+        if ev.SAMPLES.matches(e):
             attempts[e["step"]][e["round"]].append(e)
-    done = [e for e in events if e["event"] == "training_done"]
+    done = ev.TRAINING_DONE.of(events)
     if not done:
         return ["the run did not finish"]
     last_step = done[-1]["step"]
@@ -119,9 +120,9 @@ def replica_violations(events: list[dict[str, Any]]) -> list[str]:
     synced: dict[int, set[str]] = defaultdict(set)
     final: dict[int, set[str]] = defaultdict(set)
     for e in events:
-        if e["event"] == "state_synced":
+        if ev.STATE_SYNCED.matches(e):
             synced[e["round"]].add(e["digest"])
-        elif e["event"] == "state_digest":
+        elif ev.STATE_DIGEST.matches(e):
             final[e["step"]].add(e["digest"])
     for rnd, digests in sorted(synced.items()):
         if len(digests) > 1:
@@ -150,10 +151,10 @@ def history_violations(events: list[dict[str, Any]]) -> list[str]:
     the next round, becomes the newest state, which the others take). A second world training on
     its own starts every step with all of its ranks, so it is still caught.
     """
-    loads = sorted(e["ts"] for e in events if e["event"] == "checkpoint_loaded")
+    loads = sorted(e["ts"] for e in ev.CHECKPOINT_LOADED.of(events))
     attempts: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for e in events:
-        if e["event"] == "samples":
+        if ev.SAMPLES.matches(e):
             attempts[e["step"]].append(e)
     bad = []
     for step, records in sorted(attempts.items()):
@@ -180,3 +181,17 @@ def history_violations(events: list[dict[str, Any]]) -> list[str]:
                     "with no checkpoint loaded between them (two histories)"
                 )
     return bad
+
+
+def contract_violations(events: list[dict[str, Any]]) -> list[str]:
+    """Events that break their declaration (:mod:`elastic.event_types`): a name declared nowhere,
+    or a field its type does not declare. Once per name and field."""
+    found: dict[str, None] = {}
+    for e in events:
+        kind = ev.DECLARED.get(e.get("event", ""))
+        if kind is None:
+            found[f"event {e.get('event')!r} is not declared"] = None
+            continue
+        for key in e.keys() - kind.fields - ev.COMMON:
+            found[f"{kind.name} carries {key!r}, which its declaration lacks"] = None
+    return list(found)

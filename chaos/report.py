@@ -17,15 +17,17 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
+from elastic import event_types as ev
+
 # The first sign of a fault, whichever process saw it: a survivor's failed collective, an agent's
 # report of its own worker, a dead peer evicted, a frozen worker, or (a silent death) the round
 # the leader formed once the lease expired.
 DETECTION_EVENTS = (
-    "worker_peer_lost",
-    "failure_reported",
-    "peer_evicted",
-    "worker_frozen",
-    "round_formed",
+    ev.WORKER_PEER_LOST.name,
+    ev.FAILURE_REPORTED.name,
+    ev.PEER_EVICTED.name,
+    ev.WORKER_FROZEN.name,
+    ev.ROUND_FORMED.name,
 )
 
 
@@ -43,11 +45,11 @@ class Recovery:
 
 
 def recovery(events: list[dict[str, Any]], fault_ts: float) -> Recovery:
-    steps = [e for e in events if e["event"] == "step"]
+    steps = ev.STEP.of(events)
     before = [e["step"] for e in steps if e["ts"] < fault_ts]
     last_before = max(before, default=0)
     restarted = next(
-        (e for e in events if e["event"] == "training_started" and e["ts"] > fault_ts), None
+        (e for e in events if ev.TRAINING_STARTED.matches(e) and e["ts"] > fault_ts), None
     )
     progress = next(
         (
@@ -68,15 +70,15 @@ def recovery(events: list[dict[str, Any]], fault_ts: float) -> Recovery:
         lost_s = progress["ts"] - last_ts - (progress["step"] - last_before) * step_s
     milestones = {
         "detected": DETECTION_EVENTS,
-        "round_formed": ("round_formed",),
-        "training_started": ("training_started",),
+        ev.ROUND_FORMED.name: (ev.ROUND_FORMED.name,),
+        ev.TRAINING_STARTED.name: (ev.TRAINING_STARTED.name,),
     }
     breakdown = {}
     for name, kinds in milestones.items():
         first = next((e for e in events if e["event"] in kinds and e["ts"] >= fault_ts), None)
         if first is not None:
             breakdown[name] = first["ts"] - fault_ts
-    recovered = next((e for e in events if e["event"] == "recovered" and e["ts"] > fault_ts), None)
+    recovered = next((e for e in events if ev.RECOVERED.matches(e) and e["ts"] > fault_ts), None)
     if recovered is not None:
         for part in ("rebuild_s", "sync_s", "first_step_s"):
             breakdown[part.removesuffix("_s")] = recovered[part]

@@ -33,6 +33,7 @@ from chaos.campaign import (
 )
 from chaos.netns import ETCD_LINK, PEER_LINK, LocalNetwork
 from chaos.requests import NoAnswer, request_fault
+from elastic import event_types as ev
 from elastic.config import Config
 from elastic.events import EventFollower
 from launcher.agent.fault_helper import TargetNotFound, log_event, skipped
@@ -86,11 +87,11 @@ class CampaignRunner:
         try:
             while running() and not trained:
                 for e in follower.poll():
-                    if e["event"] == "training_started" and started is None:
+                    if ev.TRAINING_STARTED.matches(e) and started is None:
                         started = max(e["ts"], began)
-                    elif e["event"] == "step":
+                    elif ev.STEP.matches(e):
                         step = max(step, e["step"])
-                    trained |= e["event"] == "training_done"
+                    trained |= ev.TRAINING_DONE.matches(e)
                 now = time.time()
                 self._end_timed_faults(now)
                 while self.todo and started is not None and due(self.todo[0], step, now - started):
@@ -274,7 +275,7 @@ class CampaignRunner:
                         self.run_dir, node, self.endpoints, self.cfg.cluster.nodes
                     )
                 else:
-                    log_event(self.run_dir, "fault_cleared", kind="restart", target=node)
+                    log_event(self.run_dir, ev.FAULT_CLEARED, kind="restart", target=node)
                     proc = self.start_node(node)
                 self.restarted.append((node, proc))
                 del self.down[node]

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from chaos.invariants import (
+    contract_violations,
     history_violations,
     lr_violations,
     replica_violations,
@@ -24,6 +25,7 @@ from chaos.invariants import (
 )
 from chaos.report import recovery
 from elastic import config
+from elastic import event_types as ev
 from elastic.config import Config
 
 DOWN_SIGNALS = ("SIGKILL", "SIGSTOP", "SIGTERM")  # a node given one of these is not up
@@ -83,16 +85,16 @@ def capacity(events: list[dict[str, Any]], nodes: int, t0: float, t1: float) -> 
     """``(start, end, nodes up)`` segments covering ``[t0, t1]``, from the chaos events; the
     nodes up at first are the first round's members (``node<K>`` before any round). A killed or
     departed node is down until the campaign starts it again, a frozen one until it is thawed."""
-    first = next((e for e in events if e["event"] == "round_formed"), None)
+    first = next((e for e in events if ev.ROUND_FORMED.matches(e)), None)
     up = set(first["members"]) if first else {f"node{i}" for i in range(nodes)}
     changes: list[tuple[float, str, bool]] = []
     for e in events:
         if e.get("role") != "chaos":
             continue
-        if e["event"] == "fault_injected" and e["kind"] == "node":
+        if ev.FAULT_INJECTED.matches(e) and e["kind"] == "node":
             if e["signal"] in DOWN_SIGNALS:
                 changes.append((e["ts"], e["target"], False))
-        elif e["event"] == "fault_cleared" and e["kind"] in ("node", "restart"):
+        elif ev.FAULT_CLEARED.matches(e) and e["kind"] in ("node", "restart"):
             changes.append((e["ts"], e["target"], True))
     segments, start = [], t0
     for ts, target, is_up in sorted(changes):
@@ -108,7 +110,7 @@ def capacity(events: list[dict[str, Any]], nodes: int, t0: float, t1: float) -> 
 
 def steps_of(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The ``step`` events (rank 0's: one per step trained), in time order."""
-    return sorted((e for e in events if e["event"] == "step"), key=lambda e: e["ts"])
+    return sorted(ev.STEP.of(events), key=lambda e: e["ts"])
 
 
 def intervals(events: list[dict[str, Any]]) -> list[Interval]:
@@ -209,19 +211,19 @@ def checkpoint_violations(events: list[dict[str, Any]]) -> list[str]:
     did not refuse (or that were never verified)."""
     bad, rejected, committed, verified = [], set(), set(), {}
     for e in events:
-        if e["event"] == "checkpoint_skipped":
+        if ev.CHECKPOINT_SKIPPED.matches(e):
             rejected.add(e["url"])
-        elif e["event"] == "checkpoint_saved":
+        elif ev.CHECKPOINT_SAVED.matches(e):
             committed.add(e["url"])
-        elif e["event"] == "checkpoint_verified":
+        elif ev.CHECKPOINT_VERIFIED.matches(e):
             verified[e["target"]] = e["refused"]
-        elif e["event"] == "checkpoint_loaded":
+        elif ev.CHECKPOINT_LOADED.matches(e):
             if e["url"] in rejected:
                 bad.append(f"step {e['step']}: loaded {e['url']}, which failed its manifest")
             elif e["url"] not in committed:
                 bad.append(f"step {e['step']}: loaded {e['url']}, which no rank committed")
     for e in events:
-        if e["event"] == "fault_injected" and e.get("kind") == "checkpoint":
+        if ev.FAULT_INJECTED.matches(e) and e.get("kind") == "checkpoint":
             if e["target"] not in verified:
                 bad.append(f"{e['target']} was corrupted and never verified")
             elif verified[e["target"]] is None:
@@ -230,7 +232,7 @@ def checkpoint_violations(events: list[dict[str, Any]]) -> list[str]:
 
 
 def invariants(events: list[dict[str, Any]], cfg: Config) -> dict[str, list[str]]:
-    started = next((e for e in events if e["event"] == "training_started"), None)
+    started = next((e for e in events if ev.TRAINING_STARTED.matches(e)), None)
     if started is None:
         return {"samples": ["training never started"]}
     total = started["total_samples"]
@@ -240,6 +242,7 @@ def invariants(events: list[dict[str, Any]], cfg: Config) -> dict[str, list[str]
         "replicas": replica_violations(events) + history_violations(events),
         "lr": lr_violations(events, cfg, per_epoch),
         "checkpoints": checkpoint_violations(events),
+        "events": contract_violations(events),
     }
 
 
@@ -247,8 +250,8 @@ def fault_results(events: list[dict[str, Any]]) -> list[FaultResult]:
     """Each fault's recovery (:func:`chaos.report.recovery`). A fault on a node that was not in
     the round (it was still starting, or rejoining) stopped nothing: its detection and
     breakdown would be those of some later round, so they are left out."""
-    injected = [e for e in events if e["event"] == "fault_injected" and e.get("role") == "chaos"]
-    rounds = [e for e in events if e["event"] == "round_formed"]
+    injected = [e for e in events if ev.FAULT_INJECTED.matches(e) and e.get("role") == "chaos"]
+    rounds = ev.ROUND_FORMED.of(events)
     results = []
     for number, e in enumerate(injected, 1):
         rec = recovery(events, e["ts"])
@@ -289,7 +292,7 @@ def judge(events: list[dict[str, Any]], cfg: Config) -> Verdict:
     return Verdict(
         violations=invariants(events, cfg),
         faults=fault_results(events),
-        skipped=[e for e in events if e["event"] == "fault_skipped"],
+        skipped=ev.FAULT_SKIPPED.of(events),
         kept_samples=kept,
         seconds=t1 - t0,
         rates=rates,
@@ -310,7 +313,7 @@ def fault_free_goodput(
     """The goodput of the steps before the first fault (all of them, without one): what the
     definition charges a job that nothing happens to. None when fewer than
     ``FAULT_FREE_STEPS`` steps came first."""
-    first = min((e["ts"] for e in events if e["event"] == "fault_injected"), default=float("inf"))
+    first = min((e["ts"] for e in ev.FAULT_INJECTED.of(events)), default=float("inf"))
     before = [s for s in spans if s.end < first]
     if len(before) < FAULT_FREE_STEPS:
         return None

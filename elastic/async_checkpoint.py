@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from elastic import event_types as ev
 from elastic.checkpoint import CheckpointManager, Plan, SaveAbandoned, SaveFailed
 from elastic.communicator import RoundAborted
 from elastic.events import EventLog
@@ -242,7 +243,7 @@ class BackgroundSaver:
         except SaveFailed as exc:
             if rank == 0:
                 self.events.emit(
-                    "checkpoint_failed",
+                    ev.CHECKPOINT_FAILED,
                     f"{exc}; training goes on, the next interval tries again",
                     level=logging.WARNING,
                     step=exc.step,
@@ -253,7 +254,7 @@ class BackgroundSaver:
         except (Exception, CheckpointException) as exc:  # the save group's collectives broke
             if not save.abandoned and rank == 0:
                 self.events.emit(
-                    "checkpoint_failed",
+                    ev.CHECKPOINT_FAILED,
                     f"checkpoint of step {step} failed: {type(exc).__name__}: {exc}; training "
                     "goes on, the next interval tries again",
                     level=logging.WARNING,
@@ -266,7 +267,7 @@ class BackgroundSaver:
         else:
             if saved is not None:
                 self.events.emit(
-                    "checkpoint_saved",
+                    ev.CHECKPOINT_SAVED,
                     step=step,
                     url=saved.url,
                     bytes=saved.bytes,

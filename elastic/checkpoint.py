@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from elastic import event_types as ev
 from elastic.events import EventLog
 from elastic.manifest import FORMAT, FORMATS, MANIFEST, candidates, file_record, folder
 from elastic.shard_io import METADATA, ShardReader, ShardWriter
@@ -497,7 +498,7 @@ class CheckpointManager:
                 self.load(info, tensors)
             if self.events and rank == 0:
                 self.events.emit(
-                    "checkpoint_loaded",
+                    ev.CHECKPOINT_LOADED,
                     step=info.step,
                     url=info.url,
                     saved_world_size=info.manifest["world_size"],
@@ -545,7 +546,7 @@ class CheckpointManager:
         with contextlib.suppress(FileNotFoundError):  # an object store's folder went with them
             self.fs.rm(path, recursive=True)
         if self.events:
-            self.events.emit("checkpoint_skipped", url=self._url(path), reason=reason)
+            self.events.emit(ev.CHECKPOINT_SKIPPED, url=self._url(path), reason=reason)
 
     # --- helpers -------------------------------------------------------------------------------
 

@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from elastic.event_types import EventType, declared
+
 
 def events_dir(run_dir: str | os.PathLike[str]) -> Path:
     return Path(run_dir) / "events"
@@ -52,10 +54,19 @@ class EventLog:
         self._fields.update(fields)
 
     def emit(
-        self, event: str, message: str | None = None, /, *, level: int = logging.INFO, **fields: Any
+        self,
+        event: EventType | str,
+        message: str | None = None,
+        /,
+        *,
+        level: int = logging.INFO,
+        **fields: Any,
     ) -> dict[str, Any]:
-        """Append one event; with ``message``, also log that line at ``level``."""
-        record = {"ts": time.time(), "event": event, **self._fields, **fields}
+        """Append one event of a declared type (:mod:`elastic.event_types`; a name declared
+        nowhere raises :class:`~elastic.event_types.UndeclaredEvent`); with ``message``, also log
+        that line at ``level``."""
+        name = event.name if isinstance(event, EventType) else declared(event).name
+        record = {"ts": time.time(), "event": name, **self._fields, **fields}
         os.write(self._fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
         if message is not None:
             self._log.log(level, "%s", message)

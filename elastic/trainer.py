@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.nn.parallel import DistributedDataParallel
 
 from elastic import config
+from elastic import event_types as ev
 from elastic.async_checkpoint import BackgroundSaver
 from elastic.checkpoint import CheckpointManager
 from elastic.checkpoint_interval import Measured, choose_interval
@@ -268,7 +269,7 @@ def main() -> int:
             if end is RoundEnd.LOCAL_FAULT:
                 error = f"{type(exc).__name__}: {exc}"
                 events.emit(
-                    "worker_failed",
+                    ev.WORKER_FAILED,
                     f"rank {assignment.rank} failed in round {assignment.round}: {error}",
                     level=logging.ERROR,
                     error=error[:500],
@@ -283,7 +284,7 @@ def main() -> int:
                 # which peer is gone and drops it without waiting for the lease to expire.
                 link.channel.send("peer_lost", round=assignment.round, error=failure.error)
                 events.emit(
-                    "worker_peer_lost",
+                    ev.WORKER_PEER_LOST,
                     f"rank {assignment.rank} left round {assignment.round}: {failure}",
                     level=logging.WARNING,
                     what=failure.what,
@@ -335,7 +336,7 @@ def train_round(w: Worker, a: Assignment) -> None:
         )
         if cfg.trainer.record_samples:
             events.emit(
-                "samples",
+                ev.SAMPLES,
                 step=progress.step + 1,
                 epoch=plan.epoch,
                 world_size=world,
@@ -350,7 +351,7 @@ def train_round(w: Worker, a: Assignment) -> None:
         w.progress = progress
         if rank == 0 and not taken:
             events.emit(
-                "step_skipped",
+                ev.STEP_SKIPPED,
                 f"step {progress.step}: inf/nan in the fp16 gradients; the optimizer step was "
                 "skipped on every rank and the loss scale lowered",
                 level=logging.WARNING,
@@ -365,7 +366,7 @@ def train_round(w: Worker, a: Assignment) -> None:
             now = time.perf_counter()
             scaled = w.precision.scaler.is_enabled()  # fp16: the loss scale, a run's health
             events.emit(
-                "step",
+                ev.STEP,
                 step=progress.step,
                 samples=progress.samples_seen,
                 step_samples=plan.global_count,
@@ -394,10 +395,10 @@ def train_round(w: Worker, a: Assignment) -> None:
         save(w, ckpt, progress, a, 0.0)
     w.link.status["phase"] = "finishing"  # waits for the last save and the peers: not frozen
     w.saver.wait(lambda: w.comm.aborted)
-    events.emit("state_digest", step=progress.step, digest=w.state.digest())
+    events.emit(ev.STATE_DIGEST, step=progress.step, digest=w.state.digest())
     if rank == 0:
         events.emit(
-            "training_done",
+            ev.TRAINING_DONE,
             step=progress.step,
             samples_seen=progress.samples_seen,
             world_size=world,
@@ -427,7 +428,7 @@ def enter_round(w: Worker, a: Assignment, ckpt: CheckpointManager) -> RoundStart
         resumed_from = info.step if info else None
     w.progress, w.trained_round = progress, a.round
     synced_at = time.time()
-    w.events.emit("state_synced", step=progress.step, source=source, digest=w.state.digest())
+    w.events.emit(ev.STATE_SYNCED, step=progress.step, source=source, digest=w.state.digest())
 
     global_batch = w.policy.global_batch(a.world_size, progress.global_batch)
     resized = bool(progress.global_batch) and progress.global_batch != global_batch
@@ -438,7 +439,7 @@ def enter_round(w: Worker, a: Assignment, ckpt: CheckpointManager) -> RoundStart
     lr = w.policy.lr(progress.samples_seen, global_batch, progress.ramp)
     if a.rank == 0 and resized:
         w.events.emit(
-            "lr_changed",
+            ev.LR_CHANGED,
             reason="world_size",
             optimizer=str(w.cfg.optim.name),
             old_world_size=progress.world_size,
@@ -450,7 +451,7 @@ def enter_round(w: Worker, a: Assignment, ckpt: CheckpointManager) -> RoundStart
         )
     if a.rank == 0:
         w.events.emit(
-            "training_started",
+            ev.TRAINING_STARTED,
             world_size=a.world_size,
             step=progress.step,
             samples_seen=progress.samples_seen,
@@ -469,7 +470,7 @@ def report_recovery(w: Worker, a: Assignment, start: RoundStart, step: int) -> N
     assert w.interrupted_at is not None
     now = time.time()
     w.events.emit(
-        "recovered",
+        ev.RECOVERED,
         step=step,
         world_size=a.world_size,
         interrupted_at=w.interrupted_at,
@@ -507,7 +508,7 @@ def maybe_evaluate(w: Worker, a: Assignment, progress: Progress) -> Progress:
         return progress
     w.link.status["phase"] = "evaluate"
     if a.rank == 0:
-        w.events.emit("evaluation_started", evaluation=due, step=progress.step)
+        w.events.emit(ev.EVALUATION_STARTED, evaluation=due, step=progress.step)
     t0 = time.perf_counter()
     average_bn_stats(w.state.model, a.world_size, all_reduce=w.comm.all_reduce)
     result = evaluate(
@@ -525,7 +526,7 @@ def maybe_evaluate(w: Worker, a: Assignment, progress: Progress) -> Progress:
     )
     if a.rank == 0:
         w.events.emit(
-            "evaluated",
+            ev.EVALUATED,
             evaluation=due,
             epoch=round(progress.samples_seen / len(w.dataset), 4),
             step=progress.step,
@@ -617,7 +618,7 @@ def save(
         return progress
     if a.rank == 0:
         w.events.emit(
-            "checkpoint_interval",
+            ev.CHECKPOINT_INTERVAL,
             f"checkpoints every {interval.steps} steps from step {progress.step}: "
             f"{interval.reason}",
             step=progress.step,

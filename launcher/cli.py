@@ -21,6 +21,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from elastic import config
+from elastic import event_types as ev
 from elastic.config import ClusterMode, Config, ConfigError
 from elastic.events import EventFollower, read_events
 from elastic.synthetic import ensure_synthetic
@@ -61,7 +62,7 @@ def launch(cfg: Config) -> int:
         code = run_local(cfg, config_path)
         # The local launcher's code is 0 unless it was stopped; the job's end is in the events.
         finished = any(
-            e["event"] == "training_done" and e["ts"] >= started for e in read_events(run_dir)
+            ev.TRAINING_DONE.matches(e) and e["ts"] >= started for e in read_events(run_dir)
         )
         code = code if code else (0 if finished else 1)
     else:

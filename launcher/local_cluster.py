@@ -18,6 +18,7 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from types import FrameType
 
+from elastic import event_types as ev
 from elastic.config import Config
 from elastic.events import EventFollower
 from elastic.lifeline import tied
@@ -93,11 +94,11 @@ def run_local(cfg: Config, config_path: Path) -> int:
         while not stop and any(p.poll() is None for p in agents.values()):
             events = follower.poll()
             display.handle(events)
-            for ev in events:
-                if ev["event"] == "quarantine_wait":
-                    in_quarantine.add(ev["node"])
-                elif ev["event"] == "quarantine_over":
-                    in_quarantine.discard(ev["node"])
+            for e in events:
+                if ev.QUARANTINE_WAIT.matches(e):
+                    in_quarantine.add(e["node"])
+                elif ev.QUARANTINE_OVER.matches(e):
+                    in_quarantine.discard(e["node"])
             codes = {node: p.poll() for node, p in agents.items()}
             if finished_at is None and 0 in codes.values():
                 finished_at = time.monotonic()

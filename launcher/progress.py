@@ -14,118 +14,117 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
+from elastic import event_types as ev
 from elastic.events import read_events
 
 
-def describe(ev: dict[str, Any]) -> str | None:
+def describe(e: dict[str, Any]) -> str | None:
     """One human line for an event worth showing, or None."""
-    kind = ev["event"]
-    if kind == "step":
+    if ev.STEP.matches(e):
         return (
-            f"step {ev['step']:>6} | epoch {ev['epoch']} | loss {ev['loss']:.4f} | "
-            f"{ev['samples_per_s']:7.1f} samples/s | world {ev['world_size']} | "
-            f"lr {ev['lr']:.5f}"
+            f"step {e['step']:>6} | epoch {e['epoch']} | loss {e['loss']:.4f} | "
+            f"{e['samples_per_s']:7.1f} samples/s | world {e['world_size']} | "
+            f"lr {e['lr']:.5f}"
         )
-    if kind == "round_formed":
+    if ev.ROUND_FORMED.matches(e):
         return (
-            f"round {ev['round']} formed: world size {ev['world_size']} "
-            f"({', '.join(ev['members'])})"
+            f"round {e['round']} formed: world size {e['world_size']} ({', '.join(e['members'])})"
         )
-    if kind == "training_started":
-        if ev["in_place"]:
-            origin = f"state of step {ev['step']} kept in memory"
-        elif ev["resumed_from"] is not None:
-            origin = f"resumed from the checkpoint of step {ev['resumed_from']}"
+    if ev.TRAINING_STARTED.matches(e):
+        if e["in_place"]:
+            origin = f"state of step {e['step']} kept in memory"
+        elif e["resumed_from"] is not None:
+            origin = f"resumed from the checkpoint of step {e['resumed_from']}"
         else:
             origin = "from scratch"
         return (
-            f"training at world size {ev['world_size']}, {origin} "
-            f"({ev['samples_seen']}/{ev['total_samples']} samples)"
+            f"training at world size {e['world_size']}, {origin} "
+            f"({e['samples_seen']}/{e['total_samples']} samples)"
         )
-    if kind == "recovered":
+    if ev.RECOVERED.matches(e):
         return (
-            f"recovered in place at world size {ev['world_size']}: rendezvous "
-            f"{ev['rendezvous_s']:.2f} s, rebuild {ev['rebuild_s']:.2f} s, state sync "
-            f"{ev['sync_s']:.2f} s, first step {ev['first_step_s']:.2f} s"
+            f"recovered in place at world size {e['world_size']}: rendezvous "
+            f"{e['rendezvous_s']:.2f} s, rebuild {e['rebuild_s']:.2f} s, state sync "
+            f"{e['sync_s']:.2f} s, first step {e['first_step_s']:.2f} s"
         )
-    if kind == "peer_evicted":
-        return f"{ev['node']}: evicted {ev['peer']} ({ev['reason']})"
-    if kind == "worker_frozen":
-        return f"{ev['node']}: worker {ev['local_rank']} frozen ({ev['reason']})"
-    if kind == "lr_changed":
+    if ev.PEER_EVICTED.matches(e):
+        return f"{e['node']}: evicted {e['peer']} ({e['reason']})"
+    if ev.WORKER_FROZEN.matches(e):
+        return f"{e['node']}: worker {e['local_rank']} frozen ({e['reason']})"
+    if ev.LR_CHANGED.matches(e):
         return (
-            f"{ev['optimizer']} LR {ev['old_lr']:.5f} -> {ev['lr']:.5f} for world size "
-            f"{ev['old_world_size']} -> {ev['world_size']} ({ev['policy']})"
+            f"{e['optimizer']} LR {e['old_lr']:.5f} -> {e['lr']:.5f} for world size "
+            f"{e['old_world_size']} -> {e['world_size']} ({e['policy']})"
         )
-    if kind == "evaluated":
-        return f"validation after epoch {ev['epoch']:g} (step {ev['step']}): " + accuracy(ev)
-    if kind == "checkpoint_saved":
-        return f"checkpoint of step {ev['step']} saved in {ev['seconds']:.2f} s"
-    if kind == "checkpoint_failed":
+    if ev.EVALUATED.matches(e):
+        return f"validation after epoch {e['epoch']:g} (step {e['step']}): " + accuracy(e)
+    if ev.CHECKPOINT_SAVED.matches(e):
+        return f"checkpoint of step {e['step']} saved in {e['seconds']:.2f} s"
+    if ev.CHECKPOINT_FAILED.matches(e):
         return (
-            f"checkpoint of step {ev['step']} FAILED: {ev['reason']}. Fix: {ev['fix']}. "
+            f"checkpoint of step {e['step']} FAILED: {e['reason']}. Fix: {e['fix']}. "
             "Training goes on; the newest good checkpoint is kept"
         )
-    if kind == "worker_failed":
-        return f"{ev['node']}: worker rank {ev['rank']} failed: {ev['error']}"
-    if kind == "checkpoint_skipped":
-        return f"checkpoint {ev['url']} skipped: {ev['reason']}"
-    if kind == "worker_exited" and ev["code"] not in (0, None) and not ev["stopped_by_agent"]:
-        return f"{ev['node']}: worker {ev['local_rank']} exited with code {ev['code']}"
-    if kind == "restart_limit":
+    if ev.WORKER_FAILED.matches(e):
+        return f"{e['node']}: worker rank {e['rank']} failed: {e['error']}"
+    if ev.CHECKPOINT_SKIPPED.matches(e):
+        return f"checkpoint {e['url']} skipped: {e['reason']}"
+    if ev.WORKER_EXITED.matches(e) and e["code"] not in (0, None) and not e["stopped_by_agent"]:
+        return f"{e['node']}: worker {e['local_rank']} exited with code {e['code']}"
+    if ev.RESTART_LIMIT.matches(e):
         return (
-            f"{ev['node']}: workers crashed {ev['crashes']} times "
-            f"(cluster.max_restarts={ev['max_restarts']}); it leaves the job"
+            f"{e['node']}: workers crashed {e['crashes']} times "
+            f"(cluster.max_restarts={e['max_restarts']}); it leaves the job"
         )
-    if kind == "failure_reported":
-        return f"{ev['node']}: reported a failure ({ev['reason']})"
-    if kind == "fenced":
-        return f"{ev['node']}: fenced ({ev['reason']})"
-    if kind == "health_checked" and ev["ok"]:
-        counts = ", ".join(f"{n} {s}" for s, n in ev["counts"].items() if n)
-        warned = "".join(f"; warning: {w}" for w in ev["warnings"])
-        return f"{ev['node']}: health checks passed in {ev['seconds']:.1f} s ({counts}){warned}"
-    if kind == "health_failed":
-        until = ev["quarantined_until"]
+    if ev.FAILURE_REPORTED.matches(e):
+        return f"{e['node']}: reported a failure ({e['reason']})"
+    if ev.FENCED.matches(e):
+        return f"{e['node']}: fenced ({e['reason']})"
+    if ev.HEALTH_CHECKED.matches(e) and e["ok"]:
+        counts = ", ".join(f"{n} {s}" for s, n in e["counts"].items() if n)
+        warned = "".join(f"; warning: {w}" for w in e["warnings"])
+        return f"{e['node']}: health checks passed in {e['seconds']:.1f} s ({counts}){warned}"
+    if ev.HEALTH_FAILED.matches(e):
+        until = e["quarantined_until"]
         quarantine = (
             f"; quarantined until {time.strftime('%H:%M:%S', time.localtime(until))}"
             if until
             else ""
         )
         return (
-            f"{ev['node']}: failed its health checks and does not join{quarantine}:\n  "
-            + "\n  ".join(ev["failures"])
+            f"{e['node']}: failed its health checks and does not join{quarantine}:\n  "
+            + "\n  ".join(e["failures"])
         )
-    if kind == "quarantined":
+    if ev.QUARANTINED.matches(e):
         return (
-            f"{ev['peer']} quarantined until "
-            f"{time.strftime('%H:%M:%S', time.localtime(ev['until']))} by {ev['by']} "
-            f"({'; '.join(ev['reasons'])})"
+            f"{e['peer']} quarantined until "
+            f"{time.strftime('%H:%M:%S', time.localtime(e['until']))} by {e['by']} "
+            f"({'; '.join(e['reasons'])})"
         )
-    if kind == "quarantine_wait":
-        return f"{ev['node']}: quarantined, waiting {ev['left_s']:.0f} s before checking again"
-    if kind == "node_left":
-        why = f": {ev['reason']}" if ev.get("reason") else ""
-        return f"{ev['node']}: left the job (exit code {ev['code']}){why}"
-    if kind == "etcd_unreachable":
+    if ev.QUARANTINE_WAIT.matches(e):
+        return f"{e['node']}: quarantined, waiting {e['left_s']:.0f} s before checking again"
+    if ev.NODE_LEFT.matches(e):
+        why = f": {e['reason']}" if e.get("reason") else ""
+        return f"{e['node']}: left the job (exit code {e['code']}){why}"
+    if ev.ETCD_UNREACHABLE.matches(e):
         return (
-            f"{ev['node']}: etcd does not answer ({ev['error']}); training goes on, retrying for "
-            f"up to {ev['grace_s']:g} s"
+            f"{e['node']}: etcd does not answer ({e['error']}); training goes on, retrying for "
+            f"up to {e['grace_s']:g} s"
         )
-    if kind == "etcd_reachable":
-        return f"{ev['node']}: etcd answers again after {ev['down_s']:.1f} s"
-    if kind == "etcd_lost":
-        return f"{ev['node']}: {ev['reason']}. Fix: {ev['fix']}"
-    if kind == "training_done":
-        return f"training done: step {ev['step']}, {ev['samples_seen']} samples"
+    if ev.ETCD_REACHABLE.matches(e):
+        return f"{e['node']}: etcd answers again after {e['down_s']:.1f} s"
+    if ev.ETCD_LOST.matches(e):
+        return f"{e['node']}: {e['reason']}. Fix: {e['fix']}"
+    if ev.TRAINING_DONE.matches(e):
+        return f"training done: step {e['step']}, {e['samples_seen']} samples"
     return None
 
 
-def accuracy(ev: dict[str, Any]) -> str:
+def accuracy(e: dict[str, Any]) -> str:
     """An ``evaluated`` event's figures, as the progress line and the summary print them."""
     return (
-        f"top-1 {100 * ev['top1']:.2f} %, top-5 {100 * ev['top5']:.2f} %, loss {ev['loss']:.4f} "
-        f"({ev['count']} images, {ev['seconds']:.1f} s)"
+        f"top-1 {100 * e['top1']:.2f} %, top-5 {100 * e['top5']:.2f} %, loss {e['loss']:.4f} "
+        f"({e['count']} images, {e['seconds']:.1f} s)"
     )
 
 
@@ -140,26 +139,26 @@ class ProgressDisplay:
         self._bar: tqdm[Any] | None = None
 
     def handle(self, events: Iterable[dict[str, Any]]) -> None:
-        for ev in events:
-            if ev["event"] == "training_started" and self.tty:
-                self._open_bar(ev["total_samples"], ev["samples_seen"])
-            if ev["event"] == "step" and self._bar is not None:
-                self._bar.n = ev["samples"]
+        for e in events:
+            if ev.TRAINING_STARTED.matches(e) and self.tty:
+                self._open_bar(e["total_samples"], e["samples_seen"])
+            if ev.STEP.matches(e) and self._bar is not None:
+                self._bar.n = e["samples"]
                 self._bar.set_postfix_str(
-                    f"step {ev['step']} loss {ev['loss']:.3f} world {ev['world_size']} "
-                    f"{ev['samples_per_s']:.0f}/s",
+                    f"step {e['step']} loss {e['loss']:.3f} world {e['world_size']} "
+                    f"{e['samples_per_s']:.0f}/s",
                     refresh=True,
                 )
                 continue
-            line = describe(ev)
+            line = describe(e)
             if line is None:
                 continue
-            if ev["event"] == "step":
+            if ev.STEP.matches(e):
                 now = time.monotonic()
                 if now - self._last_step_line < self.min_interval_s:
                     continue
                 self._last_step_line = now
-            self._write(f"[{time.strftime('%H:%M:%S', time.localtime(ev['ts']))}] {line}")
+            self._write(f"[{time.strftime('%H:%M:%S', time.localtime(e['ts']))}] {line}")
 
     def _open_bar(self, total: int, done: int) -> None:
         if self._bar is None:
@@ -184,16 +183,14 @@ class ProgressDisplay:
 def summary(run_dir: Path, checkpoint_url: str, job_id: str, since: float = 0.0) -> str:
     """Where a run's outputs are and how it went, from its events since ``since``."""
     events = [e for e in read_events(run_dir) if e["ts"] >= since]
-    steps = [e for e in events if e["event"] == "step"]
-    done = next((e for e in reversed(events) if e["event"] == "training_done"), None)
-    saved = [e for e in events if e["event"] == "checkpoint_saved"]
-    rounds = [e for e in events if e["event"] == "round_formed"]
+    steps = ev.STEP.of(events)
+    done = next((e for e in reversed(events) if ev.TRAINING_DONE.matches(e)), None)
+    saved = ev.CHECKPOINT_SAVED.of(events)
+    rounds = ev.ROUND_FORMED.of(events)
     crashed = [
         e
         for e in events
-        if e["event"] == "worker_exited"
-        and e["code"] not in (0, None)
-        and not e["stopped_by_agent"]
+        if ev.WORKER_EXITED.matches(e) and e["code"] not in (0, None) and not e["stopped_by_agent"]
     ]
     lines = []
     if done:
@@ -208,17 +205,17 @@ def summary(run_dir: Path, checkpoint_url: str, job_id: str, since: float = 0.0)
         lines.append(
             f"last step {steps[-1]['step']}: loss {steps[-1]['loss']:.4f}, lr {steps[-1]['lr']:.5f}"
         )
-    evaluated = [e for e in events if e["event"] == "evaluated"]
+    evaluated = ev.EVALUATED.of(events)
     if evaluated:
         last = evaluated[-1]
         lines.append(f"validation at step {last['step']}: " + accuracy(last))
-    failed_saves = sum(e["event"] == "checkpoint_failed" for e in events)
+    failed_saves = sum(ev.CHECKPOINT_FAILED.matches(e) for e in events)
     lines.append(
         f"rounds formed: {len(rounds)}, worker failures seen: {len(crashed)}, "
         f"checkpoints saved: {len(saved)}"
         + (f", checkpoints failed: {failed_saves}" if failed_saves else "")
     )
-    unfit = sorted({e["node"] for e in events if e["event"] == "health_failed"})
+    unfit = sorted({e["node"] for e in ev.HEALTH_FAILED.of(events)})
     if unfit:
         lines.append(
             f"failed their health checks and stayed out: {', '.join(unfit)} (the reasons are "

@@ -16,6 +16,7 @@ import pytest
 
 from chaos.injectors import kill_agent, kill_node, kill_worker, node_with_rank, thaw_node
 from chaos.invariants import (
+    contract_violations,
     history_violations,
     lr_violations,
     replica_violations,
@@ -85,6 +86,7 @@ def assert_invariants(run_dir: Path, epochs: int) -> list[dict]:
     assert sample_violations(events, SAMPLES_PER_EPOCH, epochs * SAMPLES_PER_EPOCH) == []
     assert replica_violations(events) == []
     assert history_violations(events) == []
+    assert contract_violations(events) == []
     return events
 
 

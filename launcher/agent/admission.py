@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 
 from elastic import config
+from elastic import event_types as ev
 from elastic.events import EventLog
 from launcher.agent import decisions as decide
 from launcher.agent.peers import probe
@@ -105,7 +106,7 @@ class Admission:
         if found is not None:
             entry, left = found
             self._events.emit(
-                "quarantine_wait",
+                ev.QUARANTINE_WAIT,
                 f"{self._node_id} is quarantined for {left:.0f} s more "
                 f"({'; '.join(entry.reasons)}); waiting. To end it sooner: "
                 + clear_command(
@@ -123,7 +124,7 @@ class Admission:
                 signum = self._stopped(0)
                 if signum is not None:
                     return 128 + signum
-            self._events.emit("quarantine_over")
+            self._events.emit(ev.QUARANTINE_OVER)
         return self.check(in_running_job)
 
     def check(self, in_running_job: bool) -> int:
@@ -146,7 +147,7 @@ class Admission:
             f"{r.name} (the whole job shares it; not refused): {r.message}" for r in shared
         ]
         self._events.emit(
-            "health_checked",
+            ev.HEALTH_CHECKED,
             report.table(),
             ok=not refusing,
             seconds=round(report.seconds, 3),
@@ -159,7 +160,7 @@ class Admission:
         failures = [f"{r.name}: {r.message}" for r in failed]
         entry = self.strike("failed health checks: " + ", ".join(r.name for r in failed))
         self._events.emit(
-            "health_failed",
+            ev.HEALTH_FAILED,
             f"{self._node_id} failed its health checks and does not join the job:\n  "
             + "\n  ".join(failures),
             level=logging.ERROR,

@@ -25,28 +25,27 @@ from typing import Any
 import torch.distributed as dist
 
 from elastic import config
+from elastic import event_types as ev
 from elastic.control import WorkerEnv
 from elastic.events import EventLog
 from launcher.agent import decisions as decide
-from launcher.agent.admission import EXIT_ETCD_LOST, EXIT_UNHEALTHY, Admission
-from launcher.agent.fault_requests import FaultAnswerer, FaultRequests
+from launcher.agent.admission import EXIT_ETCD_LOST, EXIT_UNHEALTHY
 from launcher.agent.inbox import (
     FaultRequested,
     Inbox,
     Message,
-    RendezvousChanged,
     Signal,
     WorkerLeaving,
     WorkerPeerLost,
 )
-from launcher.agent.peers import PROBE_AGAIN_S, Peers
+from launcher.agent.parts import Node, assemble
+from launcher.agent.peers import PROBE_AGAIN_S
 from launcher.agent.planned_leave import PlannedLeave
 from launcher.agent.slots import local_slots
 from launcher.agent.workers import WorkerGroup
-from launcher.health.quarantine import Quarantine
 from launcher.rendezvous.etcd import EtcdUnavailable, connect, etcd_errors, etcd_security
 from launcher.rendezvous.lease import ETCD_LOST_FIX
-from launcher.rendezvous.membership import JobView, NodeRecord, Round
+from launcher.rendezvous.membership import JobView, Round
 from launcher.rendezvous.progress_key import ProgressPublisher
 from launcher.rendezvous.rendezvous import (
     EtcdLost,
@@ -86,7 +85,6 @@ class Agent:
         self.inbox = Inbox()
         self.stop_signal: int | None = None
         self.rdzv: Rendezvous
-        self.guard: Quarantine
         self.workers: WorkerGroup
         self.current: Round | None = None  # the round this node's workers were sent to
         self.crashes = 0
@@ -95,7 +93,7 @@ class Agent:
     # --- life cycle ----------------------------------------------------------------------------
 
     def run(self) -> int:
-        self.events.emit("agent_started", pgid=os.getpgid(0), slots=self.slots, device=self.device)
+        self.events.emit(ev.AGENT_STARTED, pgid=os.getpgid(0), slots=self.slots, device=self.device)
         store = dist.TCPStore(  # used when this node holds rank 0 of a round
             "0.0.0.0",
             0,
@@ -106,53 +104,32 @@ class Agent:
         client = self._connect()
         if client is None:
             return EXIT_UNHEALTHY
-        self.guard = Quarantine(
-            client, self.cfg.rendezvous.prefix, self.cfg.job_id, self.cfg.health, self.events
-        )
-        self.rdzv = Rendezvous(
-            client,
-            job_id=self.cfg.job_id,
-            node=NodeRecord(self.node_id, self.host, store.port, self.slots),
-            cfg=self.cfg.rendezvous,
-            min_nodes=self.cfg.cluster.min_nodes,
-            max_nodes=config.max_nodes(self.cfg),
-            events=self.events,
-            on_change=lambda: self.inbox.put(RendezvousChanged()),
-        )
-        self.faults = FaultAnswerer(
-            FaultRequests(
-                client,
-                self.cfg.rendezvous.prefix,
-                self.cfg.job_id,
-                self.node_id,
-                post=lambda rid, request: self.inbox.put(FaultRequested(rid, request)),
-            ),
-            self.node_id,
-            self.run_dir,
-            self.cfg.chaos.allow,
-            self.slots,
-            self.events,
-            worker_pid=lambda i: p.pid if (p := self.workers.slots[i].proc) else 0,
-        )
-        self.peers = Peers(self.node_id, self.cfg.rendezvous, self.events, self.rdzv.evict)
-        self.admission = Admission(
+        node = Node(
             self.cfg,
             self.node_id,
             self.host,
             self.endpoints,
             self.slots,
             self.device,
-            self.guard,
-            self.rdzv,
+            self.run_dir,
             self.events,
-            stopped=self._stopped,
         )
+        parts = assemble(
+            node,
+            client,
+            store.port,
+            self.inbox.put,
+            stopped=self._stopped,
+            worker_pid=lambda i: p.pid if (p := self.workers.slots[i].proc) else 0,
+        )
+        self.rdzv, self.faults, self.peers = parts.rdzv, parts.faults, parts.peers
+        self.admission = parts.admission
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         code = self._join(in_running_job=False)
         if code:  # an unfit node's checks said why already; etcd's refusal is said here
             self.events.emit(
-                "node_left",
+                ev.NODE_LEFT,
                 f"{self.node_id}: {self.leave_reason}" if self.leave_reason else None,
                 level=logging.ERROR,
                 code=code,
@@ -202,7 +179,7 @@ class Agent:
             self.workers.stop(STOP_GRACE_S)
             self.rdzv.leave()
             self.events.emit(
-                "node_left", code=code, signal=self.stop_signal, reason=self.leave_reason
+                ev.NODE_LEFT, code=code, signal=self.stop_signal, reason=self.leave_reason
             )
             # The client's channel is left to the process's exit: closed, it makes the etcd
             # client's watch thread (etcd3 0.12) die with a traceback in every agent's log.
@@ -218,7 +195,7 @@ class Agent:
             )
         except EtcdUnavailable as exc:
             self.events.emit(
-                "node_left",
+                ev.NODE_LEFT,
                 f"{self.node_id} cannot join: {exc}",
                 level=logging.ERROR,
                 code=EXIT_UNHEALTHY,
@@ -245,7 +222,7 @@ class Agent:
         away = decide.away_for(timeout, now - began)
         if away:
             self.events.emit(
-                "agent_resumed",
+                ev.AGENT_RESUMED,
                 f"{self.node_id}: the agent did not run for {away:.1f} s (stopped or starved "
                 "of CPU); its workers' silence in that time is not held against them",
                 level=logging.WARNING,
@@ -301,7 +278,7 @@ class Agent:
                 return 0
             if isinstance(exits, decide.GiveUp):
                 self.events.emit(
-                    "restart_limit",
+                    ev.RESTART_LIMIT,
                     exits.message(self.node_id),
                     level=logging.ERROR,
                     crashes=exits.crashes,
@@ -331,7 +308,7 @@ class Agent:
                 waiting_since = now
             elif decide.join_timed_out(waiting_since, now, self.cfg.rendezvous.join_timeout_s):
                 self.events.emit(
-                    "join_timeout",
+                    ev.JOIN_TIMEOUT,
                     f"{self.node_id} was not placed in a round within "
                     f"rendezvous.join_timeout_s={self.cfg.rendezvous.join_timeout_s:.0f}; "
                     "are cluster.min_nodes nodes up?",
@@ -357,13 +334,13 @@ class Agent:
         step = decide.follow_round(view, self.rdzv.node, self.current, self.workers.ready)
         if isinstance(step, decide.Standby):
             self.workers.standby(step.after_step)
-            self.events.emit("standby", round=step.round, after_step=step.after_step)
+            self.events.emit(ev.STANDBY, round=step.round, after_step=step.after_step)
             self.current = None
         elif isinstance(step, decide.Assign):
             rnd, me = step.round, step.member
             self.workers.assign(list(step.assignments))
             self.events.emit(
-                "round_joined",
+                ev.ROUND_JOINED,
                 f"{self.node_id}: round {rnd.number}, ranks {me.first_rank}-"
                 f"{me.first_rank + me.slots - 1} of {rnd.world_size}",
                 round=rnd.number,

@@ -24,6 +24,8 @@ from typing import Any
 
 import psutil
 
+from elastic import event_types as ev
+from elastic.event_types import EventType
 from elastic.events import EventLog
 
 LEAVE_TIMEOUT_S = 300.0  # a departing agent that has not exited by then is started again anyway
@@ -44,7 +46,7 @@ def process_tree(pid: int, what: str) -> list[psutil.Process]:
 
 
 def log_event(
-    run_dir: str | os.PathLike[str], event: str, writer: str = CHAOS_NODE, **fields: Any
+    run_dir: str | os.PathLike[str], event: EventType, writer: str = CHAOS_NODE, **fields: Any
 ) -> float:
     """Write one fault event to the run's log; returns its timestamp. ``writer`` names the file:
     a node's helper appends to its node's, which on bare metal no other machine writes."""
@@ -59,7 +61,7 @@ def send(
     run_dir: str | os.PathLike[str],
     procs: list[psutil.Process],
     sig: signal.Signals,
-    event: str = "fault_injected",
+    event: EventType = ev.FAULT_INJECTED,
     writer: str = CHAOS_NODE,
     **fields: Any,
 ) -> float:
@@ -73,7 +75,7 @@ def send(
 
 def skipped(run_dir: str | os.PathLike[str], kind: str, target: str, reason: str) -> float:
     """Log a fault that was due but could not be carried out, and why."""
-    return log_event(run_dir, "fault_skipped", kind=kind, target=target, reason=reason)
+    return log_event(run_dir, ev.FAULT_SKIPPED, kind=kind, target=target, reason=reason)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.kind == "freeze_node":
         send(run_dir, procs, signal.SIGSTOP, writer=node, kind="node", target=node)
         time.sleep(args.duration_s)  # the fault's length, not a wait for anything
-        send(run_dir, procs, signal.SIGCONT, "fault_cleared", writer=node, kind="node", target=node)
+        send(
+            run_dir, procs, signal.SIGCONT, ev.FAULT_CLEARED, writer=node, kind="node", target=node
+        )
         return 0
     agent = procs[0]
     with agent.oneshot():
@@ -118,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.restart_after_s < 0:
         return 0
     time.sleep(args.restart_after_s)  # the repair's length
-    log_event(run_dir, "fault_cleared", writer=node, kind="restart", target=node)
+    log_event(run_dir, ev.FAULT_CLEARED, writer=node, kind="restart", target=node)
     with open(run_dir / "logs" / f"{node}.log", "ab") as out:
         subprocess.Popen(
             command,

@@ -24,6 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from elastic import event_types as ev
 from elastic.events import EventLog
 from launcher.agent.decisions import FaultAnswer, answer_fault_request
 from launcher.rendezvous.etcd import etcd_errors
@@ -87,9 +88,9 @@ class FaultRequests:
         if isinstance(response, Exception):
             self._watch_id = None  # follow() starts again on the agent's next pass
             return
-        for ev in response.events:
-            if type(ev).__name__ == "PutEvent":
-                self._take(ev.key, ev.value)
+        for change in response.events:
+            if type(change).__name__ == "PutEvent":
+                self._take(change.key, change.value)
 
     def _take(self, key: bytes, value: bytes) -> None:
         request_id = key.decode()[len(self._folder) :]
@@ -130,7 +131,7 @@ class FaultAnswerer:
         kind, by = request.get("kind"), request.get("by", "?")
         if answer.accepted:
             self._events.emit(
-                "fault_request_accepted",
+                ev.FAULT_REQUEST_ACCEPTED,
                 f"{self._node_id}: carrying out {kind} requested by {by}",
                 request=request_id,
                 kind=kind,
@@ -138,7 +139,7 @@ class FaultAnswerer:
             )
         else:
             self._events.emit(
-                "fault_refused",
+                ev.FAULT_REFUSED,
                 f"{self._node_id}: refused a {kind} request from {by}: {answer.reason}",
                 level=logging.WARNING,
                 request=request_id,

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from elastic import event_types as ev
 from elastic.config import RendezvousConfig
 from elastic.events import EventLog
 from launcher.agent import decisions as decide
@@ -104,7 +105,7 @@ class Peers:
         cut = sorted(n for n, r in reach.items() if r is decide.Reach.UNREACHABLE)
         if not ok and not self._cut_off:
             self._events.emit(
-                "peers_unreachable",
+                ev.PEERS_UNREACHABLE,
                 f"{self._node_id} cannot reach {', '.join(cut)} of round {view.round.number}: "
                 "waiting for the network before it joins (a check of every node's links and "
                 "firewall between the hosts' store ports may help)",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from elastic import event_types as ev
 from elastic.events import EventLog
 from launcher.agent import decisions as decide
 from launcher.agent.workers import WorkerGroup
@@ -63,6 +64,6 @@ class PlannedLeave:
         )
         if isinstance(step, decide.Drain):
             self.since = now
-            self._events.emit("node_draining", reason=why)
+            self._events.emit(ev.NODE_DRAINING, reason=why)
             self._workers.leave()
         return isinstance(step, decide.Leave)

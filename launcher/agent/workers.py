@@ -24,6 +24,7 @@ from typing import Any
 
 import psutil
 
+from elastic import event_types as ev
 from elastic.control import CONTROL_FD_ENV, Assignment, Channel, WorkerEnv
 from elastic.events import EventLog
 from elastic.lifeline import tied
@@ -80,7 +81,7 @@ class WorkerSlot:
             self.finished_in = None
         channel.serve(self._on_message, name=f"worker{self.env.local_rank}-link")
         self._events.emit(
-            "worker_started",
+            ev.WORKER_STARTED,
             local_rank=self.env.local_rank,
             worker_pid=self.proc.pid,
             log=str(self.log_path),
@@ -111,7 +112,7 @@ class WorkerSlot:
     def _wait(self, proc: subprocess.Popen[bytes]) -> None:
         code = proc.wait()
         self._events.emit(
-            "worker_exited",
+            ev.WORKER_EXITED,
             local_rank=self.env.local_rank,
             worker_pid=proc.pid,
             code=code,
@@ -241,7 +242,7 @@ class WorkerGroup:
             reason = slot.frozen()
             if reason is not None:
                 self._events.emit(
-                    "worker_frozen",
+                    ev.WORKER_FROZEN,
                     f"{slot.env.node_id}: worker {slot.env.local_rank} frozen ({reason})",
                     level=logging.WARNING,
                     local_rank=slot.env.local_rank,

@@ -17,7 +17,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from elastic import event_types as ev
 from elastic.config import ClusterConfig, HealthConfig
+from elastic.event_types import EventType
 from elastic.events import EventLog
 from launcher.health.report import HealthReport
 from launcher.rendezvous.keys import JobKeys
@@ -85,7 +87,9 @@ class Quarantine:
         Only the node itself strikes its own key, so the read-modify-write needs no transaction.
         """
         strikes = [*self.strikes(node_id), {"ts": time.time(), "reason": reason}]
-        self._emit("strike", strikes=len(strikes), max_strikes=self._cfg.max_strikes, reason=reason)
+        self._emit(
+            ev.STRIKE, strikes=len(strikes), max_strikes=self._cfg.max_strikes, reason=reason
+        )
         if len(strikes) < self._cfg.max_strikes:
             self._client.put(self._keys.strike(node_id), json.dumps(strikes))
             return None
@@ -102,7 +106,7 @@ class Quarantine:
         lease = self._client.lease(max(2, math.ceil(seconds)))
         self._client.put(self._keys.quarantined(node_id), entry.to_json(), lease=lease)
         self._client.delete(self._keys.strike(node_id))
-        self._emit("quarantined", peer=node_id, until=entry.until, reasons=list(reasons), by=by)
+        self._emit(ev.QUARANTINED, peer=node_id, until=entry.until, reasons=list(reasons), by=by)
         return entry
 
     def get(self, node_id: str) -> tuple[Entry, float] | None:
@@ -150,7 +154,7 @@ class Quarantine:
             return math.inf
         return float(max(0, self._client.get_lease_info(meta.lease_id).TTL))
 
-    def _emit(self, event: str, **fields: Any) -> None:
+    def _emit(self, event: EventType, **fields: Any) -> None:
         if self._events is not None:
             self._events.emit(event, **fields)
 

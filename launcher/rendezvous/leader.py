@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from elastic import event_types as ev
 from elastic.config import RendezvousConfig
 from launcher.rendezvous.etcd import EtcdLoad, prefix_end
 from launcher.rendezvous.keys import JobKeys
@@ -65,7 +66,7 @@ class Leadership:
             failure=[],
         )
         if ok:
-            self._emit("leader_elected", registration=registration)
+            self._emit(ev.LEADER_ELECTED, registration=registration)
 
     def maybe_propose(
         self, view: JobView, node_id: str, registration: int, last_change: float
@@ -134,7 +135,7 @@ class Leadership:
             before = {m.node_id for m in view.round.members} if view.round else set()
             after = {m.node_id for m in new.members}
             self._emit(
-                "round_formed",
+                ev.ROUND_FORMED,
                 round=number,
                 world_size=new.world_size,
                 members=[m.node_id for m in new.members],

@@ -24,7 +24,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
+from elastic import event_types as ev
 from elastic.config import RendezvousConfig
+from elastic.event_types import EventType
 from launcher.rendezvous.etcd import etcd_errors
 
 ETCD_LOST_FIX = (
@@ -35,7 +37,7 @@ ETCD_LOST_FIX = (
 
 class Emit(Protocol):
     def __call__(
-        self, event: str, message: str | None = None, /, *, level: int = ..., **fields: Any
+        self, event: EventType, message: str | None = None, /, *, level: int = ..., **fields: Any
     ) -> None: ...
 
 
@@ -204,7 +206,7 @@ class LeaseKeeper:
             return
         self._down_since = now
         self._emit(
-            "etcd_unreachable",
+            ev.ETCD_UNREACHABLE,
             f"{self._node_id}: etcd does not answer ({error}); training goes on, retrying "
             f"for up to rendezvous.etcd_grace_s={self._cfg.etcd_grace_s:g} s",
             level=logging.WARNING,
@@ -217,7 +219,7 @@ class LeaseKeeper:
             return
         down, self._down_since = now - self._down_since, None
         self._emit(
-            "etcd_reachable",
+            ev.ETCD_REACHABLE,
             f"{self._node_id}: etcd answers again after {down:.1f} s",
             down_s=round(down, 3),
         )
@@ -231,7 +233,7 @@ class LeaseKeeper:
             "checkpoint is kept"
         )
         self._emit(
-            "etcd_lost",
+            ev.ETCD_LOST,
             f"{self._node_id}: {reason}. Fix: {ETCD_LOST_FIX}",
             level=logging.ERROR,
             reason=reason,

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from elastic import event_types as ev
 from elastic.events import EventFollower
 from launcher.agent import decisions as decide
 from launcher.rendezvous.membership import Round
@@ -97,11 +98,11 @@ class ProgressPublisher:
         ):
             return  # the file is read at most once a second, and only while rank 0 is here
         self._read_at = now
-        for ev in self._events.poll():
-            if ev["event"] == "step":
-                self._newest = ev
-            elif ev["event"] == "training_started":
-                self._total = ev.get("total_samples", 0)
+        for e in self._events.poll():
+            if ev.STEP.matches(e):
+                self._newest = e
+            elif ev.TRAINING_STARTED.matches(e):
+                self._total = e.get("total_samples", 0)
         step = self._newest["step"] if self._newest else 0
         if not decide.publishes_progress(
             current, self._node_id, step, self._published_step, now - self._published_at

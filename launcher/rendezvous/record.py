@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from elastic import event_types as ev
 from launcher.rendezvous.etcd import EtcdLoad, etcd_errors
 from launcher.rendezvous.lease import Emit
 from launcher.rendezvous.membership import NodeRecord
@@ -62,7 +63,7 @@ class OwnRecord:
         later round when it reports itself ready again."""
         self.node = replace(self.node, incarnation=self.node.incarnation + 1, ready=False)
         self._write()
-        self._emit("failure_reported", incarnation=self.node.incarnation, reason=reason)
+        self._emit(ev.FAILURE_REPORTED, incarnation=self.node.incarnation, reason=reason)
 
     def leave_after(self, step: int) -> None:
         """A planned leave: this node's workers train up to ``step``, and the others form the
@@ -70,13 +71,13 @@ class OwnRecord:
         (:func:`launcher.rendezvous.round_plan.switch_step`)."""
         self.node = replace(self.node, leaving_after=step)
         self._write()
-        self._emit("node_leaving", after_step=step)
+        self._emit(ev.NODE_LEAVING, after_step=step)
 
     def set_ready(self) -> None:
         """This node's workers wait for a round: it may be placed in the next one."""
         self.node = replace(self.node, ready=True)
         self._write()
-        self._emit("node_ready", incarnation=self.node.incarnation)
+        self._emit(ev.NODE_READY, incarnation=self.node.incarnation)
 
     def flush(self) -> None:
         """Write a change that found etcd away; raises what etcd raises."""

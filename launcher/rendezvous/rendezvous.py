@@ -23,7 +23,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from elastic import event_types as ev
 from elastic.config import RendezvousConfig
+from elastic.event_types import EventType
 from elastic.events import EventLog
 from launcher.rendezvous.etcd import (
     EtcdLoad,
@@ -176,7 +178,7 @@ class Rendezvous:
         ]
         for t in self._threads:
             t.start()
-        self._emit("node_registered", lease=lease.id, ttl_s=self._cfg.lease_ttl_s)
+        self._emit(ev.NODE_REGISTERED, lease=lease.id, ttl_s=self._cfg.lease_ttl_s)
 
     def _register(self) -> tuple[Any, bool, list[Any]]:
         self.load.requests += 2
@@ -262,7 +264,7 @@ class Rendezvous:
             log.info("etcd unavailable (%s); evicting %s later", exc, member.node_id)
             return False
         if ok:
-            self._emit("peer_evicted", peer=member.node_id, reason=reason)
+            self._emit(ev.PEER_EVICTED, peer=member.node_id, reason=reason)
         return bool(ok)
 
     def mark_done(self, round_number: int) -> None:
@@ -331,7 +333,7 @@ class Rendezvous:
         if self.fenced.is_set():
             return False
         self._emit(
-            "fenced",
+            ev.FENCED,
             f"{self.node.node_id} is fenced out of the job: {reason}",
             level=logging.WARNING,
             reason=reason,
@@ -387,7 +389,13 @@ class Rendezvous:
         return self.leadership.propose(view, members, self._registration)
 
     def _emit(
-        self, event: str, message: str | None = None, /, *, level: int = logging.INFO, **fields: Any
+        self,
+        event: EventType,
+        message: str | None = None,
+        /,
+        *,
+        level: int = logging.INFO,
+        **fields: Any,
     ) -> None:
         if self._events is not None:
             self._events.emit(event, message, level=level, **fields)

@@ -1,0 +1,240 @@
+"""The event contract: every kind of event a process of this project writes, declared once.
+
+Each :class:`EventType` names an event, who writes it and the fields it carries beyond those of
+every event (:data:`COMMON`: the time, the writer, and a worker's rank and round). Writers pass
+the declared type to :meth:`elastic.events.EventLog.emit`, which refuses a name declared nowhere;
+readers (the invariant checker, the recovery report, the verdict, the benchmarks, the progress
+display) pick events with :meth:`EventType.of` and :meth:`EventType.matches`. The files keep their
+format (one JSON object per line, its name under ``"event"``), so old run directories still read.
+``tests/test_event_types.py`` holds every emitting call to the declaration of its event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# In every event: when, what, and who wrote it; a worker adds its local rank, rank and round.
+COMMON = frozenset({"ts", "event", "node", "host", "pid", "role", "local_rank", "rank", "round"})
+
+
+@dataclass(frozen=True)
+class EventType:
+    """One kind of event: its ``name`` in the files, the process that writes it (``by``: agent,
+    worker, chaos or bench), its own ``fields``, and what it says (``doc``)."""
+
+    name: str
+    by: str
+    fields: frozenset[str]
+    doc: str
+
+    def matches(self, event: Mapping[str, Any]) -> bool:
+        return event.get("event") == self.name
+
+    def of(self, events: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+        """The events of this kind among ``events``, in their order."""
+        return [e for e in events if e.get("event") == self.name]
+
+
+class UndeclaredEvent(ValueError):
+    """An event whose name this module does not declare."""
+
+
+DECLARED: dict[str, EventType] = {}
+
+
+def declared(name: str) -> EventType:
+    """The declaration of ``name``; :class:`UndeclaredEvent` if there is none."""
+    try:
+        return DECLARED[name]
+    except KeyError:
+        raise UndeclaredEvent(
+            f"event {name!r} is not declared: declare it, with its fields, in "
+            "elastic/event_types.py"
+        ) from None
+
+
+def _declare(name: str, by: str, fields: str, doc: str) -> EventType:
+    kind = EventType(name, by, frozenset(fields.split()), doc)
+    DECLARED[name] = kind
+    return kind
+
+
+# --- the agent ------------------------------------------------------------------------------------
+
+AGENT_STARTED = _declare("agent_started", "agent", "pgid slots device", "the agent began")
+AGENT_RESUMED = _declare(
+    "agent_resumed", "agent", "away_s", "the agent did not run for a while (stopped or starved)"
+)
+HEALTH_CHECKED = _declare(
+    "health_checked", "agent", "ok seconds counts warnings", "the node's health checks ran"
+)
+HEALTH_FAILED = _declare(
+    "health_failed", "agent", "failures quarantined_until", "the node failed its checks"
+)
+STRIKE = _declare("strike", "agent", "strikes max_strikes reason", "a failure of the node counted")
+QUARANTINED = _declare(
+    "quarantined", "agent", "peer until reasons by", "a node was quarantined for a cooldown"
+)
+QUARANTINE_WAIT = _declare(
+    "quarantine_wait", "agent", "left_s reasons by", "the node waits out its quarantine"
+)
+QUARANTINE_OVER = _declare("quarantine_over", "agent", "", "the node's quarantine ended")
+NODE_REGISTERED = _declare("node_registered", "agent", "lease ttl_s", "the node registered")
+NODE_READY = _declare("node_ready", "agent", "incarnation", "the node's workers wait for a round")
+LEADER_ELECTED = _declare("leader_elected", "agent", "registration", "this node leads")
+ROUND_FORMED = _declare(
+    "round_formed",
+    "agent",
+    "round world_size members removed added store after_step",
+    "the leader formed a round",
+)
+ROUND_JOINED = _declare(
+    "round_joined",
+    "agent",
+    "round world_size first_rank members etcd_requests watch_events watch_bytes",
+    "the node's workers were sent into a round (with what the node cost etcd since its last)",
+)
+STANDBY = _declare("standby", "agent", "round after_step", "a round without this node")
+WORKER_STARTED = _declare(
+    "worker_started", "agent", "local_rank worker_pid log", "a worker process started"
+)
+WORKER_EXITED = _declare(
+    "worker_exited", "agent", "local_rank worker_pid code stopped_by_agent", "a worker exited"
+)
+WORKER_FROZEN = _declare(
+    "worker_frozen", "agent", "local_rank reason", "the watchdog killed a frozen worker"
+)
+FAILURE_REPORTED = _declare(
+    "failure_reported", "agent", "incarnation reason", "the node left its round at once"
+)
+PEER_EVICTED = _declare("peer_evicted", "agent", "peer reason", "a dead peer's key was deleted")
+PEERS_UNREACHABLE = _declare(
+    "peers_unreachable", "agent", "peers", "the node cannot reach members of the round"
+)
+FENCED = _declare("fenced", "agent", "reason", "the node lost its place in the job")
+ETCD_UNREACHABLE = _declare(
+    "etcd_unreachable", "agent", "error grace_s", "etcd does not answer; training goes on"
+)
+ETCD_REACHABLE = _declare("etcd_reachable", "agent", "down_s", "etcd answers again")
+ETCD_LOST = _declare(
+    "etcd_lost", "agent", "reason fix waited_s", "etcd stayed away past the grace period"
+)
+RESTART_LIMIT = _declare(
+    "restart_limit", "agent", "crashes max_restarts", "workers crashed too often: the node leaves"
+)
+NODE_DRAINING = _declare("node_draining", "agent", "reason", "a planned leave began")
+NODE_LEAVING = _declare(
+    "node_leaving", "agent", "after_step", "the step after which the node leaves"
+)
+JOIN_TIMEOUT = _declare(
+    "join_timeout", "agent", "waited_s", "the node was placed in no round in time"
+)
+FAULT_REQUEST_ACCEPTED = _declare(
+    "fault_request_accepted", "agent", "request kind by", "a requested fault is carried out"
+)
+FAULT_REFUSED = _declare(
+    "fault_refused", "agent", "request kind by reason", "a fault request was refused"
+)
+NODE_LEFT = _declare("node_left", "agent", "code signal reason", "the agent ends")
+
+# --- a worker (rank 0 unless its doc says every rank) ---------------------------------------------
+
+TRAINING_STARTED = _declare(
+    "training_started",
+    "worker",
+    "world_size step samples_seen total_samples resumed_from in_place global_batch lr",
+    "a round began training",
+)
+STEP = _declare(
+    "step",
+    "worker",
+    "step samples step_samples global_batch epoch loss lr world_size samples_per_s loss_scale",
+    "a step trained (every trainer.log_every steps)",
+)
+STEP_SKIPPED = _declare(
+    "step_skipped", "worker", "step scale", "fp16: a step with inf/nan gradients was skipped"
+)
+LR_CHANGED = _declare(
+    "lr_changed",
+    "worker",
+    "reason optimizer policy old_world_size world_size old_lr lr ramp_samples",
+    "the LR follows a new world size",
+)
+EVALUATION_STARTED = _declare(
+    "evaluation_started", "worker", "evaluation step", "an evaluation began"
+)
+EVALUATED = _declare(
+    "evaluated",
+    "worker",
+    "evaluation epoch step top1 top5 loss count seconds",
+    "an evaluation's figures",
+)
+RECOVERED = _declare(
+    "recovered",
+    "worker",
+    "step world_size interrupted_at formed_at assigned_at pg_ready_at synced_at first_step_at "
+    "rendezvous_s rebuild_s sync_s first_step_s in_place",
+    "the first step after a fault, with the recovery's breakdown",
+)
+CHECKPOINT_SAVED = _declare(
+    "checkpoint_saved", "worker", "step round url bytes seconds stall_s", "a checkpoint committed"
+)
+CHECKPOINT_INTERVAL = _declare(
+    "checkpoint_interval", "worker", "step steps reason", "the steps between checkpoints changed"
+)
+CHECKPOINT_FAILED = _declare(
+    "checkpoint_failed", "worker", "step round reason fix", "a save failed; training goes on"
+)
+CHECKPOINT_LOADED = _declare(
+    "checkpoint_loaded",
+    "worker",
+    "step url seconds world_size saved_world_size",
+    "a checkpoint was loaded",
+)
+CHECKPOINT_SKIPPED = _declare(
+    "checkpoint_skipped", "worker", "url reason", "a checkpoint failed verification"
+)
+TRAINING_DONE = _declare(
+    "training_done", "worker", "step samples_seen world_size", "the job is trained"
+)
+STATE_SYNCED = _declare(
+    "state_synced", "worker", "step source digest", "every rank: the state a round starts from"
+)
+STATE_DIGEST = _declare(
+    "state_digest", "worker", "step digest", "every rank: a hash of its replica"
+)
+WORKER_PEER_LOST = _declare(
+    "worker_peer_lost", "worker", "what error", "every rank: a collective of the round failed"
+)
+WORKER_FAILED = _declare(
+    "worker_failed", "worker", "step error", "every rank: a fault of the worker's own"
+)
+SAMPLES = _declare(
+    "samples",
+    "worker",
+    "step epoch world_size indices before",
+    "every rank, with trainer.record_samples: the samples of a step and the state before it",
+)
+
+# --- faults ---------------------------------------------------------------------------------------
+
+FAULT_INJECTED = _declare(
+    "fault_injected",
+    "chaos",
+    "kind target signal pids link rate_mbit free_mb",
+    "a fault was struck (written before its signal is sent)",
+)
+FAULT_CLEARED = _declare(
+    "fault_cleared", "chaos", "kind target signal pids link", "a fault ended, or a node restarted"
+)
+FAULT_SKIPPED = _declare(
+    "fault_skipped", "chaos", "kind target reason", "a fault due could not be carried out"
+)
+CHECKPOINT_VERIFIED = _declare(
+    "checkpoint_verified",
+    "chaos",
+    "kind target refused",
+    "a corrupted checkpoint was verified at once",
+)
