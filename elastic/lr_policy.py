@@ -1,27 +1,11 @@
 """The learning rate as a function of samples seen and the global batch.
 
-Goyal et al. (arXiv:1706.02677): the LR grows linearly with the global batch
-(``peak = optim.lr * global_batch / optim.reference_batch``, for every optimizer: with LARS too,
-``optim.lr`` is the LR for ``reference_batch`` samples), reached by a gradual warm-up from the
-reference LR. After warm-up the ``optim.schedule`` shape takes over:
-
-- ``step``: multiplied by ``gamma`` at each milestone (Goyal et al.: /10 at epochs 30, 60, 80);
-- ``poly``: ``end + (peak - end) * (1 - progress) ** poly_power`` from the end of warm-up to the
-  end of training, ``end = end_lr_factor * peak`` (the MLPerf ResNet-50 LARS schedule).
-
-Akiba et al.'s slow start (arXiv:1711.04325) multiplies the LR by ``slow_start_factor`` for the
-first ``slow_start_epochs``, whatever the shape. Everything is keyed on samples seen, never on
-steps: when the world size changes, the step count per epoch changes but the schedule does not
-move.
-
-What a change of world size from N to M does is the policy's choice (:class:`LRPolicy`):
-
-- ``rescale_lr``: the per-worker batch is fixed, so the global batch becomes M/N of what it was and
-  the LR follows the linear scaling rule for it. A decrease applies at once; an increase is ramped
-  in linearly from the LR in use over ``optim.resize_warmup_epochs`` of samples (a sudden jump of
-  the LR is what warm-up exists to avoid).
-- ``keep_global_batch``: the global batch of the job's first round is kept with gradient
-  accumulation, so the LR does not change at all.
+Goyal et al. (arXiv:1706.02677): the LR grows linearly with the global batch (``peak = optim.lr
+* global_batch / optim.reference_batch``, for every optimizer, LARS too), reached by a gradual
+warm-up from the reference LR; then the ``optim.schedule`` shape takes over
+(:class:`LRSchedule`). Everything is keyed on samples seen, never on steps: when the world size
+changes, the steps per epoch change but the schedule does not move. What a change of world size
+does to the LR is the policy's choice (:class:`LRPolicy`).
 """
 
 from __future__ import annotations
@@ -33,6 +17,13 @@ from elastic.config import ConfigError, OptimConfig, Policy, Schedule, poly_warm
 
 @dataclass(frozen=True)
 class LRSchedule:
+    """The LR's shape over the samples of the job. After warm-up, ``step`` multiplies it by
+    ``gamma`` at each milestone (Goyal et al.: /10 at epochs 30, 60, 80), and ``poly`` is ``end +
+    (peak - end) * (1 - progress) ** poly_power`` from the end of warm-up to the end of
+    training, ``end = end_lr_factor * peak`` (the MLPerf ResNet-50 LARS schedule). Akiba et
+    al.'s slow start (arXiv:1711.04325) multiplies the LR by ``slow_start_factor`` for the first
+    ``slow_start_epochs``, whatever the shape."""
+
     base_lr: float  # the LR for reference_batch samples
     reference_batch: int
     warmup_samples: int
@@ -120,6 +111,13 @@ class Ramp:
 
 @dataclass(frozen=True)
 class LRPolicy:
+    """What a change of world size from N to M does to the LR. ``rescale_lr``: the per-worker
+    batch is fixed, so the global batch becomes M/N of what it was and the LR follows the linear
+    scaling rule for it; a decrease applies at once, an increase is ramped in linearly from the
+    LR in use over ``optim.resize_warmup_epochs`` of samples (a sudden jump of the LR is what
+    warm-up exists to avoid). ``keep_global_batch``: the global batch of the job's first round is
+    kept with gradient accumulation, so the LR does not change at all."""
+
     schedule: LRSchedule
     policy: Policy
     batch_size: int  # per worker

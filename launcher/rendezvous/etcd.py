@@ -1,25 +1,14 @@
 """Connecting to etcd v3: one client over every endpoint of the cluster.
 
-The ``etcd3`` client (0.12) was generated against an old protobuf and only works with today's
-protobuf in its pure-Python mode, so the variable is set here, before the import, in the
-processes that talk to etcd (agents and the launcher) and nowhere else.
-
-The client's gRPC channel is given every member's address, so when the member it talks to dies
-or restarts, the next call goes to another one (gRPC's ``pick_first`` over the address list). A
-member that comes back is reconnected within a second (the reconnect backoff is capped), and the
-watch stream waits for a member instead of failing at once, so that an outage does not make
-the etcd client's watch thread spin.
-
-Security (:class:`EtcdSecurity`, built from ``cluster.etcd_tls`` and ``cluster.etcd_user`` by
-:func:`etcd_security`): TLS with the CA alone or with a client certificate, and user/password
-auth. The etcd3 client authenticates once, when it is built, and etcd forgets a simple token
-after ``--auth-token-ttl`` (300 s) without use, when a member restarts, and whenever users or
-roles change (the auth store's revision moves on). So a client with a user re-authenticates
-when a call is refused for its token (gRPC ``UNAUTHENTICATED``, or ``INVALID_ARGUMENT``, which
-etcd also uses for an old auth revision), retries that call once, and restarts its watch stream,
-whose token is fixed when it opens (:func:`_reauthenticate_on_refusal`). A node etcd refuses (a
-wrong password, an untrusted or missing certificate) gets :class:`EtcdRefused`, whose message
-names the setting and the fix.
+The ``etcd3`` client (0.12) works with today's protobuf only in its pure-Python mode, so the
+variable is set here, before the import, in the processes that talk to etcd (agents and the
+launcher) and nowhere else. The client's gRPC channel is given every member's address, so when
+the member it talks to dies or restarts the next call goes to another one; a member that comes
+back is reconnected within a second, and the watch stream waits for a member instead of failing
+at once. Security (:class:`EtcdSecurity`, :func:`etcd_security`): TLS with the CA alone or with
+a client certificate, and user/password auth, re-authenticated when etcd forgets the token
+(:func:`_reauthenticate_on_refusal`). A node etcd refuses gets :class:`EtcdRefused`, whose
+message names the setting and the fix.
 """
 
 from __future__ import annotations
@@ -353,13 +342,16 @@ def _speaks_tls(sock: socket.socket) -> bool:
 def _reauthenticate_on_refusal(client: Any, security: EtcdSecurity) -> None:
     """Make ``client`` authenticate again when etcd refuses its token.
 
-    Every unary call goes through its stub: a call refused with ``UNAUTHENTICATED`` (a token
-    expired or unknown to the member) or ``INVALID_ARGUMENT`` (also etcd's code for "auth store
-    revision is old") authenticates once more and is sent again, once, with the new token; a
-    second refusal is raised. The new token also goes to the calls made afterwards (the etcd3
-    client reads ``metadata`` and ``call_credentials`` per call) and to the streams opened
-    afterwards; the open watch stream is cancelled, so that its watchers learn it broke and
-    watch again on a stream with the new token. A watch creation that etcd refuses is an error
+    The etcd3 client authenticates once, when it is built, and etcd forgets a simple token after
+    ``--auth-token-ttl`` (300 s) without use, when a member restarts, and whenever users or roles
+    change (the auth store's revision moves on). Every unary call goes through its stub: a call
+    refused with ``UNAUTHENTICATED`` (a token expired or unknown to the member) or
+    ``INVALID_ARGUMENT`` (also etcd's code for "auth store revision is old") authenticates once
+    more and is sent again, once, with the new token; a second refusal is raised. The new token
+    also goes to the calls made afterwards (the etcd3 client reads ``metadata`` and
+    ``call_credentials`` per call) and to the streams opened afterwards; the open watch stream is
+    cancelled, so that its watchers learn it broke and watch again on a stream with the new
+    token. A watch creation that etcd refuses is an error
     (:class:`WatchRefused`), not a watch that never fires."""
     import grpc
     from etcd3 import etcdrpc

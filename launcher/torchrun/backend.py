@@ -1,60 +1,14 @@
 """``torchrun --rdzv-backend=etcd-v3``: torch's own dynamic rendezvous, with its state in etcd v3.
 
-torch's etcd backends (``etcd``, ``etcd-v2``) speak only etcd's v2 API, which etcd 3.6 removed.
-This module gives torchrun users the etcd v3 cluster they already run for us. It is registered
-in torch's ``torchrun.handlers`` entry-point group through the small ``launcher.torchrun`` module
-(``pyproject.toml``), so once this package is installed::
-
-    torchrun --nnodes=2:4 --nproc-per-node=8 --rdzv-backend=etcd-v3 \\
-        --rdzv-endpoint=10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379 --rdzv-id=JOB train.py
-
-It implements torch's ``RendezvousBackend`` contract and nothing else: torch's
-``DynamicRendezvousHandler`` (``create_handler``) does the rendezvous itself, as it does for the
-``c10d`` and ``etcd-v2`` backends. Keys, under ``<key_prefix>/<run_id>/``:
-
-``state``
-    torch's rendezvous state (opaque bytes). The fencing token is the key's mod revision:
-    ``set_state`` is one transaction that writes only if the mod revision is still the token's
-    (or, without a token, only if the key does not exist), and otherwise reads the current state.
-``store/<key>``
-    the c10d ``Store`` that torch's handler needs beside the backend (:class:`EtcdV3Store`):
-    the agents' few keys of each round (``MASTER_ADDR``/``MASTER_PORT``, the rank assignment,
-    the exit barrier). The transaction that creates ``state`` also deletes ``store/``, so a run
-    id that is used again never reads an earlier run's keys.
-
-Why a store in etcd, as torch's ``etcd-v2`` backend does (its ``EtcdStore``), rather than a
-TCPStore that torch provides: the handler needs its store before the first round, to learn who
-is rank 0, so a TCPStore would have to be at a fixed address (``c10d`` hosts it on the
-``--rdzv-endpoint`` node), and the job would die with that one node. etcd is the only part that
-every node can reach and that survives the loss of any node.
-
-The workers' process-group store: torch (2.4 and later) by default lets the rank-0 agent of the
-first round host a TCPStore for all later rounds. A node whose rank is not 0 keeps that address
-from its first round, so once the node of rank 0 is lost, the survivors' workers wait on a dead
-store and the job fails (torch fixed only the case of the node that becomes rank 0). Losing any
-node is what this backend is for, so the handler sets torch's own opt-out,
-``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, unless the user set it: each round's rank-0 agent then
-publishes a free port in ``store/``, and the round's rank-0 worker hosts the TCPStore there.
-
-Both expire between ``state_ttl``/2 and ``state_ttl`` seconds after the last write (default two
-hours, as torch's ``etcd-v2`` backend; 0: never). Reusing a run id whose state is still there
-joins a closed rendezvous and fails: give every job its own ``--rdzv-id``, or delete the prefix
-(``etcdctl del --prefix /torchrun/JOB/``).
-
-Settings (``--rdzv-conf key=value,...``), besides torch's own (``join_timeout``,
-``last_call_timeout``, ``close_timeout``, ``heartbeat_timeout``, ``keep_alive_interval``,
-``keep_alive_max_attempt``):
-
-``key_prefix``   etcd prefix of all runs (default ``/torchrun``)
-``etcd_timeout`` seconds one etcd request may take (default 5)
-``read_timeout`` seconds a store read waits for its key (default 60, as torch's ``c10d``)
-``state_ttl``    the keys' lease, in seconds: 0 (never expire) or at least 60 (default 7200)
-``ca``           TLS: the CA file (PEM) that signed the etcd members' certificates
-``cert``, ``key`` TLS: this node's client certificate and key, for ``--client-cert-auth``
-``server_name``  the name the members' certificates are checked against (default: the first
-                 endpoint's host)
-``user``         an etcd user; its password is read from ``password_file``, or else from
-                 ``$ELASTIC_ETCD_PASSWORD``, never from the command line (where ``ps`` shows it)
+torch's etcd backends (``etcd``, ``etcd-v2``) speak only etcd's v2 API, which etcd 3.6 removed;
+this one gives torchrun users the etcd v3 cluster they already run for us (registered through
+:mod:`launcher.torchrun`). It implements torch's ``RendezvousBackend`` contract and nothing else:
+torch's ``DynamicRendezvousHandler`` does the rendezvous, as for ``c10d``. Under
+``<key_prefix>/<run_id>/``, ``state`` holds torch's state, fenced by its mod revision
+(:class:`EtcdV3Backend`), and ``store/`` the c10d store torch's handler needs beside it
+(:class:`EtcdV3Store`). Both expire between ``state_ttl``/2 and ``state_ttl`` seconds after the
+last write, so reusing a run id whose state is still there joins a closed rendezvous: give every
+job its own ``--rdzv-id``. The settings are :func:`create_rdzv_handler`'s.
 """
 
 from __future__ import annotations
@@ -104,11 +58,35 @@ SHARED_STORE_OPT_OUT = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """torch's ``DynamicRendezvousHandler`` over etcd v3 (what ``--rdzv-backend=etcd-v3`` gets).
+    """torch's ``DynamicRendezvousHandler`` over etcd v3 (what ``--rdzv-backend=etcd-v3`` gets)::
 
-    Unless the user chose otherwise, torch's opt-out of its shared TCPStore is set (see the
-    module's docstring): then every round's rank 0 publishes a fresh address, and losing the
-    node of rank 0 does not strand the others on its dead store.
+        torchrun --nnodes=2:4 --nproc-per-node=8 --rdzv-backend=etcd-v3 \\
+            --rdzv-endpoint=10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379 --rdzv-id=JOB train.py
+
+    Settings (``--rdzv-conf key=value,...``), besides torch's own (``join_timeout``,
+    ``last_call_timeout``, ``close_timeout``, ``heartbeat_timeout``, ``keep_alive_interval``,
+    ``keep_alive_max_attempt``):
+
+    ``key_prefix``   etcd prefix of all runs (default ``/torchrun``)
+    ``etcd_timeout`` seconds one etcd request may take (default 5)
+    ``read_timeout`` seconds a store read waits for its key (default 60, as torch's ``c10d``)
+    ``state_ttl``    the keys' lease, in seconds: 0 (never expire) or at least 60 (default 7200,
+                     as torch's ``etcd-v2``); a stale run: ``etcdctl del --prefix /torchrun/JOB/``
+    ``ca``           TLS: the CA file (PEM) that signed the etcd members' certificates
+    ``cert``, ``key`` TLS: this node's client certificate and key, for ``--client-cert-auth``
+    ``server_name``  the name the members' certificates are checked against (default: the first
+                     endpoint's host)
+    ``user``         an etcd user; its password is read from ``password_file``, or else from
+                     ``$ELASTIC_ETCD_PASSWORD``, never from the command line (where ``ps`` shows it)
+
+    The workers' process-group store: torch (2.4 and later) by default lets the rank-0 agent of
+    the first round host a TCPStore for all later rounds. A node whose rank is not 0 keeps that
+    address from its first round, so once the node of rank 0 is lost, the survivors' workers wait
+    on a dead store and the job fails (torch fixed only the case of the node that becomes rank
+    0). Losing any node is what this backend is for, so torch's own opt-out,
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, is set unless the user set it: each round's rank-0
+    agent then publishes a free port in ``store/``, and the round's rank-0 worker hosts the
+    TCPStore there.
     """
     backend, store = create_backend(params)
     os.environ.setdefault(SHARED_STORE_OPT_OUT, "1")
@@ -144,7 +122,10 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdV3Backend, EtcdV3S
 
 
 class EtcdV3Backend(RendezvousBackend):
-    """torch's rendezvous state in one etcd key; the token is the key's mod revision."""
+    """torch's rendezvous state (opaque bytes) in one etcd key; the fencing token is the key's
+    mod revision: ``set_state`` is one transaction that writes only if the mod revision is still
+    the token's (or, without a token, only if the key does not exist), and otherwise reads the
+    current state."""
 
     def __init__(self, client: Any, key: str, store_prefix: str, lease: _Lease) -> None:
         self._client = client
@@ -196,10 +177,16 @@ class EtcdV3Backend(RendezvousBackend):
 
 
 class EtcdV3Store(dist.Store):
-    """A c10d ``Store`` in etcd v3 keys under ``prefix``, for the agents' few bootstrap keys.
+    """A c10d ``Store`` in etcd v3 keys under ``prefix``, for the agents' few bootstrap keys
+    (``MASTER_ADDR``/``MASTER_PORT``, the rank assignment, the exit barrier).
 
-    Reads that wait for a key watch it from the revision they read at, so they wake when it is
-    written and never miss a write in between.
+    Why a store in etcd, as torch's ``etcd-v2`` backend does (its ``EtcdStore``), rather than a
+    TCPStore: the handler needs its store before the first round, to learn who is rank 0, so a
+    TCPStore would have to be at a fixed address (``c10d`` hosts it on the ``--rdzv-endpoint``
+    node), and the job would die with that one node. etcd is the only part that every node can
+    reach and that survives the loss of any node. The transaction that creates ``state`` also
+    deletes ``store/``, so a run id used again never reads an earlier run's keys. Reads that wait
+    for a key watch it from the revision they read at, so they never miss a write in between.
     """
 
     def __init__(self, client: Any, prefix: str, lease: _Lease, timeout: timedelta) -> None:
