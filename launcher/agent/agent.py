@@ -20,13 +20,11 @@ import time
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
 import torch.distributed as dist
 
 from elastic import config
 from elastic import event_types as ev
-from elastic.control import WorkerEnv
 from elastic.events import EventLog
 from launcher.agent import decisions as decide
 from launcher.agent.admission import EXIT_ETCD_LOST, EXIT_UNHEALTHY
@@ -38,12 +36,11 @@ from launcher.agent.inbox import (
     WorkerLeaving,
     WorkerPeerLost,
 )
-from launcher.agent.parts import Node, assemble
+from launcher.agent.parts import Node, assemble, connect_etcd, start_workers
 from launcher.agent.peers import PROBE_AGAIN_S
-from launcher.agent.planned_leave import PlannedLeave
 from launcher.agent.slots import local_slots
 from launcher.agent.workers import WorkerGroup
-from launcher.rendezvous.etcd import EtcdUnavailable, connect, etcd_errors, etcd_security
+from launcher.rendezvous.etcd import etcd_errors
 from launcher.rendezvous.lease import ETCD_LOST_FIX
 from launcher.rendezvous.membership import JobView, Round
 from launcher.rendezvous.progress_key import ProgressPublisher
@@ -82,6 +79,9 @@ class Agent:
         )
         self.run_dir = Path(cfg.run_dir)
         self.events = EventLog(self.run_dir, node_id, logger=log, role="agent")
+        self.node = Node(
+            cfg, node_id, host, endpoints, self.slots, self.device, self.run_dir, self.events
+        )
         self.inbox = Inbox()
         self.stop_signal: int | None = None
         self.rdzv: Rendezvous
@@ -101,21 +101,11 @@ class Agent:
             wait_for_workers=False,
             timeout=timedelta(seconds=self.cfg.rendezvous.pg_timeout_s),
         )
-        client = self._connect()
+        client = connect_etcd(self.node)
         if client is None:
             return EXIT_UNHEALTHY
-        node = Node(
-            self.cfg,
-            self.node_id,
-            self.host,
-            self.endpoints,
-            self.slots,
-            self.device,
-            self.run_dir,
-            self.events,
-        )
         parts = assemble(
-            node,
+            self.node,
             client,
             store.port,
             self.inbox.put,
@@ -138,32 +128,8 @@ class Agent:
             )
             client.close()
             return code
-        self.workers = WorkerGroup.start(
-            [
-                WorkerEnv(
-                    self.config_path, str(self.run_dir), self.node_id, i, self.slots, self.threads
-                )
-                for i in range(self.slots)
-            ],
-            self.run_dir / "logs" / self.node_id,
-            self.events,
-            self.cfg.rendezvous.watchdog_s,
-            post=self.inbox.put,
-        )
-        self.leaving = PlannedLeave(
-            self.node_id,
-            self.cfg.cluster.min_nodes,
-            self.cfg.rendezvous.watchdog_s,
-            self.workers,
-            self.events,
-            self.rdzv.record.leave_after,
-        )
-        log.info(
-            "%s joined job %s (%d %s worker(s))",
-            self.node_id,
-            self.cfg.job_id,
-            self.slots,
-            self.device,
+        self.workers, self.leaving = start_workers(
+            self.node, self.config_path, self.threads, self.inbox.put, self.rdzv.record.leave_after
         )
         self.progress = ProgressPublisher(
             str(self.run_dir),
@@ -184,25 +150,6 @@ class Agent:
             # The client's channel is left to the process's exit: closed, it makes the etcd
             # client's watch thread (etcd3 0.12) die with a traceback in every agent's log.
         return code
-
-    def _connect(self) -> Any:
-        """The etcd client, or None once the node's exit is said (etcd cannot be reached)."""
-        try:
-            return connect(
-                self.endpoints,
-                timeout_s=self.cfg.health.etcd_timeout_s,
-                security=etcd_security(self.cfg.cluster),
-            )
-        except EtcdUnavailable as exc:
-            self.events.emit(
-                ev.NODE_LEFT,
-                f"{self.node_id} cannot join: {exc}",
-                level=logging.ERROR,
-                code=EXIT_UNHEALTHY,
-                signal=None,
-                reason=str(exc),
-            )
-            return None
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.inbox.put(Signal(signum))  # reentrant: safe even if the main thread is in the queue

@@ -1,26 +1,36 @@
-"""The parts of one node's agent, wired together: the composition root of :mod:`.agent`.
+"""The parts of one node's agent, built and wired together: the composition root of
+:mod:`launcher.agent.agent`.
 
-Each part has one job (the rendezvous, the quarantine, fault requests, peers, admission); the
-agent's loop uses them and reaches them through :class:`Parts`. They talk back to the agent only
-through its inbox (``post``) and the two callbacks given here, so none of them imports it.
+Each part has one job (the etcd client, the rendezvous, the quarantine, fault requests, peers,
+admission, the workers and their planned leave); the agent's loop uses them. They talk back to
+the agent only through its inbox (``post``) and the callbacks given here, so none of them
+imports it.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from elastic import config
+from elastic import event_types as ev
+from elastic.control import WorkerEnv
 from elastic.events import EventLog
-from launcher.agent.admission import Admission
+from launcher.agent.admission import EXIT_UNHEALTHY, Admission
 from launcher.agent.fault_requests import FaultAnswerer, FaultRequests
 from launcher.agent.inbox import FaultRequested, Message, RendezvousChanged
 from launcher.agent.peers import Peers
+from launcher.agent.planned_leave import PlannedLeave
+from launcher.agent.workers import WorkerGroup
 from launcher.health.quarantine import Quarantine
+from launcher.rendezvous.etcd import EtcdUnavailable, connect, etcd_security
 from launcher.rendezvous.membership import NodeRecord
 from launcher.rendezvous.rendezvous import Rendezvous
+
+log = logging.getLogger("launcher.agent")
 
 
 @dataclass(frozen=True)
@@ -103,3 +113,53 @@ def assemble(
             stopped=stopped,
         ),
     )
+
+
+def connect_etcd(node: Node) -> Any:
+    """The etcd client, or None once the node's exit is said (etcd cannot be reached)."""
+    try:
+        return connect(
+            node.endpoints,
+            timeout_s=node.cfg.health.etcd_timeout_s,
+            security=etcd_security(node.cfg.cluster),
+        )
+    except EtcdUnavailable as exc:
+        node.events.emit(
+            ev.NODE_LEFT,
+            f"{node.node_id} cannot join: {exc}",
+            level=logging.ERROR,
+            code=EXIT_UNHEALTHY,
+            signal=None,
+            reason=str(exc),
+        )
+        return None
+
+
+def start_workers(
+    node: Node,
+    config_path: str,
+    threads: int,
+    post: Callable[[Message], None],
+    leave_after: Callable[[int], None],
+) -> tuple[WorkerGroup, PlannedLeave]:
+    """One worker per slot, started once (each with ``threads`` threads), and their planned
+    leave, which publishes its step through ``leave_after``."""
+    cfg = node.cfg
+    envs = [
+        WorkerEnv(config_path, str(node.run_dir), node.node_id, i, node.slots, threads)
+        for i in range(node.slots)
+    ]
+    log_dir = node.run_dir / "logs" / node.node_id
+    workers = WorkerGroup.start(envs, log_dir, node.events, cfg.rendezvous.watchdog_s, post=post)
+    leaving = PlannedLeave(
+        node.node_id,
+        cfg.cluster.min_nodes,
+        cfg.rendezvous.watchdog_s,
+        workers,
+        node.events,
+        leave_after,
+    )
+    log.info(
+        "%s joined job %s (%d %s worker(s))", node.node_id, cfg.job_id, node.slots, node.device
+    )
+    return workers, leaving
