@@ -1,7 +1,7 @@
 """``python -m launcher.status``: one screen for an operator of a running job.
 
 It shows the members (host, ranks, readiness, health report, quarantine), the round and its
-leader, the newest step rank 0's agent published (:mod:`launcher.rendezvous.progress_key`) and the
+leader, the newest step rank 0's agent published (:mod:`launcher.agent.progress_key`) and the
 newest committed checkpoint with its age; ``--json`` prints the same data, ``--watch [seconds]``
 refreshes it. The job and its etcd come from the launch's Hydra overrides (``job_id=...
 cluster.etcd_endpoints=[...]``); a local run's embedded etcd is found in its run directory, and

@@ -100,6 +100,42 @@ def test_the_decisions_import_no_module_that_does_io() -> None:
     assert {m: sorted(graph[m] - PURE_MAY_IMPORT) for m in PURE if graph[m] - PURE_MAY_IMPORT} == {}
 
 
+# The launcher's roles, lowest first: a role imports only from roles below it (and elastic/, the
+# lowest of all); the operator's commands at the top of launcher/ may import any role.
+ROLES = ("launcher.rendezvous", "launcher.torchrun", "launcher.health", "launcher.agent")
+MAY_IMPORT = {
+    "launcher.rendezvous": set(),
+    "launcher.torchrun": {"launcher.rendezvous"},
+    "launcher.health": {"launcher.rendezvous"},
+    "launcher.agent": {"launcher.rendezvous", "launcher.health"},
+}
+
+
+def role_of(module: str) -> str:
+    """The role a module of launcher/ belongs to, or ``launcher`` for the commands."""
+    return next((r for r in ROLES if module == r or module.startswith(r + ".")), "launcher")
+
+
+def test_each_role_of_the_launcher_imports_only_the_roles_below_it() -> None:
+    graph = import_graph()
+    upward = sorted(
+        f"{m} -> {t}"
+        for m, targets in graph.items()
+        if role_of(m) in MAY_IMPORT
+        for t in targets
+        if t.startswith("launcher")
+        and role_of(t) != role_of(m)
+        and role_of(t) not in MAY_IMPORT[role_of(m)]
+    )
+    assert upward == []
+
+
+def test_the_role_check_sees_an_upward_import() -> None:
+    assert role_of("launcher.rendezvous.keys") == "launcher.rendezvous"
+    assert role_of("launcher.status") == "launcher"
+    assert "launcher.agent" not in MAY_IMPORT[role_of("launcher.rendezvous.leader")]
+
+
 def chaos_uses(path: Path) -> list[str]:
     """Where the module at ``path`` imports ``chaos`` or names one of its modules in a string
     (the ``-m`` argument of a child process): ``line: what``."""

@@ -14,10 +14,10 @@ import pytest
 
 from elastic.events import EventLog
 from launcher import status
+from launcher.agent.progress_key import ProgressPublisher, progress_record
 from launcher.health.report import CheckResult, HealthReport, Status
 from launcher.rendezvous.keys import JobKeys
 from launcher.rendezvous.membership import NodeRecord, Round, leader_value
-from launcher.rendezvous.progress_key import ProgressPublisher, progress_record
 
 from .test_round_plan import node
 

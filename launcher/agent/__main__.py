@@ -13,7 +13,9 @@ from launcher.agent.agent import Agent
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Run one node's agent for a resolved config.")
+    parser = argparse.ArgumentParser(
+        prog="python -m launcher.agent", description="Run one node's agent for a resolved config."
+    )
     parser.add_argument("--config", required=True, help="resolved config.yaml of the job")
     parser.add_argument("--node-id", required=True)
     parser.add_argument("--host", default="127.0.0.1", help="address peers reach this node at")

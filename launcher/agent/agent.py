@@ -38,12 +38,12 @@ from launcher.agent.inbox import (
 )
 from launcher.agent.parts import Node, assemble, connect_etcd, start_workers
 from launcher.agent.peers import PROBE_AGAIN_S
+from launcher.agent.progress_key import ProgressPublisher
 from launcher.agent.slots import local_slots
 from launcher.agent.workers import WorkerGroup
 from launcher.rendezvous.etcd import etcd_errors
 from launcher.rendezvous.lease import ETCD_LOST_FIX
 from launcher.rendezvous.membership import JobView, Round
-from launcher.rendezvous.progress_key import ProgressPublisher
 from launcher.rendezvous.rendezvous import (
     EtcdLost,
     Rendezvous,
