@@ -109,6 +109,8 @@ class Communicator:
         self._failure: CollectiveFailure | None = None
         self.buckets_this_step = 0  # hook calls since begin_step(): how far backward got
         self.buckets_per_step = 0  # hook calls of the last complete step
+        self._step_began = self._handed_at = 0.0  # perf_counter: the step's start, its last bucket
+        self.last_compute_s = 0.0  # the last step's compute time (see end_step)
         self._ddp: DistributedDataParallel | None = None  # this round's, until its buckets settle
         self.save_group: dist.ProcessGroup | None = None  # this round's, for checkpoint saves
 
@@ -329,6 +331,8 @@ class Communicator:
 
     def begin_step(self) -> None:
         self.buckets_this_step = 0
+        self._step_began = time.perf_counter()
+        self._handed_at = 0.0
         with self._lock:
             self._works = [w for w in self._works if not w.is_completed()]
             # Completed futures are abort()'s no longer: kept, one per bucket per step would pile
@@ -344,6 +348,9 @@ class Communicator:
         rebuild here, as a recorded collective, leaves the forward with nothing to exchange.
         """
         self.buckets_per_step = self.buckets_this_step
+        # Compute time: until backward handed its last bucket to the all-reduce. (Measured on
+        # the host: on a GPU, kernels still queued then are counted in the wait instead.)
+        self.last_compute_s = (self._handed_at or time.perf_counter()) - self._step_began
         ddp, self._ddp = self._ddp, None
         if ddp is not None and torch.is_grad_enabled():
             with self.collective("DDP bucket rebuild"):
@@ -375,6 +382,7 @@ class Communicator:
         """
         with self._lock:
             self.buckets_this_step += 1
+            self._handed_at = time.perf_counter()
         if self.aborted:
             return _failed(RoundAborted("the round was left"))
         buffer = bucket.buffer().div_(dist.get_world_size())

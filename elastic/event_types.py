@@ -211,6 +211,12 @@ WORKER_PEER_LOST = _declare(
 WORKER_FAILED = _declare(
     "worker_failed", "worker", "step error", "every rank: a fault of the worker's own"
 )
+STRAGGLER = _declare(
+    "straggler",
+    "worker",
+    "step slowdown compute_s median_s",
+    "every rank that computes much slower than the others says so (elastic/stragglers.py)",
+)
 SAMPLES = _declare(
     "samples",
     "worker",

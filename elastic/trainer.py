@@ -20,6 +20,7 @@ import math
 import os
 import queue
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -49,6 +50,7 @@ from elastic.pipeline import DeviceDecoder, Prefetcher, loader_workers, make_loa
 from elastic.precision import MixedPrecision, dtype_of, resolve_channels_last, resolve_precision
 from elastic.sampler import ElasticSampler, StepPlan
 from elastic.state import Progress, TrainState, sync_state
+from elastic.stragglers import StragglerWatch
 
 log = logging.getLogger("elastic.trainer")
 
@@ -328,6 +330,7 @@ def train_round(w: Worker, a: Assignment) -> None:
     t_log, samples_log = time.perf_counter(), progress.samples_seen
     t_saved, step_saved = t_log, progress.step  # for the step time the next save reports
     first_step = True
+    watch, computed = straggler_watch(cfg.health, world), []
     for images, targets in Prefetcher(loader, w.device, w.channels_last, decoder):
         if w.comm.aborted or w.link.switch_due(progress.step):
             raise RoundAborted("a new round was announced")
@@ -347,6 +350,11 @@ def train_round(w: Worker, a: Assignment) -> None:
         w.state.apply({"lr": lr, **step_settings(cfg.optim, progress.samples_seen, len(w.dataset))})
         w.link.status.update(phase="step", step=progress.step + 1)
         loss, taken = train_step(w, ddp, images, targets, plan, world)
+        if watch is not None:
+            computed.append(w.comm.last_compute_s)
+            if (progress.step + 1) % cfg.health.straggler_every == 0:
+                compare_compute(w, a, watch, computed, progress.step + 1)
+                computed = []
         progress = progress.after(plan, w.sampler.advance(progress.sampler, plan), world, lr)
         w.progress = progress
         if rank == 0 and not taken:
@@ -578,6 +586,37 @@ def train_step(
     taken = w.precision.step(w.state.optimizer)
     w.comm.end_step()
     return total / plan.real, taken
+
+
+def straggler_watch(cfg: config.HealthConfig, world: int) -> StragglerWatch | None:
+    """A round's comparisons of compute times, or None when they are off or a rank is alone."""
+    if cfg.straggler is config.StragglerPolicy.off or world < 2:
+        return None
+    return StragglerWatch(cfg.straggler_factor, cfg.straggler_windows)
+
+
+def compare_compute(
+    w: Worker, a: Assignment, watch: StragglerWatch, computed: list[float], step: int
+) -> None:
+    """Share this rank's mean compute time per step since the last comparison with the round's
+    ranks (one all-reduce, a collective) and, if the comparison makes it a straggler, say so."""
+    times = torch.zeros(a.world_size, dtype=torch.float64, device=w.device)
+    times[a.rank] = sum(computed) / len(computed)
+    w.comm.all_reduce(times, "straggler comparison")
+    compute_s = times.tolist()
+    found = watch.update(compute_s)
+    if a.rank in found:
+        median = statistics.median(compute_s)
+        w.events.emit(
+            ev.STRAGGLER,
+            f"rank {a.rank} computes {found[a.rank]:.1f}x slower than the median rank "
+            f"({compute_s[a.rank]:.3f} s a step against {median:.3f} s)",
+            level=logging.WARNING,
+            step=step,
+            slowdown=round(found[a.rank], 3),
+            compute_s=round(compute_s[a.rank], 4),
+            median_s=round(median, 4),
+        )
 
 
 def checkpoint_every(cfg: config.CheckpointConfig, progress: Progress) -> int:

@@ -47,6 +47,12 @@ def describe(e: dict[str, Any]) -> str | None:
             f"{e['rendezvous_s']:.2f} s, rebuild {e['rebuild_s']:.2f} s, state sync "
             f"{e['sync_s']:.2f} s, first step {e['first_step_s']:.2f} s"
         )
+    if ev.STRAGGLER.matches(e):
+        return (
+            f"{e['node']}: rank {e['rank']} is a straggler at step {e['step']}, computing "
+            f"{e['slowdown']:.1f}x slower than the median ({e['compute_s']:.3f} s a step against "
+            f"{e['median_s']:.3f} s)"
+        )
     if ev.PEER_EVICTED.matches(e):
         return f"{e['node']}: evicted {e['peer']} ({e['reason']})"
     if ev.WORKER_FROZEN.matches(e):

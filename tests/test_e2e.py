@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -852,3 +854,50 @@ def test_a_checkpoint_store_that_fills_up_costs_checkpoints_not_the_round(tmp_pa
         assert not any(e["event"] in ("worker_peer_lost", "worker_failed") for e in before)
         done = next(e for e in events if e["event"] == "training_done")
         assert sorted(p.name for p in store.glob("step_*")) == [f"step_{done['step']:09d}"]
+
+
+def test_a_worker_held_to_half_speed_names_itself_a_straggler_and_no_one_else_does(
+    tmp_path: Path,
+) -> None:
+    """One node's worker stopped and continued in turn (about half speed, as a throttled GPU):
+    within a few comparisons its own rank says it is a straggler, and no other rank does."""
+    run_dir = tmp_path / "run"
+    proc = launch(
+        run_dir,
+        "cluster.nodes=3",
+        "trainer.epochs=2",
+        "health.straggler_every=2",
+        "health.straggler_windows=2",
+        RECORD,
+    )
+    wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["step"] >= 2)
+    target = other_node(run_dir, 3)
+    [pid] = worker_pids(read_events(run_dir), only=target)
+    worker = psutil.Process(pid)
+    slowed = threading.Event()
+
+    def duty_cycle() -> None:
+        while not slowed.is_set():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                worker.suspend()
+            slowed.wait(0.1)
+            with contextlib.suppress(psutil.NoSuchProcess):
+                worker.resume()
+            slowed.wait(0.1)
+
+    began = time.time()
+    cycler = threading.Thread(target=duty_cycle, daemon=True)
+    cycler.start()
+    try:
+        said = wait_event(run_dir, proc, lambda e: e["event"] == "straggler", began)
+    finally:
+        slowed.set()
+        cycler.join(timeout=5)
+        with contextlib.suppress(psutil.NoSuchProcess):
+            worker.resume()
+    assert said["event"] == "straggler", output(run_dir)[-3000:]
+    assert said["node"] == target and said["slowdown"] >= 1.5, said
+    assert wait_exit(proc, run_dir) == 0, output(run_dir)[-3000:]
+    events = assert_invariants(run_dir, epochs=2)
+    assert {e["node"] for e in events if e["event"] == "straggler"} == {target}
+    assert f"{target}: rank {said['rank']} is a straggler" in output(run_dir)  # the display

@@ -41,6 +41,7 @@ from elastic.config.resilience import (
     CheckpointConfig,
     CheckpointInterval,
     HealthConfig,
+    StragglerPolicy,
 )
 from elastic.config.schema import (
     ANY_MINIMUM,
@@ -121,4 +122,5 @@ __all__ = [
     "save",
     "torchvision_models",
     "validate",
+    "StragglerPolicy",
 ]

@@ -40,6 +40,13 @@ class CheckpointConfig:
     keep: int = bounded(3, ge=1, why="must keep at least one", fix="set checkpoint.keep=1 or more")
 
 
+class StragglerPolicy(Choice):
+    """What a straggler (a rank that computes much slower than the others) leads to."""
+
+    off = "off"
+    warn = "warn"
+
+
 @dataclass
 class HealthConfig:
     """What a node must prove before it joins a round, and how a node that keeps failing is kept
@@ -57,11 +64,11 @@ class HealthConfig:
     # (Docker gives 64 MB unless told --shm-size). Fails on GPU nodes or with loader workers,
     # warns otherwise.
     min_shm_mb: int = bounded(512, ge=0, fix=ANY_MINIMUM)
-    # Free space where checkpoints go, at least this much and at least checkpoint.keep + 1
-    # checkpoints of the model (a new one is written before the oldest is deleted).
     # The etcd client certificate and CA (cluster.etcd_tls) warn this many days before they
     # expire; an expired one fails.
     cert_warn_days: int = bounded(14, ge=0, fix="set health.cert_warn_days=14 (0: no warning)")
+    # Free space where checkpoints go, at least this much and at least checkpoint.keep + 1
+    # checkpoints of the model (a new one is written before the oldest is deleted).
     min_checkpoint_free_gb: float = bounded(
         1.0,
         ge=0,
@@ -89,6 +96,19 @@ class HealthConfig:
         3, ge=1, fix="set health.max_strikes=3 (failures before a node is quarantined)"
     )
     strike_window_s: float = bounded(3600.0, gt=0, fix=SECONDS)
+    # Stragglers, while training: every straggler_every steps the ranks compare their compute
+    # time per step (forward and backward, up to the gradient all-reduce, averaged since the last
+    # comparison); a rank slower than the median by straggler_factor in straggler_windows
+    # comparisons running is a straggler, and says so in a straggler event (warn). off: no
+    # comparison (it costs one small all-reduce every straggler_every steps).
+    straggler: StragglerPolicy = StragglerPolicy.warn
+    straggler_every: int = bounded(10, ge=1, fix="set health.straggler_every=10 (steps)")
+    straggler_factor: float = bounded(
+        1.5, gt=1, fix="set health.straggler_factor=1.5 (times the median compute time)"
+    )
+    straggler_windows: int = bounded(
+        3, ge=1, fix="set health.straggler_windows=3 (comparisons in a row)"
+    )
     quarantine_s: float = bounded(
         1800.0,
         ge=2,

@@ -1,0 +1,39 @@
+"""The straggler verdict, on literal figures: who is slower than the median by the factor, for how
+many comparisons running, and when it is said."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic.stragglers import StragglerWatch, slowdowns
+
+
+def test_slowdowns_are_against_the_median() -> None:
+    assert slowdowns([0.2, 0.2, 0.4, 0.2]) == [1.0, 1.0, 2.0, 1.0]
+    assert slowdowns([0.0, 0.0]) == [1.0, 1.0]
+
+
+def test_a_rank_slow_for_the_windows_running_is_reported_once() -> None:
+    watch = StragglerWatch(factor=1.5, windows=3)
+    slow = [0.2, 0.2, 0.5]
+    assert watch.update(slow) == {}
+    assert watch.update(slow) == {}
+    assert watch.update(slow) == {2: pytest.approx(2.5)}
+    assert watch.update(slow) == {}  # said already
+    assert watch.update([0.2, 0.2, 0.2]) == {}  # it kept up: the streak starts again
+    assert [watch.update(slow) for _ in range(3)][-1] == {2: pytest.approx(2.5)}
+
+
+def test_a_slow_comparison_between_fast_ones_is_no_straggler() -> None:
+    watch = StragglerWatch(factor=1.5, windows=2)
+    assert watch.update([0.2, 0.2, 0.4]) == {}
+    assert watch.update([0.2, 0.2, 0.2]) == {}
+    assert watch.update([0.2, 0.2, 0.4]) == {}
+    assert watch.update([0.2, 0.29, 0.2]) == {}  # below the factor
+
+
+def test_two_ranks_need_a_wide_gap_and_one_rank_has_none() -> None:
+    watch = StragglerWatch(factor=1.5, windows=1)
+    assert watch.update([0.2, 0.5]) == {}  # 0.5 / 0.35 = 1.43
+    assert watch.update([0.2, 0.7]) == {1: pytest.approx(0.7 / 0.45)}
+    assert StragglerWatch(factor=1.5, windows=1).update([9.0]) == {}
