@@ -350,13 +350,13 @@ def train_round(w: Worker, a: Assignment) -> None:
         w.state.apply({"lr": lr, **step_settings(cfg.optim, progress.samples_seen, len(w.dataset))})
         w.link.status.update(phase="step", step=progress.step + 1)
         loss, taken = train_step(w, ddp, images, targets, plan, world)
-        if watch is not None:
-            computed.append(w.comm.last_compute_s)
-            if (progress.step + 1) % cfg.health.straggler_every == 0:
-                compare_compute(w, a, watch, computed, progress.step + 1)
-                computed = []
         progress = progress.after(plan, w.sampler.advance(progress.sampler, plan), world, lr)
         w.progress = progress
+        if watch is not None:  # after the step is recorded: an abort here loses nothing
+            computed.append(w.comm.last_compute_s)
+            if progress.step % cfg.health.straggler_every == 0:
+                compare_compute(w, a, watch, computed, progress.step)
+                computed = []
         if rank == 0 and not taken:
             events.emit(
                 ev.STEP_SKIPPED,
