@@ -31,11 +31,19 @@ class FaultKind(Choice):
     partition_peers = "partition_peers"  # cut a node off its peers (it still reaches etcd)
     partition_etcd = "partition_etcd"  # cut a node off etcd (it still reaches its peers)
     slow_network = "slow_network"  # rate-limit a node's link to its peers to campaign.slow_mbit
+    # Hold a node's workers to 1/campaign.slow_factor of their CPU for duration_s (a cgroup
+    # quota where there is one, else stop/continue): a straggler (chaos/cpu_limit.py).
+    slow_node = "slow_node"
 
 
 SHARED_KINDS = (FaultKind.kill_etcd_member, FaultKind.fill_disk, FaultKind.corrupt_shard)
 NETWORK_KINDS = (FaultKind.partition_peers, FaultKind.partition_etcd, FaultKind.slow_network)
-TIMED_KINDS = (FaultKind.freeze_node, *SHARED_KINDS[:2], *NETWORK_KINDS)  # end after duration_s
+TIMED_KINDS = (  # end after duration_s
+    FaultKind.freeze_node,
+    FaultKind.slow_node,
+    *SHARED_KINDS[:2],
+    *NETWORK_KINDS,
+)
 
 
 @dataclass
@@ -46,7 +54,8 @@ class FaultSpec:
     # node<K>, rank0, not_rank0 (any up node but rank 0's), any; the shared kinds strike the
     # job's etcd or checkpoints, whatever the target
     target: str = "not_rank0"
-    duration_s: float = 5.0  # freeze_node, kill_etcd_member, fill_disk: ended after this long
+    # freeze_node, slow_node, kill_etcd_member, fill_disk, the network kinds: end after this long
+    duration_s: float = 5.0
     restart_after_s: float = -1.0  # kill_node, leave_node: started again after this; <0: never
 
 
@@ -70,6 +79,7 @@ class CampaignConfig:
     # so that the network kinds can cut or slow its links (chaos/netns.py).
     netns: bool = False
     slow_mbit: float = 300.0  # slow_network's rate
+    slow_factor: float = 2.0  # slow_node: its workers get 1/slow_factor of the CPU they used
     out_dir: str = ""  # "" = <run_dir>/chaos
     # Attach to a running job (job_id, cluster.etcd_endpoints, run_dir: where its events are)
     # instead of launching one: faults are requested through etcd (the job needs chaos.allow).
@@ -126,6 +136,15 @@ def problems(c: CampaignConfig, nodes: int) -> list[str]:
                 [],
                 "the campaign has no fault",
                 "list faults, or set campaign.mtbf_s for random ones",
+            )
+        )
+    if c.slow_factor <= 1:
+        found.append(
+            problem(
+                "campaign.slow_factor",
+                c.slow_factor,
+                "a slow node runs slower",
+                "set it above 1 (2.0: half speed)",
             )
         )
     if c.etcd_members not in (1, 3):

@@ -1,5 +1,6 @@
 """Fault injectors: real signals to real processes, found through the run's event log, and
-network partitions and slow links of nodes run in namespaces (:mod:`chaos.netns`).
+network partitions and slow links of nodes run in namespaces (:mod:`chaos.netns`), and slow
+nodes (:mod:`chaos.cpu_limit`).
 
 Nodes and workers are found through the events; etcd members through the
 :class:`~launcher.rendezvous.embedded_etcd.EmbeddedEtcd` that owns them, or, for the one ``python -m
@@ -23,6 +24,7 @@ from typing import Any
 
 import psutil
 
+from chaos.cpu_limit import CpuLimit, limit_cpu
 from chaos.netns import PEER_LINK, LocalNetwork
 from elastic import event_types as ev
 from elastic.events import read_events
@@ -96,6 +98,32 @@ def kill_worker(
     except psutil.NoSuchProcess as exc:
         raise TargetNotFound(f"worker {local_rank} of {node_id} is not running") from exc
     return send(run_dir, [proc], sig, kind="worker", target=f"{node_id}/worker{local_rank}")
+
+
+def slow_node(run_dir: str | os.PathLike[str], node_id: str, factor: float) -> CpuLimit:
+    """Hold a node's workers (and their loader processes) to ``1 / factor`` of the CPU they use
+    (:func:`chaos.cpu_limit.limit_cpu`), its agent untouched: a node that is slow, not dead, as
+    a throttled GPU is. :func:`unslow_node` lifts it."""
+    workers = node_processes(run_dir, node_id)[1:]
+    if not workers:
+        raise TargetNotFound(f"{node_id} runs no worker")
+    limit = limit_cpu(workers, factor, f"chaos-slow-{os.getpid()}-{node_id}")
+    log_event(
+        run_dir,
+        ev.FAULT_INJECTED,
+        kind="slow_node",
+        target=node_id,
+        factor=factor,
+        how=limit.how,
+        pids=[p.pid for p in workers],
+    )
+    return limit
+
+
+def unslow_node(run_dir: str | os.PathLike[str], node_id: str, limit: CpuLimit) -> float:
+    """End a :func:`slow_node`."""
+    limit.end()
+    return log_event(run_dir, ev.FAULT_CLEARED, kind="slow_node", target=node_id)
 
 
 def restart_node(

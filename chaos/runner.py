@@ -31,6 +31,7 @@ from chaos.campaign import (
     pick,
     schedule,
 )
+from chaos.cpu_limit import CpuLimit
 from chaos.netns import ETCD_LINK, PEER_LINK, LocalNetwork
 from chaos.requests import NoAnswer, request_fault
 from elastic import event_types as ev
@@ -69,6 +70,7 @@ class CampaignRunner:
     etcd_down: dict[int, float] = field(default_factory=dict)  # member -> when it is started
     ballast: dict[Path, float] = field(default_factory=dict)  # file -> when it is removed
     cut: dict[tuple[str, FaultKind], float] = field(default_factory=dict)  # -> when it ends
+    slowed: dict[str, tuple[CpuLimit, float]] = field(default_factory=dict)  # -> end
     number: int = 0  # faults struck or skipped so far
 
     def __post_init__(self) -> None:
@@ -121,7 +123,8 @@ class CampaignRunner:
             folder = JobKeys(self.cfg.rendezvous.prefix, self.cfg.job_id).nodes
             nodes = sorted(m.key.decode()[len(folder) :] for _, m in self.remote.get_prefix(folder))
         cut = {node for node, _ in self.cut}
-        return [n for n in nodes if n not in self.down and n not in self.frozen and n not in cut]
+        out = cut | self.down.keys() | self.frozen.keys() | self.slowed.keys()
+        return [n for n in nodes if n not in out]
 
     def _strike(self, spec: FaultSpec) -> None:
         self.number += 1
@@ -151,6 +154,9 @@ class CampaignRunner:
             elif spec.kind is FaultKind.freeze_node:
                 injectors.kill_node(self.run_dir, node, signal.SIGSTOP)
                 self.frozen[node] = time.time() + spec.duration_s
+            elif spec.kind is FaultKind.slow_node:
+                limit = injectors.slow_node(self.run_dir, node, self.campaign.slow_factor)
+                self.slowed[node] = (limit, time.time() + spec.duration_s)
             else:
                 sig = signal.SIGKILL if spec.kind is FaultKind.kill_node else signal.SIGTERM
                 injectors.kill_node(self.run_dir, node, sig)
@@ -243,7 +249,7 @@ class CampaignRunner:
     def _end_timed_faults(self, now: float, restart: bool = True) -> None:
         """Thaw the nodes whose freeze is over and start the nodes whose repair is over; at the
         end (``restart=False``) thaw every node, so that nothing stays stopped. Full disks and
-        lost etcd members end on time, and at the end in any case."""
+        lost etcd members and slow nodes end on time, and at the end in any case."""
         for path, at in list(self.ballast.items()):
             if now >= at or not restart:
                 injectors.clear_disk(self.run_dir, path)
@@ -257,6 +263,10 @@ class CampaignRunner:
                     link = PEER_LINK if kind is FaultKind.partition_peers else ETCD_LINK
                     injectors.heal(self.run_dir, self.net, i, link)
                 del self.cut[(node, kind)]
+        for node, (limit, at) in list(self.slowed.items()):
+            if now >= at or not restart:
+                injectors.unslow_node(self.run_dir, node, limit)
+                del self.slowed[node]
         for member, at in list(self.etcd_down.items()):
             if (now >= at or not restart) and self.etcd is not None:
                 injectors.start_etcd(self.run_dir, self.etcd, member)

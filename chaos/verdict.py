@@ -260,6 +260,7 @@ def fault_results(events: list[dict[str, Any]]) -> list[FaultResult]:
         # Only a fault that takes a member out of the round has a recovery of its own; after a
         # slow link, an etcd member or a bad shard, the next round is some later fault's.
         recovers = member and e["kind"] in RECOVERING_KINDS
+        found = straggler_found(events, e) if e["kind"] == "slow_node" else {}
         results.append(
             FaultResult(
                 number=number,
@@ -267,14 +268,37 @@ def fault_results(events: list[dict[str, Any]]) -> list[FaultResult]:
                 target=e["target"],
                 ts=e["ts"],
                 member=member,
-                detected_s=rec.breakdown.get("detected") if recovers else None,
+                detected_s=rec.breakdown.get("detected") if recovers else found.get("straggler"),
                 stall_s=rec.stall_s,
                 redone_steps=rec.redone_steps,
                 lost_s=rec.lost_s,
-                breakdown=rec.breakdown if recovers else {},
+                breakdown=rec.breakdown if recovers else found,
             )
         )
     return results
+
+
+def straggler_found(events: list[dict[str, Any]], fault: dict[str, Any]) -> dict[str, float]:
+    """Seconds from a ``slow_node`` fault to its node's ``straggler`` event and to its eviction
+    (``quarantined``), while the fault lasted; a step not taken is left out."""
+    node, t0 = fault["target"], fault["ts"]
+    end = min(
+        (
+            e["ts"]
+            for e in ev.FAULT_CLEARED.of(events)
+            if e.get("kind") == "slow_node" and e["target"] == node and e["ts"] >= t0
+        ),
+        default=float("inf"),
+    )
+    found = {}
+    for name, kind, who in (
+        ("straggler", ev.STRAGGLER, "node"),
+        ("evicted", ev.QUARANTINED, "peer"),
+    ):
+        hit = next((e for e in kind.of(events) if e[who] == node and t0 <= e["ts"] <= end), None)
+        if hit is not None:
+            found[name] = round(hit["ts"] - t0, 3)
+    return found
 
 
 def judge(events: list[dict[str, Any]], cfg: Config) -> Verdict:
@@ -339,6 +363,13 @@ def summary(v: Verdict) -> str:
             f"  {f.number:>3} {f.kind:16} {f.target:27} {detected:>12} {stall:>11} "
             f"{f.redone_steps:>7}"
         )
+        if f.kind == "slow_node":
+            named, evicted = f.breakdown.get("straggler"), f.breakdown.get("evicted")
+            lines.append(
+                "      "
+                + (f"named a straggler after {named:.1f} s" if named is not None else "never named")
+                + (f", evicted after {evicted:.1f} s" if evicted is not None else "")
+            )
     for s in v.skipped:
         lines.append(f"  skipped: {s['kind']} {s['target']}: {s['reason']}")
     lines.append(f"training: {v.kept_samples} samples kept in {v.seconds:.1f} s")

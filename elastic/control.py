@@ -100,8 +100,9 @@ class Channel:
     at once or, with ``after_step``, once that step is trained (a planned leave switches rounds
     between two steps); ``leave`` (this node is about to leave: say after which step). Worker to
     agent: ``ready``, ``status`` (step, phase, round, and ``stood_by``: the ``seq`` of the last
-    standby carried out, sent at once), ``peer_lost`` (round, error) and ``leaving``
-    (after_step: the step the node can stop after).
+    standby carried out, sent at once), ``peer_lost`` (round, error), ``leaving``
+    (after_step: the step the node can stop after) and ``straggler`` (step, slowdown: this rank
+    found itself a straggler; the agent acts on ``health.straggler``).
     """
 
     def __init__(self, sock: socket.socket) -> None:

@@ -137,6 +137,21 @@ FAULT_REQUEST_ACCEPTED = _declare(
 FAULT_REFUSED = _declare(
     "fault_refused", "agent", "request kind by reason", "a fault request was refused"
 )
+GPU_WATCH_OFF = _declare(
+    "gpu_watch_off",
+    "agent",
+    "reason",
+    "GPU health while training is off, and why (launcher/health/gpu_watch.py)",
+)
+GPU_WARNING = _declare(
+    "gpu_warning",
+    "agent",
+    "gpu reason",
+    "a GPU throttles, saw an application XID, or an NVML reading failed; training goes on",
+)
+GPU_FAULT = _declare(
+    "gpu_fault", "agent", "gpus reasons", "a GPU broke while training: the node must leave"
+)
 NODE_LEFT = _declare("node_left", "agent", "code signal reason", "the agent ends")
 
 # --- a worker (rank 0 unless its doc says every rank) ---------------------------------------------
@@ -217,6 +232,12 @@ STRAGGLER = _declare(
     "step slowdown compute_s median_s",
     "every rank that computes much slower than the others says so (elastic/stragglers.py)",
 )
+STRAGGLER_KEPT = _declare(
+    "straggler_kept",
+    "agent",
+    "reason step slowdown",
+    "a straggler's node stays in the job (health.straggler=warn, or too few nodes without it)",
+)
 SAMPLES = _declare(
     "samples",
     "worker",
@@ -229,7 +250,7 @@ SAMPLES = _declare(
 FAULT_INJECTED = _declare(
     "fault_injected",
     "chaos",
-    "kind target signal pids link rate_mbit free_mb",
+    "kind target signal pids link rate_mbit free_mb factor how",
     "a fault was struck (written before its signal is sent)",
 )
 FAULT_CLEARED = _declare(

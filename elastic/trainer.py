@@ -599,7 +599,8 @@ def compare_compute(
     w: Worker, a: Assignment, watch: StragglerWatch, computed: list[float], step: int
 ) -> None:
     """Share this rank's mean compute time per step since the last comparison with the round's
-    ranks (one all-reduce, a collective) and, if the comparison makes it a straggler, say so."""
+    ranks (one all-reduce, a collective) and, if the comparison makes it a straggler, say so,
+    in an event and to the agent, which acts on ``health.straggler``."""
     times = torch.zeros(a.world_size, dtype=torch.float64, device=w.device)
     times[a.rank] = sum(computed) / len(computed)
     w.comm.all_reduce(times, "straggler comparison")
@@ -617,6 +618,7 @@ def compare_compute(
             compute_s=round(compute_s[a.rank], 4),
             median_s=round(median, 4),
         )
+        w.link.channel.send("straggler", step=step, slowdown=found[a.rank])  # the agent decides
 
 
 def checkpoint_every(cfg: config.CheckpointConfig, progress: Progress) -> int:

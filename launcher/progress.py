@@ -227,6 +227,22 @@ def summary(run_dir: Path, checkpoint_url: str, job_id: str, since: float = 0.0)
             f"failed their health checks and stayed out: {', '.join(unfit)} (the reasons are "
             "above and in their logs; python -m launcher.doctor runs the checks by hand)"
         )
+    slow = ev.STRAGGLER.of(events)
+    if slow:
+        evicted = {
+            e["peer"]
+            for e in ev.QUARANTINED.of(events)
+            if any("straggler" in r for r in e["reasons"])
+        }
+        named = sorted({e["node"] for e in slow})
+        lines.append(
+            "stragglers: "
+            + ", ".join(
+                f"{n} (up to {max(e['slowdown'] for e in slow if e['node'] == n):.1f}x"
+                + (", evicted)" if n in evicted else ")")
+                for n in named
+            )
+        )
     lines += [
         f"run directory: {run_dir}",
         f"logs:          {run_dir / 'logs'}",

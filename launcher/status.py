@@ -88,6 +88,7 @@ def gather(
     reports = {n: HealthReport.from_json(v) for n, (v, _) in under(job.reports).items()}
     strikes = {n: json.loads(v) for n, (v, _) in under(job.strikes).items()}
     quarantine = {n: json.loads(v) for n, (v, _) in under(job.quarantine).items()}
+    stragglers = {n: json.loads(v) for n, (v, _) in under(job.stragglers).items()}
     raw_round = keys.get(job.round)
 
     def round_parts(parts_id: str, _count: int) -> list[bytes]:
@@ -146,6 +147,7 @@ def gather(
                     "reasons": entry["reasons"],
                 },
                 "strikes": len(recent),
+                "straggler": stragglers.get(node_id),
             }
         )
     return {
@@ -206,6 +208,14 @@ def _health(h: dict[str, Any] | None) -> str:
     return f"FAIL {failed}, {age(h['age_s'])} ago"
 
 
+def _straggler(m: dict[str, Any], now: float) -> str:
+    s = m["straggler"]
+    if s is None:
+        return "-"
+    what = "evicted" if s["evicted"] else "kept"
+    return f"{s['slowdown']:.1f}x slower at step {s['step']}, {age(now - s['at'])} ago ({what})"
+
+
 def _quarantine(m: dict[str, Any]) -> str:
     q = m["quarantine"]
     if q is None:
@@ -264,12 +274,15 @@ def render(data: dict[str, Any]) -> str:
             f"checkpoint step {c['step']}, saved {age(c['age_s'])} ago, {_size(c['bytes'])}, "
             f"world size {c['world_size']}: {c['url']}"
         )
-    rows = [("node", "host", "ranks", "ready", "inc", "health", "quarantine")]
+    rows = [("node", "host", "ranks", "ready", "inc", "health", "straggler", "quarantine")]
     for m in data["members"]:
         ranks, ready = _state(m)
         inc = "-" if m["incarnation"] is None else str(m["incarnation"])
         name = m["node"] + (" *" if m["leader"] else "")
-        rows.append((name, m["host"], ranks, ready, inc, _health(m["health"]), _quarantine(m)))
+        straggler = _straggler(m, data["at"])
+        rows.append(
+            (name, m["host"], ranks, ready, inc, _health(m["health"]), straggler, _quarantine(m))
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     lines.append("")
     for r in rows:

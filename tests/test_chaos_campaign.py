@@ -38,13 +38,16 @@ def test_a_scripted_campaign_keeps_the_invariants_and_reports_each_fault_and_the
     tmp_path: Path,
 ) -> None:
     """A node killed and started again, one of three etcd members lost for 3 s, a worker
-    killed, a shard of the newest checkpoint corrupted, a node frozen and thawed, a planned leave
-    and return (conf/campaign/scripted.yaml), on a 3-node job."""
+    killed, a shard of the newest checkpoint corrupted, a node frozen and thawed, a node slowed
+    to half its CPU (and named a straggler, comparisons every 2 steps), a planned leave and
+    return (conf/campaign/scripted.yaml), on a 3-node job."""
     code, out = chaos(
         tmp_path,
         "campaign=scripted",
         "cluster.nodes=3",
         "trainer.epochs=16",
+        "health.straggler_every=2",
+        "health.straggler_windows=2",
     )
     assert code == 0, out[-4000:]
     out_dir = tmp_path / "run" / "chaos"
@@ -57,9 +60,13 @@ def test_a_scripted_campaign_keeps_the_invariants_and_reports_each_fault_and_the
         "worker SIGKILL",
         "checkpoint",
         "node SIGSTOP",
+        "slow_node",
         "node SIGTERM",
     ], report
     assert report["skipped"] == []
+    slow = report["faults"][5]
+    assert slow["detected_s"] is not None and slow["detected_s"] < 8, slow  # named, in time
+    assert "evicted" not in slow["breakdown"]  # health.straggler=warn
     for f in report["faults"]:
         assert f["stall_s"] is not None and f["stall_s"] < 60, f
     # The job's own pace at every world size up to its 3 nodes; the goodput can't exceed 1.

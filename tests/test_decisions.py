@@ -13,6 +13,7 @@ from launcher.agent.decisions import (
     REQUESTABLE_KINDS,
     Assign,
     Drain,
+    Evict,
     Finish,
     GiveUp,
     IdTaken,
@@ -39,6 +40,7 @@ from launcher.agent.decisions import (
     on_node_id_in_use,
     on_peer_lost,
     on_stop,
+    on_straggler,
     on_worker_exits,
     others_go_on,
     peers_to_evict,
@@ -319,6 +321,19 @@ def test_a_planned_leave_hands_its_step_to_the_workers_of_both_sides() -> None:
     # A node that was in no round has no step to finish: it starts at once.
     step = follow_round(view, me("a"), current=None, workers_ready=True)
     assert isinstance(step, Assign) and [x.after_step for x in step.assignments] == [0]
+
+
+# --- a straggler ---------------------------------------------------------------------------------
+
+
+def test_a_straggler_is_evicted_only_under_evict_and_only_when_the_job_goes_on_without_it() -> None:
+    evicted = on_straggler("evict", "n1", 2.04, others_go_on=True, leaving=False)
+    assert isinstance(evicted, Evict) and "2.0x the median" in evicted.reason
+    warned = on_straggler("warn", "n1", 2.0, others_go_on=True, leaving=False)
+    assert isinstance(warned, str) and "health.straggler=warn" in warned
+    kept = on_straggler("evict", "n1", 2.0, others_go_on=False, leaving=False)
+    assert isinstance(kept, str) and "cluster.min_nodes" in kept
+    assert isinstance(on_straggler("evict", "n1", 2.0, others_go_on=True, leaving=True), str)
 
 
 # --- a planned leave ------------------------------------------------------------------------------

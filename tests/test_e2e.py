@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from chaos.injectors import kill_agent, kill_node, kill_worker, node_with_rank, thaw_node
+from chaos.injectors import (
+    kill_agent,
+    kill_node,
+    kill_worker,
+    node_with_rank,
+    slow_node,
+    thaw_node,
+    unslow_node,
+)
 from chaos.invariants import (
     contract_violations,
     history_violations,
@@ -856,48 +862,48 @@ def test_a_checkpoint_store_that_fills_up_costs_checkpoints_not_the_round(tmp_pa
         assert sorted(p.name for p in store.glob("step_*")) == [f"step_{done['step']:09d}"]
 
 
-def test_a_worker_held_to_half_speed_names_itself_a_straggler_and_no_one_else_does(
+def test_a_slow_node_names_itself_a_straggler_is_evicted_and_rejoins_after_its_quarantine(
     tmp_path: Path,
 ) -> None:
-    """One node's worker stopped and continued in turn (about half speed, as a throttled GPU):
-    within a few comparisons its own rank says it is a straggler, and no other rank does."""
+    """One node's workers held to half their CPU (chaos's slow_node: a cgroup quota as root,
+    else stop and continue), as a throttled GPU: within a few comparisons its own rank says it
+    is a straggler, and no other rank does; under health.straggler=evict the node leaves as
+    planned, quarantined, and rejoins after the cooldown and a new check. Nothing is redone."""
     run_dir = tmp_path / "run"
     proc = launch(
         run_dir,
         "cluster.nodes=3",
-        "trainer.epochs=2",
+        "trainer.epochs=5",
+        "health.straggler=evict",
         "health.straggler_every=2",
         "health.straggler_windows=2",
+        "health.quarantine_s=4",
         RECORD,
     )
     wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["step"] >= 2)
     target = other_node(run_dir, 3)
-    [pid] = worker_pids(read_events(run_dir), only=target)
-    worker = psutil.Process(pid)
-    slowed = threading.Event()
-
-    def duty_cycle() -> None:
-        while not slowed.is_set():
-            with contextlib.suppress(psutil.NoSuchProcess):
-                worker.suspend()
-            slowed.wait(0.1)
-            with contextlib.suppress(psutil.NoSuchProcess):
-                worker.resume()
-            slowed.wait(0.1)
-
+    limit = slow_node(run_dir, target, factor=2.0)
     began = time.time()
-    cycler = threading.Thread(target=duty_cycle, daemon=True)
-    cycler.start()
     try:
         said = wait_event(run_dir, proc, lambda e: e["event"] == "straggler", began)
+        evicted = wait_event(run_dir, proc, lambda e: e["event"] == "quarantined", began)
     finally:
-        slowed.set()
-        cycler.join(timeout=5)
-        with contextlib.suppress(psutil.NoSuchProcess):
-            worker.resume()
-    assert said["event"] == "straggler", output(run_dir)[-3000:]
+        unslow_node(run_dir, target, limit)
     assert said["node"] == target and said["slowdown"] >= 1.5, said
+    assert evicted["node"] == target and "straggler" in evicted["reasons"][0], evicted
+    back = wait_event(
+        run_dir, proc, lambda e: e["event"] == "round_joined" and e["node"] == target, began
+    )
     assert wait_exit(proc, run_dir) == 0, output(run_dir)[-3000:]
-    events = assert_invariants(run_dir, epochs=2)
+    events = assert_invariants(run_dir, epochs=5)
     assert {e["node"] for e in events if e["event"] == "straggler"} == {target}
     assert f"{target}: rank {said['rank']} is a straggler" in output(run_dir)  # the display
+    assert f"stragglers: {target} (up to" in output(run_dir)  # and the job's summary
+    assert "evicted)" in output(run_dir)
+    drained = [e for e in events if e["event"] == "node_draining" and e["node"] == target]
+    assert drained and drained[0]["ts"] < back["ts"], "the node left as planned"
+    assert not any(e["event"] in ("worker_peer_lost", "strike") for e in events)
+    print(
+        f"straggler after {said['ts'] - began:.1f} s, quarantined after "
+        f"{evicted['ts'] - began:.1f} s, back after {back['ts'] - began:.1f} s"
+    )

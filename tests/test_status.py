@@ -71,6 +71,8 @@ def job_keys() -> dict[str, tuple[bytes, int]]:
         keys[f"{BASE}.health/reports/{n}"] = (report(n).encode(), 0)
     keys[f"{BASE}.health/reports/node3"] = (report("node3", ok=False).encode(), 0)
     keys[f"{BASE}.health/strikes/node1"] = (json.dumps([{"ts": NOW, "reason": "x"}]).encode(), 0)
+    found = {"slowdown": 2.71, "step": 28, "at": NOW - 4, "evicted": False}
+    keys[f"{BASE}.health/stragglers/node1"] = (json.dumps(found).encode(), 0)
     return keys
 
 
@@ -123,6 +125,7 @@ def test_the_screen_shows_every_line_an_operator_needs() -> None:
     assert rows["node0"].split()[:5] == ["node0", "*", "127.0.0.1", "0", "yes"]
     assert "ok (1 pass, 1 skip), 30 s ago" in rows["node0"]
     assert "1 strike(s)" in rows["node1"]
+    assert "2.7x slower at step 28, 4.0 s ago (kept)" in rows["node1"]
     assert "not registered" in rows["node3"] and "FAIL open_files" in rows["node3"]
     assert "by agent: failed health checks: open_files" in rows["node3"]
     # A job with no round, no progress and no checkpoint yet says so instead of failing.

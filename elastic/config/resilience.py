@@ -45,6 +45,7 @@ class StragglerPolicy(Choice):
 
     off = "off"
     warn = "warn"
+    evict = "evict"
 
 
 @dataclass
@@ -99,7 +100,9 @@ class HealthConfig:
     # Stragglers, while training: every straggler_every steps the ranks compare their compute
     # time per step (forward and backward, up to the gradient all-reduce, averaged since the last
     # comparison); a rank slower than the median by straggler_factor in straggler_windows
-    # comparisons running is a straggler, and says so in a straggler event (warn). off: no
+    # comparisons running is a straggler, and says so in a straggler event. warn: that is all.
+    # evict: its node also leaves as planned and is quarantined for quarantine_s (unless the job
+    # would fall below cluster.min_nodes), then checks itself again and rejoins. off: no
     # comparison (it costs one small all-reduce every straggler_every steps).
     straggler: StragglerPolicy = StragglerPolicy.warn
     straggler_every: int = bounded(10, ge=1, fix="set health.straggler_every=10 (steps)")
@@ -108,6 +111,12 @@ class HealthConfig:
     )
     straggler_windows: int = bounded(
         3, ge=1, fix="set health.straggler_windows=3 (comparisons in a row)"
+    )
+    # GPU health while training: every gpu_watch_s seconds the agent reads NVML (XIDs,
+    # uncorrectable ECC errors, pages pending retirement or remapping, slowdown); a GPU that
+    # broke makes the node leave as planned (launcher/health/gpu_watch.py). 0: off.
+    gpu_watch_s: float = bounded(
+        5.0, ge=0, fix="set health.gpu_watch_s=5 (seconds between readings; 0: off)"
     )
     quarantine_s: float = bounded(
         1800.0,

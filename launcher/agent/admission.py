@@ -176,3 +176,15 @@ class Admission:
         except etcd_errors() as exc:  # etcd away: the lease decides this node's fate instead
             log.warning("%s: could not record a strike (%s)", self._node_id, exc)
             return None
+
+    def sentence(self, reason: str) -> bool:
+        """Quarantine this node for ``health.quarantine_s`` because of what it found while
+        training (a straggler under ``health.straggler=evict``): it then drains like a node an
+        operator quarantined, and rejoins after the cooldown and a new check. False if etcd
+        could not be told (the node trains on; the finding comes again)."""
+        try:
+            self._guard.add(self._node_id, self._cfg.health.quarantine_s, (reason,), by="agent")
+            return True
+        except etcd_errors() as exc:
+            log.warning("%s: could not quarantine itself (%s)", self._node_id, exc)
+            return False

@@ -13,6 +13,7 @@ when they stop.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -30,17 +31,20 @@ from launcher.agent import decisions as decide
 from launcher.agent.admission import EXIT_ETCD_LOST, EXIT_UNHEALTHY
 from launcher.agent.inbox import (
     FaultRequested,
+    GpuFault,
     Inbox,
     Message,
     Signal,
     WorkerLeaving,
     WorkerPeerLost,
+    WorkerStraggler,
 )
 from launcher.agent.parts import Node, assemble, connect_etcd, start_workers
 from launcher.agent.peers import PROBE_AGAIN_S
 from launcher.agent.progress_key import ProgressPublisher
 from launcher.agent.slots import local_slots
 from launcher.agent.workers import WorkerGroup
+from launcher.health.gpu_watch import GpuWatch
 from launcher.rendezvous.etcd import etcd_errors
 from launcher.rendezvous.lease import ETCD_LOST_FIX
 from launcher.rendezvous.membership import JobView, Round
@@ -89,6 +93,7 @@ class Agent:
         self.current: Round | None = None  # the round this node's workers were sent to
         self.crashes = 0
         self.leave_reason = ""  # why the node leaves the job, when it leaves on its own
+        self.sentenced = False  # it quarantined itself (a straggler) in this registration
 
     # --- life cycle ----------------------------------------------------------------------------
 
@@ -137,10 +142,13 @@ class Agent:
             self.cfg.checkpoint.url,
             put=lambda value: self.rdzv.put_under_lease(self.rdzv.keys.progress, value),
         )
+        gpus = GpuWatch(self.cfg.health, self.device, self.events, self._on_gpu_fault)
+        gpus.start()
         code = 1
         try:
             code = self._loop()
         finally:
+            gpus.close()
             self.progress.close()
             self.workers.stop(STOP_GRACE_S)
             self.rdzv.leave()
@@ -187,6 +195,11 @@ class Agent:
             self.leaving.answer(msg.local_rank, msg.after_step)
         elif isinstance(msg, FaultRequested):
             self.faults.take(msg.request_id, msg.request)
+        elif isinstance(msg, WorkerStraggler):
+            self._on_straggler(msg)
+        elif isinstance(msg, GpuFault) and not self.sentenced:
+            # A broken GPU leaves whatever the job's size: a hang or corrupt gradients are worse.
+            self.sentenced = self.admission.sentence(f"a GPU broke while training: {msg.reason}")
 
     def _loop(self) -> int:
         """Until the node is done or must go: gather the facts, decide, act, and wait for the
@@ -341,6 +354,7 @@ class Agent:
             self.workers.stop(STOP_GRACE_S)
         self.current = None
         self.leaving.reset()
+        self.sentenced = False
         self.rdzv.leave()
         code = self._join(in_running_job=True)
         if code:
@@ -371,12 +385,38 @@ class Agent:
 
     # --- health and quarantine -----------------------------------------------------------------
 
+    def _on_straggler(self, msg: WorkerStraggler) -> None:
+        """A worker of this node straggles: evict the node or keep it
+        (:func:`launcher.agent.decisions.on_straggler`). An evicted node quarantines itself, and
+        the loop drains it as it drains a node an operator quarantined."""
+        view = self.rdzv.view
+        leaving = self.leaving.since is not None or self.sentenced
+        step = decide.on_straggler(
+            self.cfg.health.straggler.value,
+            self.node_id,
+            msg.slowdown,
+            decide.others_go_on(view, self.node_id, self.cfg.cluster.min_nodes),
+            leaving=leaving or self.node_id in view.quarantined,
+        )
+        evict = isinstance(step, decide.Evict)
+        found = {"slowdown": msg.slowdown, "step": msg.step, "at": time.time(), "evicted": evict}
+        with contextlib.suppress(*etcd_errors()):  # for launcher.status; the events keep it too
+            self.rdzv.put_under_lease(self.rdzv.keys.straggler(self.node_id), json.dumps(found))
+        if isinstance(step, decide.Evict):
+            # The watch brings the quarantine to the view, and the loop drains the node.
+            self.sentenced = self.admission.sentence(step.reason)
+            return
+        self.events.emit(ev.STRAGGLER_KEPT, reason=step, step=msg.step, slowdown=msg.slowdown)
+
     def _join(self, in_running_job: bool) -> int:
         """:meth:`Admission.join`: 0 once registered, else the exit code and its reason."""
         code = self.admission.join(in_running_job)
         if code:
             self.leave_reason = self.admission.reason
         return code
+
+    def _on_gpu_fault(self, reason: str) -> None:
+        self.inbox.put(GpuFault(reason))  # from the watch's thread
 
     def _stopped(self, timeout: float) -> int | None:
         """The stop signal, once the messages that come within ``timeout`` are taken in."""

@@ -441,6 +441,36 @@ def on_stop(
     return Leave() if out or overdue or not others_go_on else None
 
 
+# --- a straggler ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Evict:
+    """Quarantine this node with ``reason``: it leaves as planned (a drain, like an operator's
+    ``quarantine add``), waits out ``health.quarantine_s``, checks itself again and rejoins."""
+
+    reason: str
+
+
+def on_straggler(
+    policy: str, node_id: str, slowdown: float, others_go_on: bool, leaving: bool
+) -> Evict | str:
+    """A worker of this node found itself a straggler, ``slowdown`` times slower than the median
+    rank: evict the node (``health.straggler=evict``), or the sentence that says why it stays.
+    A node already on its way out stays on it; one the job cannot go on without stays too, since
+    a slow round beats none."""
+    if policy != "evict":
+        return f"health.straggler={policy}: {node_id} stays in the job, slowing it"
+    if leaving:
+        return f"{node_id} is leaving already"
+    if not others_go_on:
+        return (
+            f"{node_id} stays: without it the job would fall below cluster.min_nodes, "
+            "and a slow round beats none"
+        )
+    return Evict(f"a straggler: its compute was {slowdown:.1f}x the median rank's")
+
+
 # --- waiting for a round --------------------------------------------------------------------------
 
 

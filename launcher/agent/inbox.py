@@ -6,8 +6,9 @@ on the inbox alone, with a timeout for what only time reveals. Most messages are
 they are about stays the truth of its owner (a slot's exit code, the rendezvous's view), read
 when the agent wakes, so a message about a worker replaced meanwhile does no harm. What exists
 only as a message is carried in it: a signal, a fault request, the round of a failed collective,
-the step after which a leaving worker can stop. The queue's ``put`` is reentrant, so a signal
-handler may post while the main thread is inside ``get``.
+the step after which a leaving worker can stop, a worker's finding that it straggles, a broken
+GPU. The queue's
+``put`` is reentrant, so a signal handler may post while the main thread is inside ``get``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,16 @@ class WorkerLeaving:
 
 
 @dataclass(frozen=True)
+class WorkerStraggler:
+    """The worker of ``local_rank`` found itself ``slowdown`` times slower than the median rank,
+    in the comparison after ``step`` (:mod:`elastic.stragglers`)."""
+
+    local_rank: int
+    step: int
+    slowdown: float
+
+
+@dataclass(frozen=True)
 class WorkerExited:
     """The worker process of ``local_rank`` exited."""
 
@@ -65,6 +76,13 @@ class FaultRequested:
 
 
 @dataclass(frozen=True)
+class GpuFault:
+    """The GPU watch (:mod:`launcher.health.gpu_watch`) found a GPU of this node broken."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
 class RendezvousChanged:
     """The rendezvous's view of the job changed, or it fenced this node."""
 
@@ -73,9 +91,11 @@ Message = (
     WorkerReady
     | WorkerPeerLost
     | WorkerLeaving
+    | WorkerStraggler
     | WorkerExited
     | Signal
     | FaultRequested
+    | GpuFault
     | RendezvousChanged
 )
 

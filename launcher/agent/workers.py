@@ -28,7 +28,14 @@ from elastic import event_types as ev
 from elastic.control import CONTROL_FD_ENV, Assignment, Channel, WorkerEnv
 from elastic.events import EventLog
 from elastic.lifeline import tied
-from launcher.agent.inbox import Message, WorkerExited, WorkerLeaving, WorkerPeerLost, WorkerReady
+from launcher.agent.inbox import (
+    Message,
+    WorkerExited,
+    WorkerLeaving,
+    WorkerPeerLost,
+    WorkerReady,
+    WorkerStraggler,
+)
 from launcher.agent.watchdog import Watchdog
 
 
@@ -104,6 +111,8 @@ class WorkerSlot:
             self._post(WorkerPeerLost(rank, int(msg["round"])))
         elif kind == "leaving":
             self._post(WorkerLeaving(rank, int(msg["after_step"])))
+        elif kind == "straggler":
+            self._post(WorkerStraggler(rank, int(msg["step"]), float(msg["slowdown"])))
         elif kind == "finished":
             with self._lock:
                 self.finished_in = int(msg["round"])

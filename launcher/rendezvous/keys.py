@@ -7,8 +7,9 @@
   ``round_parts/<id>/<n>`` (the members of a round too large for one value), ``leader``,
   ``done``, ``quarantine/<node>`` (a node kept out, under the cooldown's lease) and ``progress``
   (the rank-0 node's figures, which no watch carries).
-- ``<base>.health/``: ``reports/<node>`` and ``strikes/<node>``, beside the rendezvous so that its
-  watches and snapshots do not carry them.
+- ``<base>.health/``: ``reports/<node>``, ``strikes/<node>`` and ``stragglers/<node>`` (a node's
+  newest straggler finding, under its lease), beside the rendezvous so that its watches and
+  snapshots do not carry them.
 - ``<base>.chaos/``: ``requests/<node>/<id>`` and ``answers/<node>/<id>``, fault requests.
 
 A job id holds only letters, digits, ``-`` and ``_``, so ``<base>.`` up to ``<base>0`` ('.' < '/' <
@@ -90,6 +91,13 @@ class JobKeys:
 
     def strike(self, node_id: str) -> str:
         return self.strikes + node_id
+
+    @property
+    def stragglers(self) -> str:
+        return self.base + ".health/stragglers/"
+
+    def straggler(self, node_id: str) -> str:
+        return self.stragglers + node_id
 
     # --- fault requests: <base>.chaos/ -----------------------------------------------------------
 

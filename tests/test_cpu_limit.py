@@ -1,0 +1,54 @@
+"""chaos/cpu_limit.py on a real busy process: both ways of slowing it cut its CPU, and lift."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from chaos.cpu_limit import CgroupLimit, DutyCycle, cpu_controller, limit_cpu, used_cores
+
+BUSY = "while True: pass"
+
+
+@pytest.fixture
+def busy() -> Iterator[psutil.Process]:
+    proc = subprocess.Popen([sys.executable, "-c", BUSY])
+    try:
+        yield psutil.Process(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_duty_cycle_stops_a_busy_process_for_most_of_the_time_and_resumes_it(
+    busy: psutil.Process,
+) -> None:
+    before = used_cores([busy])
+    limit = DutyCycle([busy], factor=4.0)
+    try:
+        during = used_cores([busy], seconds=1.0)
+    finally:
+        limit.end()
+    assert before > 0.5, f"the busy loop used {before:.2f} cores"  # a sanity bound
+    assert during < before / 2, (before, during)
+    assert busy.status() != psutil.STATUS_STOPPED
+    assert used_cores([busy]) > 0.5  # running again
+
+
+@pytest.mark.skipif(cpu_controller() is None, reason="no writable cgroup CPU controller here")
+def test_a_cgroup_quota_holds_a_busy_process_to_its_share_and_is_removed(
+    busy: psutil.Process,
+) -> None:
+    limit = limit_cpu([busy], factor=4.0, name=f"test-cpu-limit-{busy.pid}")
+    assert isinstance(limit, CgroupLimit), limit.how
+    try:
+        during = used_cores([busy], seconds=1.0)
+    finally:
+        limit.end()
+    assert during < 0.5, (during, limit.how)  # about a quarter of a core
+    assert not limit.group.exists()
+    assert used_cores([busy]) > 0.5
