@@ -141,12 +141,17 @@ from elastic.communicator import BUFFERS_PER_REPLICA  # noqa: E402
 from elastic.config import Config  # noqa: E402
 from elastic.data import imagenet_transform, train_root  # noqa: E402
 from elastic.events import read_events  # noqa: E402
+from elastic.model import build_model  # noqa: E402
+from elastic.optim import build_optimizer  # noqa: E402
 from elastic.pipeline import PREFETCH_FACTOR, loader_workers  # noqa: E402
+from elastic.replicas import checksum  # noqa: E402
 from elastic.sampler import ElasticSampler, SamplerState  # noqa: E402
+from elastic.state import TrainState  # noqa: E402
 from elastic.synthetic import ensure_synthetic  # noqa: E402
 from launcher.compose import UsageError, compose, validate_launch  # noqa: E402
 
 GOAL_PCT = 2.0
+REPLICA_GOAL_PCT = 1.0  # the replica check's share of the step time, at its default interval
 TIMEOUT_S = 1800.0  # one run of either runtime, start to exit
 CPU_SAMPLE_S = 0.25  # how often the process trees' CPU times are read
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -740,6 +745,26 @@ def measure(setup: Setup, repeats: int, work: Path) -> Runs:
     return runs
 
 
+def replica_check_s(setup: Setup, calls: int = 20) -> tuple[float, int]:
+    """Seconds per replica check's checksum (:mod:`elastic.replicas`) of this job's model and
+    optimizer state on its device, and the bytes it reads. The check's all-reduce of one
+    integer per rank is left out: a few bytes, next to the gradients' megabytes."""
+    cfg, device = setup.cfg, torch.device(setup.device)
+    classes = len(datasets.ImageFolder(str(train_root(cfg.data))).classes)
+    model = build_model(cfg.model, classes).to(device)
+    state = TrainState(model, build_optimizer(model, cfg.optim))
+    model(torch.randn(2, 3, cfg.data.crop_size, cfg.data.crop_size, device=device)).sum().backward()
+    state.optimizer.step()  # the optimizer's state (momentum) exists from the first step
+    replicated = state.replicated()
+    names = sorted(replicated)
+    checksum(replicated, names)  # warm
+    began = time.perf_counter()
+    for _ in range(calls):
+        checksum(replicated, names).item()  # .item(): waits for the device, as the check does
+    seconds = (time.perf_counter() - began) / calls
+    return seconds, sum(t.numel() * t.element_size() for t in replicated.values())
+
+
 def report(args: argparse.Namespace, setup: Setup, runs: Runs) -> None:
     """The medians of every row, ours' CPU by process, and each overhead with its interval."""
     cfg = setup.cfg
@@ -797,6 +822,17 @@ def report(args: argparse.Namespace, setup: Setup, runs: Runs) -> None:
         print("- ours decoded on the device against ours decoded by the loader (no saves):")
         print(f"    samples/s: {gain}{needs(gain)}")
         print(f"    CPU time per sample: {cpu}{needs(cpu)}")
+    every = cfg.health.replica_check_every
+    if every:
+        seconds, size = replica_check_s(setup)
+        step_s = statistics.median(w.step_s for w in runs.ours[0])
+        share = 100 * seconds / every / step_s
+        print(
+            f"- the replica check (health.replica_check_every={every}): {seconds * 1000:.2f} ms "
+            f"per check over {size / 2**20:.0f} MiB of parameters and optimizer state, "
+            f"{share:.3f} % of ours' step time ({step_s * 1000:.0f} ms); goal <= "
+            f"{REPLICA_GOAL_PCT:g} %: {'met' if share <= REPLICA_GOAL_PCT else 'NOT met'}"
+        )
     print(f"reproduce (from the repository root): {reproduce(args, setup)}")
 
 

@@ -34,6 +34,9 @@ class FaultKind(Choice):
     # Hold a node's workers to 1/campaign.slow_factor of their CPU for duration_s (a cgroup
     # quota where there is one, else stop/continue): a straggler (chaos/cpu_limit.py).
     slow_node = "slow_node"
+    # Flip one bit of one parameter in a node's worker (needs chaos.allow=true): the replica
+    # check must find it and repair it from the majority.
+    corrupt_replica = "corrupt_replica"
 
 
 SHARED_KINDS = (FaultKind.kill_etcd_member, FaultKind.fill_disk, FaultKind.corrupt_shard)

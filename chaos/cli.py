@@ -6,10 +6,12 @@ schema in :mod:`chaos.campaign`); every other override is the job's, as for ``py
 launcher``. By default it launches a local job on an etcd of its own (so that it can start killed
 nodes again), carries out the schedule (:mod:`chaos.runner`), judges the job's event log
 (:mod:`chaos.verdict`) and writes ``report.json``, ``summary.txt`` and ``timeline.png`` to
-``<run_dir>/chaos/``. With ``campaign.attach=true`` it joins the running job named by ``job_id``,
-``cluster.etcd_endpoints`` and ``run_dir`` instead (started with ``chaos.allow=true`` and
-``trainer.record_samples=true``) and requests each fault from the node's agent through etcd. It
-exits 1 if an invariant broke, 2 on bad input.
+``<run_dir>/chaos/``; the job it launches runs with ``chaos.allow=true`` (its faults include a
+bit flipped in a worker's memory) unless the overrides say otherwise. With
+``campaign.attach=true`` it joins the running job named by ``job_id``, ``cluster.etcd_endpoints``
+and ``run_dir`` instead (started with ``chaos.allow=true`` and ``trainer.record_samples=true``)
+and requests each fault from the node's agent through etcd. It exits 1 if an invariant broke, 2
+on bad input.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ ConfigStore.instance().store(name="chaos_schema", node=ChaosCommandConfig)
 
 JOB_TIMEOUT_S = 6 * 3600.0  # a campaign's job that runs longer is stopped
 RECORD_SAMPLES = "trainer.record_samples=true"  # the invariants need every rank's samples
+ALLOW = "chaos.allow=true"  # a campaign's own job takes its faults (corrupt_replica), unless told
 ANY = "0.0.0.0"  # etcd for nodes in namespaces: every address of this machine
 
 
@@ -79,6 +82,8 @@ def main(argv: list[str]) -> int:
     campaign_args, job = split(argv)
     try:
         campaign = compose_campaign(campaign_args)
+        if not campaign.attach and not any(a.split("=", 1)[0] == "chaos.allow" for a in job):
+            job = [*job, ALLOW]
         cfg = compose(job, need_job=campaign.attach)
         validate_launch(cfg)
     except (UsageError, ConfigError) as exc:

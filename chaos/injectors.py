@@ -126,6 +126,19 @@ def unslow_node(run_dir: str | os.PathLike[str], node_id: str, limit: CpuLimit) 
     return log_event(run_dir, ev.FAULT_CLEARED, kind="slow_node", target=node_id)
 
 
+def corrupt_replica(run_dir: str | os.PathLike[str], node_id: str) -> float:
+    """SIGUSR1 to a node's first worker: with ``chaos.allow`` it flips one bit of a parameter
+    between two steps (:func:`elastic.trainer.flip_one_bit`), a silent memory fault that the
+    replica check must find and repair. Without it the signal would kill the worker: the
+    caller checks."""
+    started = _newest(Path(run_dir), ev.WORKER_STARTED, node=node_id, local_rank=0)
+    try:
+        proc = psutil.Process(started["worker_pid"])
+    except psutil.NoSuchProcess as exc:
+        raise TargetNotFound(f"worker 0 of {node_id} is not running") from exc
+    return send(run_dir, [proc], signal.SIGUSR1, kind="replica", target=f"{node_id}/worker0")
+
+
 def restart_node(
     run_dir: str | os.PathLike[str], node_id: str, endpoints: list[str], nodes_on_machine: int
 ) -> tuple[float, subprocess.Popen[bytes]]:

@@ -67,6 +67,37 @@ def lr_violations(events: list[dict[str, Any]], cfg: Config, samples_per_epoch: 
     return bad
 
 
+def attempts_of(events: list[dict[str, Any]]) -> dict[int, dict[tuple[int, int], list]]:
+    """Every step's ``samples`` records, by attempt: ``(round, rollbacks)``, where ``rollbacks``
+    counts the ``rolled_back`` events its writer had written before it. A round that rolled
+    back (:func:`elastic.trainer.roll_back`) trains the steps after the checkpoint again: a
+    new attempt, as a later round's would be."""
+    rollbacks: Counter[tuple[str, int]] = Counter()
+    attempts: dict[int, dict[tuple[int, int], list]] = defaultdict(lambda: defaultdict(list))
+    for e in events:
+        writer = (e.get("node", ""), e.get("pid", 0))
+        if ev.ROLLED_BACK.matches(e):
+            rollbacks[writer] += 1
+        elif ev.SAMPLES.matches(e):
+            attempts[e["step"]][(e["round"], rollbacks[writer])].append(e)
+    return attempts
+
+
+def corrupt_windows(events: list[dict[str, Any]]) -> dict[tuple[str, int], list[tuple]]:
+    """Per writer, from each bit chaos flipped in its parameters (``bit_flipped``) to the repair
+    of its replica (``replica_repaired``; never, if none came): its states differ from its
+    peers' there on purpose, and the replica check is what must end that."""
+    windows: dict[tuple[str, int], list[tuple]] = defaultdict(list)
+    for e in events:
+        writer = (e.get("node", ""), e.get("pid", 0))
+        if ev.BIT_FLIPPED.matches(e):
+            windows[writer].append((e["ts"], float("inf")))
+        elif ev.REPLICA_REPAIRED.matches(e) and windows[writer]:
+            flipped, _ = windows[writer][-1]
+            windows[writer][-1] = (flipped, e["ts"])
+    return windows
+
+
 def sample_violations(
     events: list[dict[str, Any]], samples_per_epoch: int, total_samples: int
 ) -> list[str]:
@@ -76,10 +107,7 @@ def sample_violations(
     attempted counts in the last of them: a round only trains a step again when no surviving
     replica had committed it.
     """
-    attempts: dict[int, dict[int, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
-    for e in events:
-        if ev.SAMPLES.matches(e):
-            attempts[e["step"]][e["round"]].append(e)
+    attempts = attempts_of(events)
     done = ev.TRAINING_DONE.of(events)
     if not done:
         return ["the run did not finish"]
@@ -90,11 +118,11 @@ def sample_violations(
         if step not in attempts:
             bad.append(f"step {step}: no rank recorded its samples")
             continue
-        rnd = max(attempts[step])
-        records = attempts[step][rnd]
+        last = max(attempts[step])
+        records = attempts[step][last]
         if len({r["rank"] for r in records}) != records[0]["world_size"]:
             bad.append(
-                f"step {step} (round {rnd}): {len(records)} of {records[0]['world_size']} ranks"
+                f"step {step} (round {last[0]}): {len(records)} of {records[0]['world_size']} ranks"
             )
         for r in records:
             seen[r["epoch"]].update(r["indices"])
@@ -141,8 +169,9 @@ def history_violations(events: list[dict[str, Any]]) -> list[str]:
     Every rank logs the fingerprint of its parameters before each step (the ``samples`` event's
     ``before``; needs ``trainer.record_samples=true``). The ranks of one round must agree on it,
     and a step attempted again by a later round (the first attempt dropped in flight) must start
-    from the same state, unless a checkpoint was loaded in between (a whole restart rolls back,
-    and the steps after the checkpoint are trained again, possibly at another world size).
+    from the same state, unless a checkpoint was loaded in between (a whole restart, or a
+    rollback, and the steps after the checkpoint are trained again, possibly at another world
+    size).
 
     Rounds are compared only where every rank of both started the step. A round left while a
     step's all-reduce was in flight may have delivered it to some ranks only: those apply the
@@ -151,23 +180,24 @@ def history_violations(events: list[dict[str, Any]]) -> list[str]:
     the next round, becomes the newest state, which the others take). A second world training on
     its own starts every step with all of its ranks, so it is still caught.
     """
-    loads = sorted(e["ts"] for e in ev.CHECKPOINT_LOADED.of(events))
-    attempts: dict[int, list[dict[str, Any]]] = defaultdict(list)
-    for e in events:
-        if ev.SAMPLES.matches(e):
-            attempts[e["step"]].append(e)
+    loads = sorted(e["ts"] for e in events if ev.CHECKPOINT_LOADED.matches(e))
+    loads += sorted(e["ts"] for e in events if ev.ROLLED_BACK.matches(e))
+    corrupt = corrupt_windows(events)
     bad = []
-    for step, records in sorted(attempts.items()):
-        by_round: dict[int, set[str]] = defaultdict(set)
-        ranks: dict[int, set[int]] = defaultdict(set)
-        world: dict[int, int] = {}
-        first_ts: dict[int, float] = {}
-        for r in records:
-            by_round[r["round"]].add(r["before"])
-            ranks[r["round"]].add(r["rank"])
-            world[r["round"]] = r["world_size"]
-            first_ts.setdefault(r["round"], r["ts"])
-        for rnd, states in sorted(by_round.items()):
+    for step, by_attempt in sorted(attempts_of(events).items()):
+        by_round: dict[tuple[int, int], set[str]] = defaultdict(set)
+        ranks: dict[tuple[int, int], set[int]] = defaultdict(set)
+        world: dict[tuple[int, int], int] = {}
+        first_ts: dict[tuple[int, int], float] = {}
+        for attempt, records in by_attempt.items():
+            for r in records:
+                windows = corrupt.get((r.get("node", ""), r.get("pid", 0)), [])
+                if not any(a < r["ts"] <= b for a, b in windows):  # a bit flipped on purpose
+                    by_round[attempt].add(r["before"])
+                ranks[attempt].add(r["rank"])
+                world[attempt] = r["world_size"]
+                first_ts.setdefault(attempt, r["ts"])
+        for (rnd, _), states in sorted(by_round.items()):
             if len(states) > 1:
                 bad.append(
                     f"step {step}: the ranks of round {rnd} trained it from {len(states)} states"
@@ -177,7 +207,8 @@ def history_violations(events: list[dict[str, Any]]) -> list[str]:
             rolled_back = any(first_ts[earlier] < ts < first_ts[later] for ts in loads)
             if by_round[earlier] != by_round[later] and not rolled_back:
                 bad.append(
-                    f"step {step}: rounds {earlier} and {later} trained it from different states "
+                    f"step {step}: rounds {earlier[0]} and {later[0]} trained it from different "
+                    "states "
                     "with no checkpoint loaded between them (two histories)"
                 )
     return bad

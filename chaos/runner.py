@@ -136,7 +136,7 @@ class CampaignRunner:
         with contextlib.suppress(TargetNotFound):
             rank0 = injectors.node_with_rank(self.run_dir, 0)
         node = pick(spec.target, up, rank0, self.campaign.seed, self.number)
-        takes_node = spec.kind is not FaultKind.kill_worker
+        takes_node = spec.kind not in (FaultKind.kill_worker, FaultKind.corrupt_replica)
         if node is None:
             self._skip(spec, spec.target, f"no node up matches target {spec.target!r}")
             return
@@ -154,6 +154,13 @@ class CampaignRunner:
             elif spec.kind is FaultKind.freeze_node:
                 injectors.kill_node(self.run_dir, node, signal.SIGSTOP)
                 self.frozen[node] = time.time() + spec.duration_s
+            elif spec.kind is FaultKind.corrupt_replica:
+                if not self.cfg.chaos.allow:
+                    raise TargetNotFound(
+                        "corrupt_replica needs the job's chaos.allow=true (without it the "
+                        "signal would kill the worker)"
+                    )
+                injectors.corrupt_replica(self.run_dir, node)
             elif spec.kind is FaultKind.slow_node:
                 limit = injectors.slow_node(self.run_dir, node, self.campaign.slow_factor)
                 self.slowed[node] = (limit, time.time() + spec.duration_s)

@@ -260,7 +260,7 @@ def fault_results(events: list[dict[str, Any]]) -> list[FaultResult]:
         # Only a fault that takes a member out of the round has a recovery of its own; after a
         # slow link, an etcd member or a bad shard, the next round is some later fault's.
         recovers = member and e["kind"] in RECOVERING_KINDS
-        found = straggler_found(events, e) if e["kind"] == "slow_node" else {}
+        found = responses(events, e)
         results.append(
             FaultResult(
                 number=number,
@@ -268,7 +268,9 @@ def fault_results(events: list[dict[str, Any]]) -> list[FaultResult]:
                 target=e["target"],
                 ts=e["ts"],
                 member=member,
-                detected_s=rec.breakdown.get("detected") if recovers else found.get("straggler"),
+                detected_s=rec.breakdown.get("detected")
+                if recovers
+                else min(found.values(), default=None),
                 stall_s=rec.stall_s,
                 redone_steps=rec.redone_steps,
                 lost_s=rec.lost_s,
@@ -278,24 +280,32 @@ def fault_results(events: list[dict[str, Any]]) -> list[FaultResult]:
     return results
 
 
-def straggler_found(events: list[dict[str, Any]], fault: dict[str, Any]) -> dict[str, float]:
-    """Seconds from a ``slow_node`` fault to its node's ``straggler`` event and to its eviction
-    (``quarantined``), while the fault lasted; a step not taken is left out."""
-    node, t0 = fault["target"], fault["ts"]
+# What each fault of a degraded (not dead) node must lead to: (name, event, the field naming the
+# node). The node is the fault's target up to a "/" (a worker's node).
+RESPONSES = {
+    "slow_node": (("straggler", ev.STRAGGLER, "node"), ("evicted", ev.QUARANTINED, "peer")),
+    "replica": (("repaired", ev.REPLICA_REPAIRED, "node"), ("rolled_back", ev.ROLLED_BACK, "")),
+}
+
+
+def responses(events: list[dict[str, Any]], fault: dict[str, Any]) -> dict[str, float]:
+    """Seconds from a fault of a degraded node (``slow_node``, a corrupt replica) to each
+    response (:data:`RESPONSES`) that came while the fault lasted; one not seen is left out."""
+    node, t0 = fault["target"].split("/")[0], fault["ts"]
     end = min(
         (
             e["ts"]
             for e in ev.FAULT_CLEARED.of(events)
-            if e.get("kind") == "slow_node" and e["target"] == node and e["ts"] >= t0
+            if e.get("kind") == fault["kind"] and e["target"] == fault["target"] and e["ts"] >= t0
         ),
         default=float("inf"),
     )
     found = {}
-    for name, kind, who in (
-        ("straggler", ev.STRAGGLER, "node"),
-        ("evicted", ev.QUARANTINED, "peer"),
-    ):
-        hit = next((e for e in kind.of(events) if e[who] == node and t0 <= e["ts"] <= end), None)
+    for name, kind, who in RESPONSES.get(fault["kind"], ()):
+        hit = next(
+            (e for e in kind.of(events) if (not who or e[who] == node) and t0 <= e["ts"] <= end),
+            None,
+        )
         if hit is not None:
             found[name] = round(hit["ts"] - t0, 3)
     return found
@@ -363,13 +373,9 @@ def summary(v: Verdict) -> str:
             f"  {f.number:>3} {f.kind:16} {f.target:27} {detected:>12} {stall:>11} "
             f"{f.redone_steps:>7}"
         )
-        if f.kind == "slow_node":
-            named, evicted = f.breakdown.get("straggler"), f.breakdown.get("evicted")
-            lines.append(
-                "      "
-                + (f"named a straggler after {named:.1f} s" if named is not None else "never named")
-                + (f", evicted after {evicted:.1f} s" if evicted is not None else "")
-            )
+        if f.kind.split()[0] in RESPONSES:
+            said = [f"{name.replace('_', ' ')} after {s:.1f} s" for name, s in f.breakdown.items()]
+            lines.append("      " + (", ".join(said) or "nothing found it"))
     for s in v.skipped:
         lines.append(f"  skipped: {s['kind']} {s['target']}: {s['reason']}")
     lines.append(f"training: {v.kept_samples} samples kept in {v.seconds:.1f} s")

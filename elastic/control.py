@@ -101,8 +101,9 @@ class Channel:
     between two steps); ``leave`` (this node is about to leave: say after which step). Worker to
     agent: ``ready``, ``status`` (step, phase, round, and ``stood_by``: the ``seq`` of the last
     standby carried out, sent at once), ``peer_lost`` (round, error), ``leaving``
-    (after_step: the step the node can stop after) and ``straggler`` (step, slowdown: this rank
-    found itself a straggler; the agent acts on ``health.straggler``).
+    (after_step: the step the node can stop after), ``straggler`` (step, slowdown: this rank
+    found itself a straggler; the agent acts on ``health.straggler``) and ``strike`` (reason:
+    this rank found its node at fault, a corrupt replica or a run of non-finite steps).
     """
 
     def __init__(self, sock: socket.socket) -> None:

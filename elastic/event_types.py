@@ -232,6 +232,32 @@ STRAGGLER = _declare(
     "step slowdown compute_s median_s",
     "every rank that computes much slower than the others says so (elastic/stragglers.py)",
 )
+STEP_NONFINITE = _declare(
+    "step_nonfinite",
+    "worker",
+    "step producer streak skipped",
+    "rank 0: a step with inf/NaN gradients was skipped on every rank (producer: the first rank "
+    "whose loss was not finite, -1 if none)",
+)
+ROLLED_BACK = _declare(
+    "rolled_back",
+    "worker",
+    "step to_step reason",
+    "every rank loaded the newest checkpoint (non-finite steps, or replicas without a "
+    "majority); to_step is None when there was none",
+)
+REPLICA_REPAIRED = _declare(
+    "replica_repaired",
+    "worker",
+    "step source corrupt",
+    "a rank whose replica differed from the majority's took the state of rank source",
+)
+BIT_FLIPPED = _declare(
+    "bit_flipped",
+    "worker",
+    "step param index bit",
+    "chaos's corrupt_replica: this worker flipped one bit of a parameter (chaos.allow)",
+)
 STRAGGLER_KEPT = _declare(
     "straggler_kept",
     "agent",

@@ -101,16 +101,23 @@ class TrainState:
         for group in self.optimizer.param_groups:
             group.update(settings)
 
-    def digest(self) -> str:
-        """sha256 of the parameters and the optimizer state: equal on every replica, bit for bit.
+    def replicated(self) -> dict[str, torch.Tensor]:
+        """The parameters and the optimizer state: what is equal on every replica, bit for bit.
 
         Batch-norm statistics are left out on purpose: DDP runs with ``broadcast_buffers=False``,
         so they are per replica between syncs.
         """
+        return {
+            name: t
+            for name, t in self.tensors().items()
+            if name.startswith("optim.") or name[len("model.") :] in self._param_names
+        }
+
+    def digest(self) -> str:
+        """sha256 of :meth:`replicated`: the ``state_digest`` events' replica check."""
         h = hashlib.sha256()
-        for name, t in self.tensors().items():
-            if name.startswith("optim.") or name[len("model.") :] in self._param_names:
-                h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        for t in self.replicated().values():
+            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()[:16]
 
     def fingerprint(self) -> str:

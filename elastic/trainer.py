@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.nn.parallel import DistributedDataParallel
@@ -45,9 +46,17 @@ from elastic.evaluate import average_bn_stats, due_evaluation, evaluate, use_las
 from elastic.events import EventLog
 from elastic.lr_policy import LRPolicy
 from elastic.model import build_model
+from elastic.nonfinite import (
+    BufferBackup,
+    NonFiniteSteps,
+    Verdict,
+    first_producer,
+    gradients_finite,
+)
 from elastic.optim import build_optimizer, step_settings
 from elastic.pipeline import DeviceDecoder, Prefetcher, loader_workers, make_loader
 from elastic.precision import MixedPrecision, dtype_of, resolve_channels_last, resolve_precision
+from elastic.replicas import checksum, judge
 from elastic.sampler import ElasticSampler, StepPlan
 from elastic.state import Progress, TrainState, sync_state
 from elastic.stragglers import StragglerWatch
@@ -181,6 +190,10 @@ class Worker:
     progress: Progress | None = None  # None until this process holds a state
     trained_round: int = -1  # the round this state was last trained or synced in
     interrupted_at: float | None = None  # when the previous round broke for this worker
+    nonfinite: NonFiniteSteps = field(default_factory=lambda: NonFiniteSteps(3))
+    flip_bit: threading.Event = field(default_factory=threading.Event)  # chaos: SIGUSR1
+    poisoned: set[int] = field(default_factory=set)  # chaos.nan_steps already made NaN
+    buffers: BufferBackup | None = None  # the model's buffers before the step in flight
 
 
 def main() -> int:
@@ -245,6 +258,10 @@ def main() -> int:
         saver=BackgroundSaver(events),
         tensors=state.tensors() | precision.tensors(),
     )
+    w.nonfinite = NonFiniteSteps(cfg.health.nonfinite_rollback)
+    w.buffers = BufferBackup(model)
+    if cfg.chaos.allow:  # python -m chaos's corrupt_replica: flip a bit between two steps
+        signal.signal(signal.SIGUSR1, lambda signum, frame: w.flip_bit.set())
     # All built so far lives as long as the worker (torch's modules included, about 350,000
     # objects): moved out of the collector's reach, a full collection no longer scans it, which
     # paused the training thread and a background save 0.16-0.19 s at random.
@@ -313,15 +330,61 @@ class RoundStart:
 def train_round(w: Worker, a: Assignment) -> None:
     """Enter round ``a`` (:func:`enter_round`: its group, the newest state any rank holds, the
     LR for its world size), wrap DDP, then train step by step from where the state says until
-    the job is trained; a collective."""
+    the job is trained; a collective. A rollback (:func:`roll_back`) starts the steps again
+    from the checkpoint it loaded."""
     cfg, events, rank, world = w.cfg, w.events, a.rank, a.world_size
     ckpt = CheckpointManager(cfg.checkpoint.url, cfg.checkpoint.keep, events, w.comm.collective)
     start = enter_round(w, a, ckpt)
-    global_batch = start.global_batch
     # An evaluation the previous round broke off, or the end's when nothing is left to train.
     progress = saved = maybe_evaluate(w, a, start.progress)
-
     ddp = w.comm.wrap(w.state.model)
+    first_step = True
+    while True:
+        progress, saved, first_step, rolled_back = train_steps(
+            w, a, ddp, ckpt, start, progress, saved, first_step
+        )
+        if not rolled_back:
+            break
+
+    trained = progress.step > start.progress.step
+    # A round that trained nothing, on a state received from memory, may follow one that was
+    # left while it wrote its last checkpoint (abandoned): then that step is saved here.
+    if progress != saved or (
+        not trained and start.source >= 0 and not ckpt.committed(progress.step)
+    ):
+        save(w, ckpt, progress, a, 0.0)
+    w.link.status["phase"] = "finishing"  # waits for the last save and the peers: not frozen
+    w.saver.wait(lambda: w.comm.aborted)
+    events.emit(ev.STATE_DIGEST, step=progress.step, digest=w.state.digest())
+    if rank == 0:
+        events.emit(
+            ev.TRAINING_DONE,
+            step=progress.step,
+            samples_seen=progress.samples_seen,
+            world_size=world,
+        )
+    # No rank ends before every rank has got here, rank 0 with its record of the end: a rank
+    # that ended while a peer was pulled into a newer round (a node joining at the last step)
+    # would have its node mark the job done, and the job would end unrecorded and the last
+    # checkpoint uncommitted. Past this point, the job's end is written.
+    w.comm.barrier("the end of training")
+
+
+def train_steps(
+    w: Worker,
+    a: Assignment,
+    ddp: DistributedDataParallel,
+    ckpt: CheckpointManager,
+    start: RoundStart,
+    progress: Progress,
+    saved: Progress,
+    first_step: bool,
+) -> tuple[Progress, Progress, bool, bool]:
+    """Train from ``progress`` to the end of the job; returns the progress, the last saved one,
+    whether the first step is still to come, and whether the ranks rolled back (then the steps
+    start again from the progress returned)."""
+    cfg, events, rank, world = w.cfg, w.events, a.rank, a.world_size
+    global_batch = progress.global_batch
     remaining = w.total - progress.samples_seen
     batches = w.sampler.batches(progress.sampler, rank, world, remaining, global_batch)
     decoder = w.decoder
@@ -329,11 +392,12 @@ def train_round(w: Worker, a: Assignment) -> None:
     loader = make_loader(w.dataset, batches, w.loader_workers, w.device, collate)
     t_log, samples_log = time.perf_counter(), progress.samples_seen
     t_saved, step_saved = t_log, progress.step  # for the step time the next save reports
-    first_step = True
     watch, computed = straggler_watch(cfg.health, world), []
     for images, targets in Prefetcher(loader, w.device, w.channels_last, decoder):
         if w.comm.aborted or w.link.switch_due(progress.step):
             raise RoundAborted("a new round was announced")
+        if w.flip_bit.is_set():
+            flip_one_bit(w, progress.step)
         plan = w.sampler.plan(
             progress.sampler, rank, world, w.total - progress.samples_seen, global_batch
         )
@@ -349,15 +413,28 @@ def train_round(w: Worker, a: Assignment) -> None:
         lr = w.policy.lr(progress.samples_seen, global_batch, progress.ramp)
         w.state.apply({"lr": lr, **step_settings(cfg.optim, progress.samples_seen, len(w.dataset))})
         w.link.status.update(phase="step", step=progress.step + 1)
-        loss, taken = train_step(w, ddp, images, targets, plan, world)
+        poison = poisoned(w, rank, progress.step + 1)
+        loss, taken, finite = train_step(w, ddp, images, targets, plan, world, poison)
         progress = progress.after(plan, w.sampler.advance(progress.sampler, plan), world, lr)
         w.progress = progress
-        if watch is not None:  # after the step is recorded: an abort here loses nothing
+        # After the step is recorded: an abort in these collectives loses nothing.
+        if finite:
+            w.nonfinite.update(True)
+        elif skip_nonfinite(w, a, loss, progress.step) is Verdict.ROLL_BACK:
+            back = roll_back(w, a, ckpt, progress, "non-finite steps in a row")
+            if back is not None:
+                return back, back, first_step, True
+        if watch is not None:
             computed.append(w.comm.last_compute_s)
             if progress.step % cfg.health.straggler_every == 0:
                 compare_compute(w, a, watch, computed, progress.step)
                 computed = []
-        if rank == 0 and not taken:
+        every = cfg.health.replica_check_every
+        if every and world > 1 and progress.step % every == 0 and not check_replicas(w, a):
+            back = roll_back(w, a, ckpt, progress, "replicas differ, and no majority agrees")
+            if back is not None:
+                return back, back, first_step, True
+        if rank == 0 and not taken and finite:
             events.emit(
                 ev.STEP_SKIPPED,
                 f"step {progress.step}: inf/nan in the fp16 gradients; the optimizer step was "
@@ -388,34 +465,14 @@ def train_round(w: Worker, a: Assignment) -> None:
             )
             t_log, samples_log = now, progress.samples_seen
         progress = maybe_evaluate(w, a, progress)  # before the save, which records it
-        if progress.step % checkpoint_every(cfg.checkpoint, progress) == 0:
+        # No save within a run of non-finite steps: its state may be spoiled (batch norm).
+        due = progress.step % checkpoint_every(cfg.checkpoint, progress) == 0
+        if due and w.nonfinite.streak == 0:
             now = time.perf_counter()
             step_s = (now - t_saved) / max(1, progress.step - step_saved)
             progress = w.progress = save(w, ckpt, progress, a, step_s)
             saved, t_saved, step_saved = progress, now, progress.step
-
-    trained = progress.step > start.progress.step
-    # A round that trained nothing, on a state received from memory, may follow one that was
-    # left while it wrote its last checkpoint (abandoned): then that step is saved here.
-    if progress != saved or (
-        not trained and start.source >= 0 and not ckpt.committed(progress.step)
-    ):
-        save(w, ckpt, progress, a, 0.0)
-    w.link.status["phase"] = "finishing"  # waits for the last save and the peers: not frozen
-    w.saver.wait(lambda: w.comm.aborted)
-    events.emit(ev.STATE_DIGEST, step=progress.step, digest=w.state.digest())
-    if rank == 0:
-        events.emit(
-            ev.TRAINING_DONE,
-            step=progress.step,
-            samples_seen=progress.samples_seen,
-            world_size=world,
-        )
-    # No rank ends before every rank has got here, rank 0 with its record of the end: a rank
-    # that ended while a peer was pulled into a newer round (a node joining at the last step)
-    # would have its node mark the job done, and the job would end unrecorded and the last
-    # checkpoint uncommitted. Past this point, the job's end is written.
-    w.comm.barrier("the end of training")
+    return progress, saved, first_step, False
 
 
 def enter_round(w: Worker, a: Assignment, ckpt: CheckpointManager) -> RoundStart:
@@ -438,25 +495,9 @@ def enter_round(w: Worker, a: Assignment, ckpt: CheckpointManager) -> RoundStart
     synced_at = time.time()
     w.events.emit(ev.STATE_SYNCED, step=progress.step, source=source, digest=w.state.digest())
 
-    global_batch = w.policy.global_batch(a.world_size, progress.global_batch)
-    resized = bool(progress.global_batch) and progress.global_batch != global_batch
-    progress = replace(progress, global_batch=global_batch)
-    if resized:
-        ramp = w.policy.after_resize(progress.samples_seen, progress.lr, global_batch)
-        progress = progress.with_ramp(ramp)
+    progress = fit_world(w, a, progress)
+    global_batch = progress.global_batch
     lr = w.policy.lr(progress.samples_seen, global_batch, progress.ramp)
-    if a.rank == 0 and resized:
-        w.events.emit(
-            ev.LR_CHANGED,
-            reason="world_size",
-            optimizer=str(w.cfg.optim.name),
-            old_world_size=progress.world_size,
-            world_size=a.world_size,
-            old_lr=progress.lr,
-            lr=lr,
-            ramp_samples=w.policy.resize_warmup_samples if progress.ramp else 0,
-            policy=w.policy.policy,
-        )
     if a.rank == 0:
         w.events.emit(
             ev.TRAINING_STARTED,
@@ -470,6 +511,32 @@ def enter_round(w: Worker, a: Assignment, ckpt: CheckpointManager) -> RoundStart
             global_batch=global_batch,
         )
     return RoundStart(progress, global_batch, source, assigned_at, pg_ready_at, synced_at)
+
+
+def fit_world(w: Worker, a: Assignment, progress: Progress) -> Progress:
+    """``progress`` with the global batch the LR policy gives round ``a``'s world size, ramped
+    (and the change logged) when that world differs from the one the state last trained in."""
+    global_batch = w.policy.global_batch(a.world_size, progress.global_batch)
+    resized = bool(progress.global_batch) and progress.global_batch != global_batch
+    progress = replace(progress, global_batch=global_batch)
+    if not resized:
+        return progress
+    progress = progress.with_ramp(
+        w.policy.after_resize(progress.samples_seen, progress.lr, global_batch)
+    )
+    if a.rank == 0:
+        w.events.emit(
+            ev.LR_CHANGED,
+            reason="world_size",
+            optimizer=str(w.cfg.optim.name),
+            old_world_size=progress.world_size,
+            world_size=a.world_size,
+            old_lr=progress.lr,
+            lr=w.policy.lr(progress.samples_seen, global_batch, progress.ramp),
+            ramp_samples=w.policy.resize_warmup_samples if progress.ramp else 0,
+            policy=w.policy.policy,
+        )
+    return progress
 
 
 def report_recovery(w: Worker, a: Assignment, start: RoundStart, step: int) -> None:
@@ -556,10 +623,13 @@ def train_step(
     targets: torch.Tensor,
     plan: StepPlan,
     world: int,
-) -> tuple[float, bool]:
-    """One optimizer step on this rank's share of the global batch; returns its mean loss and
-    whether the optimizer stepped (an fp16 step with inf/nan gradients is skipped, on every
-    rank alike: see :class:`elastic.precision.MixedPrecision`).
+    poison: bool = False,
+) -> tuple[float, bool, bool]:
+    """One optimizer step on this rank's share of the global batch; returns its mean loss,
+    whether the optimizer stepped, and whether the averaged gradients were finite. A step with
+    inf/nan gradients is skipped on every rank alike: by fp16's loss scaler
+    (:class:`elastic.precision.MixedPrecision`), else by :mod:`elastic.nonfinite`. ``poison``
+    (chaos.nan_steps) makes this rank's loss NaN.
 
     The share is split into micro-batches of at most ``data.batch_size`` (more than one only under
     ``keep_global_batch`` on a smaller world); gradients accumulate locally and are all-reduced
@@ -571,6 +641,8 @@ def train_step(
     weight = (torch.arange(len(plan.indices), device=w.device) < plan.real).float()
     weight *= world / plan.global_count
     w.state.optimizer.zero_grad(set_to_none=True)
+    assert w.buffers is not None
+    w.buffers.save()
     w.comm.begin_step()
     total = 0.0
     parts = zip(
@@ -581,11 +653,129 @@ def train_step(
         with ddp.no_sync() if i < n - 1 else contextlib.nullcontext():
             with w.precision.autocast():
                 per_sample = F.cross_entropy(ddp(x), y, reduction="none", label_smoothing=smoothing)
+            if poison:
+                per_sample = per_sample * float("nan")
             w.precision.backward((per_sample * wt).sum())
         total += (per_sample.detach().float() * (wt > 0)).sum().item()
-    taken = w.precision.step(w.state.optimizer)
+    scaled = w.precision.scaler.is_enabled()  # then the scaler judges the gradients
+    finite = scaled or gradients_finite(w.state.model.parameters())
+    taken = finite and w.precision.step(w.state.optimizer)
+    if not taken:
+        w.buffers.restore()  # a skipped step leaves no trace, batch-norm statistics included
     w.comm.end_step()
-    return total / plan.real, taken
+    return total / plan.real, taken, finite
+
+
+def poisoned(w: Worker, rank: int, step: int) -> bool:
+    """Whether chaos.nan_steps makes this rank's loss NaN at ``step``: each listed step once,
+    on rank chaos.nan_rank, so that the steps a rollback trains again are clean."""
+    c = w.cfg.chaos
+    if rank != c.nan_rank or step not in c.nan_steps or step in w.poisoned:
+        return False
+    w.poisoned.add(step)
+    return True
+
+
+def skip_nonfinite(w: Worker, a: Assignment, loss: float, step: int) -> Verdict:
+    """A step whose averaged gradients were not finite, skipped on every rank: find the first
+    rank whose loss was not finite (one small all-reduce), count it, and say so (rank 0). After
+    ``health.nonfinite_rollback`` in a row, the rank that produced every one of them has its
+    node struck (:mod:`elastic.nonfinite`)."""
+    flags = torch.zeros(a.world_size, dtype=torch.float64, device=w.device)
+    flags[a.rank] = 0.0 if math.isfinite(loss) else 1.0
+    w.comm.all_reduce(flags, "non-finite step")
+    producer = first_producer(flags.tolist())
+    verdict = w.nonfinite.update(False, producer)
+    if a.rank == 0:
+        who = f"rank {producer}'s loss" if producer >= 0 else "the gradients (no rank's loss)"
+        w.events.emit(
+            ev.STEP_NONFINITE,
+            f"step {step}: {who} not finite; the optimizer step was skipped on every rank "
+            f"({w.nonfinite.streak} in a row, {w.nonfinite.skipped} in all)",
+            level=logging.WARNING,
+            step=step,
+            producer=producer,
+            streak=w.nonfinite.streak,
+            skipped=w.nonfinite.skipped,
+        )
+    if verdict is Verdict.ROLL_BACK and w.nonfinite.blamed() == a.rank:
+        w.link.channel.send(
+            "strike", reason=f"rank {a.rank} produced {w.nonfinite.streak} non-finite steps"
+        )
+    return verdict
+
+
+def roll_back(
+    w: Worker, a: Assignment, ckpt: CheckpointManager, progress: Progress, why: str
+) -> Progress | None:
+    """Load the newest checkpoint on every rank (a collective) because of ``why``; the progress
+    to train on from, or None (and training goes on) when there is no checkpoint yet."""
+    w.saver.wait(lambda: w.comm.aborted)  # a save in flight is the newest checkpoint
+    info = ckpt.restore(w.tensors)
+    w.nonfinite.rolled_back()
+    to_step = info.step if info else None
+    where = f"back to the checkpoint of step {to_step}" if info else "no checkpoint yet"
+    w.events.emit(  # by every rank: the invariants tell its attempts of a step apart by it
+        ev.ROLLED_BACK,
+        f"step {progress.step}: {why}; {where}" if a.rank == 0 else None,
+        level=logging.WARNING,
+        step=progress.step,
+        to_step=to_step,
+        reason=why,
+    )
+    if info is None:
+        return None
+    restored = Progress.from_dict(info.manifest["progress"])
+    w.progress = fit_world(w, a, restored)
+    return w.progress
+
+
+def check_replicas(w: Worker, a: Assignment) -> bool:
+    """Compare every rank's checksum of its parameters and optimizer state (one all-reduce of
+    one integer per rank, :mod:`elastic.replicas`); a minority takes the state of a majority
+    rank (a broadcast) and its node gets a strike. False when no majority agrees: the caller
+    rolls back."""
+    replicated = w.state.replicated()
+    names = sorted(replicated)
+    sums = torch.zeros(a.world_size, dtype=torch.int64, device=w.device)
+    sums[a.rank] = checksum(replicated, names)
+    w.comm.all_reduce(sums, "replica check")
+    verdict = judge(sums.tolist())
+    if verdict.agree:
+        return True
+    if verdict.roll_back:
+        return False
+    with w.comm.collective("replica repair"):
+        dist._broadcast_coalesced(  # DDP's own bucketed broadcast, as a state sync
+            dist.distributed_c10d._get_default_group(),
+            [replicated[n] for n in names],
+            64 * 1024 * 1024,
+            verdict.source,
+        )
+    if a.rank in verdict.corrupt:
+        w.events.emit(
+            ev.REPLICA_REPAIRED,
+            f"rank {a.rank}'s parameters or optimizer state differed from the majority's; "
+            f"repaired from rank {verdict.source}",
+            level=logging.ERROR,
+            step=w.progress.step if w.progress else 0,
+            source=verdict.source,
+            corrupt=list(verdict.corrupt),
+        )
+        w.link.channel.send("strike", reason=f"rank {a.rank}'s replica was corrupt")
+    return True
+
+
+def flip_one_bit(w: Worker, step: int) -> None:
+    """chaos's corrupt_replica (SIGUSR1, only with chaos.allow): flip one bit of the first
+    element of the largest parameter, as a memory fault would; between two steps, so that no
+    collective sees half of it."""
+    w.flip_bit.clear()
+    name, param = max(w.state.model.named_parameters(), key=lambda np: np[1].numel())
+    with torch.no_grad():
+        words = param.data.view(-1).view(torch.int32)
+        words[0] ^= 1 << 20  # a mantissa bit: visible to a checksum, harmless to training
+    w.events.emit(ev.BIT_FLIPPED, step=step, param=name, index=0, bit=20)
 
 
 def straggler_watch(cfg: config.HealthConfig, world: int) -> StragglerWatch | None:

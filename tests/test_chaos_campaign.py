@@ -38,7 +38,8 @@ def test_a_scripted_campaign_keeps_the_invariants_and_reports_each_fault_and_the
     tmp_path: Path,
 ) -> None:
     """A node killed and started again, one of three etcd members lost for 3 s, a worker
-    killed, a shard of the newest checkpoint corrupted, a node frozen and thawed, a node slowed
+    killed, a shard of the newest checkpoint corrupted, a bit flipped in a worker's parameters
+    (found and repaired by the replica check), a node frozen and thawed, a node slowed
     to half its CPU (and named a straggler, comparisons every 2 steps), a planned leave and
     return (conf/campaign/scripted.yaml), on a 3-node job."""
     code, out = chaos(
@@ -59,12 +60,15 @@ def test_a_scripted_campaign_keeps_the_invariants_and_reports_each_fault_and_the
         "etcd",
         "worker SIGKILL",
         "checkpoint",
+        "replica SIGUSR1",
         "node SIGSTOP",
         "slow_node",
         "node SIGTERM",
     ], report
     assert report["skipped"] == []
-    slow = report["faults"][5]
+    flipped = report["faults"][4]
+    assert "repaired" in flipped["breakdown"], flipped  # by the next replica check
+    slow = report["faults"][6]
     assert slow["detected_s"] is not None and slow["detected_s"] < 8, slow  # named, in time
     assert "evicted" not in slow["breakdown"]  # health.straggler=warn
     for f in report["faults"]:

@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from chaos.injectors import (
+    corrupt_replica,
     kill_agent,
     kill_node,
     kill_worker,
@@ -906,4 +907,49 @@ def test_a_slow_node_names_itself_a_straggler_is_evicted_and_rejoins_after_its_q
     print(
         f"straggler after {said['ts'] - began:.1f} s, quarantined after "
         f"{evicted['ts'] - began:.1f} s, back after {back['ts'] - began:.1f} s"
+    )
+
+
+def test_a_flipped_bit_is_repaired_and_non_finite_steps_are_skipped_then_rolled_back(
+    tmp_path: Path,
+) -> None:
+    """Two faults of a degraded node in one 3-node job. A bit flipped in one worker's parameters
+    (chaos's corrupt_replica) is found by the next replica check and repaired from the majority;
+    rank 1's loss made NaN at step 6 skips that step on every rank, and at steps 21-23 rolls the
+    job back to its newest checkpoint and strikes rank 1's node. The invariants hold."""
+    run_dir = tmp_path / "run"
+    proc = launch(
+        run_dir,
+        "cluster.nodes=3",
+        "trainer.epochs=4",
+        "health.replica_check_every=5",
+        "health.nonfinite_rollback=3",
+        "chaos.allow=true",
+        "chaos.nan_steps=[6,21,22,23]",
+        "chaos.nan_rank=1",
+        RECORD,
+    )
+    wait_event(run_dir, proc, lambda e: e["event"] == "step_nonfinite" and e["step"] == 6)
+    target = other_node(run_dir, 3)
+    flipped_at = corrupt_replica(run_dir, target)
+    flipped = wait_event(run_dir, proc, lambda e: e["event"] == "bit_flipped", flipped_at)
+    repaired = wait_event(run_dir, proc, lambda e: e["event"] == "replica_repaired", flipped_at)
+    rolled = wait_event(run_dir, proc, lambda e: e["event"] == "rolled_back")
+    assert wait_exit(proc, run_dir) == 0, output(run_dir)[-3000:]
+    events = assert_invariants(run_dir, epochs=4)
+
+    assert flipped["node"] == target and repaired["node"] == target, (flipped, repaired)
+    assert repaired["step"] % 5 == 0 and repaired["step"] - flipped["step"] <= 5
+    skipped = [e for e in events if e["event"] == "step_nonfinite"]
+    assert [(e["step"], e["producer"]) for e in skipped] == [(s, 1) for s in (6, 21, 22, 23)]
+    assert rolled["step"] == 23 and rolled["to_step"] in (15, 20), rolled
+    rank1 = next(e["node"] for e in events if e["event"] == "state_synced" and e["rank"] == 1)
+    reasons = [e["reason"] for e in events if e["event"] == "strike"]
+    assert "rank 1 produced 3 non-finite steps" in reasons, reasons
+    assert f"rank {repaired['rank']}'s replica was corrupt" in reasons, reasons
+    assert {e["node"] for e in events if e["event"] == "strike"} <= {rank1, target}
+    print(
+        f"bit flipped at step {flipped['step']}, repaired at step {repaired['step']} "
+        f"{repaired['ts'] - flipped['ts']:.2f} s later; rolled back from step 23 to "
+        f"{rolled['to_step']}"
     )

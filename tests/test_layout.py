@@ -13,10 +13,13 @@ module is imported in a fresh interpreter to see what it loads.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+from elastic import config
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("elastic", "launcher")
@@ -136,6 +139,9 @@ def test_the_role_check_sees_an_upward_import() -> None:
     assert "launcher.agent" not in MAY_IMPORT[role_of("launcher.rendezvous.leader")]
 
 
+CHAOS_KEYS = {f.name for f in dataclasses.fields(config.ChaosConfig)}
+
+
 def chaos_uses(path: Path) -> list[str]:
     """Where the module at ``path`` imports ``chaos`` or names one of its modules in a string
     (the ``-m`` argument of a child process): ``line: what``."""
@@ -146,8 +152,10 @@ def chaos_uses(path: Path) -> list[str]:
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
             names = [node.module or ""]
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-            # A module path, not the word: "chaos" is also the role of fault events.
-            names = [node.value] if re.fullmatch(r"chaos(\.\w+)+", node.value) else []
+            # A module path, not the word ("chaos" is also the role of fault events) nor a key
+            # of the job's chaos settings (chaos.allow).
+            path = re.fullmatch(r"chaos(\.\w+)+", node.value)
+            names = [node.value] if path and node.value.split(".")[1] not in CHAOS_KEYS else []
         else:
             continue
         found += [f"{node.lineno}: {n}" for n in names if n == "chaos" or n.startswith("chaos.")]

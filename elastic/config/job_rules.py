@@ -104,3 +104,17 @@ def checkpoint_problems(cfg: Config) -> Iterator[str]:
             f"fsspec cannot write there ({exc})",
             "use a file:// URL or install the fsspec backend for that scheme",
         )
+
+
+def chaos_problems(cfg: Config) -> Iterator[str]:
+    """Test hooks that break a job on purpose need chaos.allow."""
+    c = cfg.chaos
+    if c.nan_steps and not c.allow:
+        yield problem(
+            "chaos.nan_steps",
+            list(c.nan_steps),
+            "makes a rank's loss NaN on purpose, a test hook",
+            "set chaos.allow=true to inject them, or chaos.nan_steps=[]",
+        )
+    if c.nan_rank < 0:
+        yield problem("chaos.nan_rank", c.nan_rank, "no such rank", "set a rank of the job, e.g. 0")

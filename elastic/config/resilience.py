@@ -6,7 +6,7 @@ and how one that keeps failing is kept out, and whether the agents carry out fau
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from elastic.config.schema import ANY_MINIMUM, SECONDS, Choice, bounded
 
@@ -112,6 +112,19 @@ class HealthConfig:
     straggler_windows: int = bounded(
         3, ge=1, fix="set health.straggler_windows=3 (comparisons in a row)"
     )
+    # Silent corruption: every replica_check_every steps the ranks compare a checksum of their
+    # parameters and optimizer state (one all-reduce of an integer per rank); a minority is
+    # repaired from the majority and struck, and without a majority the job rolls back to its
+    # newest checkpoint (elastic/replicas.py). 0: off.
+    replica_check_every: int = bounded(
+        50, ge=0, fix="set health.replica_check_every=50 (steps; 0: off)"
+    )
+    # Non-finite steps (inf or NaN gradients) are skipped on every rank; this many in a row roll
+    # the job back to its newest checkpoint and strike the node that produced them all
+    # (elastic/nonfinite.py). fp16's loss scaler handles its own overflows.
+    nonfinite_rollback: int = bounded(
+        3, ge=1, fix="set health.nonfinite_rollback=3 (skipped steps in a row)"
+    )
     # GPU health while training: every gpu_watch_s seconds the agent reads NVML (XIDs,
     # uncorrectable ECC errors, pages pending retirement or remapping, slowdown); a GPU that
     # broke makes the node leave as planned (launcher/health/gpu_watch.py). 0: off.
@@ -135,3 +148,8 @@ class ChaosConfig:
     """
 
     allow: bool = False
+    # Test hooks, honoured only with allow=true: the loss of rank nan_rank is NaN at each of
+    # these steps (once each; a rollback trains them again cleanly). python -m chaos's
+    # corrupt_replica (SIGUSR1 to a worker) also needs allow=true.
+    nan_steps: list[int] = field(default_factory=list)
+    nan_rank: int = 0

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 
 from elastic.config.job import Config
 from elastic.config.job_rules import (
+    chaos_problems,
     checkpoint_problems,
     cluster_problems,
     job_id_problems,
@@ -36,6 +37,7 @@ RULES: tuple[Rule, ...] = (
     optim_problems,
     comm_problems,
     checkpoint_problems,
+    chaos_problems,
     model_problems,
 )
 

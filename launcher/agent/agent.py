@@ -38,6 +38,7 @@ from launcher.agent.inbox import (
     WorkerLeaving,
     WorkerPeerLost,
     WorkerStraggler,
+    WorkerStrike,
 )
 from launcher.agent.parts import Node, assemble, connect_etcd, start_workers
 from launcher.agent.peers import PROBE_AGAIN_S
@@ -197,6 +198,9 @@ class Agent:
             self.faults.take(msg.request_id, msg.request)
         elif isinstance(msg, WorkerStraggler):
             self._on_straggler(msg)
+        elif isinstance(msg, WorkerStrike):
+            # A quarantine it leads to drains the node, as an operator's would.
+            self.admission.strike(msg.reason)
         elif isinstance(msg, GpuFault) and not self.sentenced:
             # A broken GPU leaves whatever the job's size: a hang or corrupt gradients are worse.
             self.sentenced = self.admission.sentence(f"a GPU broke while training: {msg.reason}")

@@ -6,9 +6,9 @@ on the inbox alone, with a timeout for what only time reveals. Most messages are
 they are about stays the truth of its owner (a slot's exit code, the rendezvous's view), read
 when the agent wakes, so a message about a worker replaced meanwhile does no harm. What exists
 only as a message is carried in it: a signal, a fault request, the round of a failed collective,
-the step after which a leaving worker can stop, a worker's finding that it straggles, a broken
-GPU. The queue's
-``put`` is reentrant, so a signal handler may post while the main thread is inside ``get``.
+the step after which a leaving worker can stop, a worker's finding that it straggles or that its
+node is at fault, a broken GPU. The queue's ``put`` is reentrant, so a signal handler may post
+while the main thread is inside ``get``.
 """
 
 from __future__ import annotations
@@ -53,6 +53,15 @@ class WorkerStraggler:
 
 
 @dataclass(frozen=True)
+class WorkerStrike:
+    """The worker of ``local_rank`` found its node at fault while training (a corrupt replica,
+    a run of non-finite steps): a strike, for ``reason``."""
+
+    local_rank: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class WorkerExited:
     """The worker process of ``local_rank`` exited."""
 
@@ -92,6 +101,7 @@ Message = (
     | WorkerPeerLost
     | WorkerLeaving
     | WorkerStraggler
+    | WorkerStrike
     | WorkerExited
     | Signal
     | FaultRequested

@@ -35,6 +35,7 @@ from launcher.agent.inbox import (
     WorkerPeerLost,
     WorkerReady,
     WorkerStraggler,
+    WorkerStrike,
 )
 from launcher.agent.watchdog import Watchdog
 
@@ -113,6 +114,8 @@ class WorkerSlot:
             self._post(WorkerLeaving(rank, int(msg["after_step"])))
         elif kind == "straggler":
             self._post(WorkerStraggler(rank, int(msg["step"]), float(msg["slowdown"])))
+        elif kind == "strike":
+            self._post(WorkerStrike(rank, str(msg["reason"])))
         elif kind == "finished":
             with self._lock:
                 self.finished_in = int(msg["round"])

@@ -1,0 +1,85 @@
+"""The pure parts of elastic/nonfinite.py and elastic/replicas.py: verdicts, checksums, backups."""
+
+from __future__ import annotations
+
+import torch
+
+from elastic.nonfinite import (
+    BufferBackup,
+    NonFiniteSteps,
+    Verdict,
+    first_producer,
+    gradients_finite,
+)
+from elastic.replicas import ReplicaVerdict, checksum, judge
+
+
+def test_non_finite_steps_are_skipped_and_a_run_of_them_rolls_back() -> None:
+    steps = NonFiniteSteps(rollback_after=3)
+    assert steps.update(False, producer=1) is Verdict.SKIP
+    assert steps.update(True) is Verdict.TRAIN and steps.streak == 0  # a good step ends a run
+    assert [steps.update(False, 2) for _ in range(3)] == [
+        Verdict.SKIP,
+        Verdict.SKIP,
+        Verdict.ROLL_BACK,
+    ]
+    assert steps.skipped == 4 and steps.blamed() == 2
+    steps.rolled_back()
+    assert steps.streak == 0 and steps.blamed() == -1
+    steps.update(False, 2)
+    steps.update(False, 0)
+    assert steps.blamed() == -1  # two ranks: no one is blamed
+    steps.rolled_back()
+    steps.update(False, -1)
+    assert steps.blamed() == -1  # the gradients alone: no rank named
+
+
+def test_the_first_producer_is_the_first_rank_whose_loss_was_not_finite() -> None:
+    assert first_producer([0.0, 1.0, 1.0]) == 1
+    assert first_producer([0.0, 0.0]) == -1
+
+
+def test_gradients_are_finite_until_one_holds_a_nan_or_an_inf() -> None:
+    model = torch.nn.Linear(4, 2)
+    model(torch.ones(1, 4)).sum().backward()
+    assert gradients_finite(model.parameters())
+    assert model.bias.grad is not None
+    model.bias.grad[0] = float("inf")
+    assert not gradients_finite(model.parameters())
+    model.bias.grad[0] = float("nan")
+    assert not gradients_finite(model.parameters())
+
+
+def test_a_skipped_step_puts_the_batch_norm_statistics_back() -> None:
+    model = torch.nn.BatchNorm1d(3)
+    backup = BufferBackup(model)
+    before = [b.clone() for b in model.buffers()]
+    backup.save()
+    model(torch.full((4, 3), float("nan")))  # a forward through a NaN spoils them
+    assert torch.isnan(model.running_mean).all()
+    backup.restore()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.buffers(), strict=True))
+
+
+def test_the_checksum_is_equal_for_equal_bytes_and_changed_by_one_flipped_bit() -> None:
+    tensors = {
+        "w": torch.randn(1000),
+        "h": torch.randn(10).half(),
+        "n": torch.tensor(7, dtype=torch.int64),
+    }
+    names = sorted(tensors)
+    copy = {k: v.clone() for k, v in tensors.items()}
+    assert checksum(tensors, names) == checksum(copy, names)
+    copy["w"].view(torch.int32)[123] ^= 1 << 20
+    assert checksum(tensors, names) != checksum(copy, names)
+    # Two tensors swapped are another state, and another checksum.
+    swapped = {"a": torch.ones(3), "b": torch.zeros(3)}
+    assert checksum(swapped, ["a", "b"]) != checksum(swapped, ["b", "a"])
+
+
+def test_a_minority_is_repaired_from_the_majority_and_no_majority_rolls_back() -> None:
+    assert judge([5, 5, 5]).agree
+    assert judge([5, 9, 5, 5]) == ReplicaVerdict(corrupt=(1,), source=0)
+    assert judge([9, 5, 5]) == ReplicaVerdict(corrupt=(0,), source=1)
+    assert judge([5, 9]).roll_back  # two replicas: no telling which is right
+    assert judge([5, 5, 9, 9]).roll_back
