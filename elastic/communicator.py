@@ -110,6 +110,10 @@ class Communicator:
         self.buckets_this_step = 0  # hook calls since begin_step(): how far backward got
         self.buckets_per_step = 0  # hook calls of the last complete step
         self._step_began = self._handed_at = 0.0  # perf_counter: the step's start, its last bucket
+        # On a GPU the same two moments on the device's own timeline: the host only queues the
+        # kernels, so its clock would time the queueing, not a throttled GPU's compute.
+        self._marks: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        self._marked = False  # the last bucket's mark was recorded this step
         self.last_compute_s = 0.0  # the last step's compute time (see end_step)
         self._ddp: DistributedDataParallel | None = None  # this round's, until its buckets settle
         self.save_group: dist.ProcessGroup | None = None  # this round's, for checkpoint saves
@@ -333,6 +337,10 @@ class Communicator:
         self.buckets_this_step = 0
         self._step_began = time.perf_counter()
         self._handed_at = 0.0
+        if self.device.type == "cuda":
+            began, handed = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            began.record()
+            self._marks, self._marked = (began, handed), False
         with self._lock:
             self._works = [w for w in self._works if not w.is_completed()]
             # Completed futures are abort()'s no longer: kept, one per bucket per step would pile
@@ -348,9 +356,13 @@ class Communicator:
         rebuild here, as a recorded collective, leaves the forward with nothing to exchange.
         """
         self.buckets_per_step = self.buckets_this_step
-        # Compute time: until backward handed its last bucket to the all-reduce. (Measured on
-        # the host: on a GPU, kernels still queued then are counted in the wait instead.)
+        # Compute time: until backward handed its last bucket to the all-reduce; on a GPU by
+        # its events (the step's loss was read on the host, so they have completed).
         self.last_compute_s = (self._handed_at or time.perf_counter()) - self._step_began
+        if self._marks is not None and self._marked:
+            began, handed = self._marks
+            handed.synchronize()
+            self.last_compute_s = began.elapsed_time(handed) / 1000
         ddp, self._ddp = self._ddp, None
         if ddp is not None and torch.is_grad_enabled():
             with self.collective("DDP bucket rebuild"):
@@ -383,6 +395,9 @@ class Communicator:
         with self._lock:
             self.buckets_this_step += 1
             self._handed_at = time.perf_counter()
+            if self._marks is not None:
+                self._marks[1].record()  # on the stream backward queued this bucket on
+                self._marked = True
         if self.aborted:
             return _failed(RoundAborted("the round was left"))
         buffer = bucket.buffer().div_(dist.get_world_size())

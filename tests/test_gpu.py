@@ -541,6 +541,7 @@ def _nccl_main(tmp: Path, found: Findings) -> None:
             "channels_last_batches": batches,
             "losses": losses,
             "buckets": comm.buckets_per_step,
+            "compute_s": comm.last_compute_s,  # timed by CUDA events
             "pending": len(comm._pending),
             "off_layout": off_layout(state.model),
             "failure": str(comm.failure) if comm.failure else None,
@@ -642,6 +643,7 @@ def test_a_round_on_nccl_trains_from_the_pinned_loader_in_channels_last(
     assert trained["precision"] in ("bf16", "fp32")
     assert all(math.isfinite(loss) for loss in trained["losses"])
     assert trained["buckets"] >= 1 and trained["failure"] is None
+    assert 0 < trained["compute_s"] < 10, trained  # the stragglers' compute time, on the GPU
     assert trained["off_layout"] == []  # DDP hands back gradients in the parameters' layout
     assert trained["pending"] <= trained["buckets"]  # the last step's; none kept from before
 
