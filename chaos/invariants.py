@@ -85,16 +85,16 @@ def attempts_of(events: list[dict[str, Any]]) -> dict[int, dict[tuple[int, int],
 
 def corrupt_windows(events: list[dict[str, Any]]) -> dict[tuple[str, int], list[tuple]]:
     """Per writer, from each bit chaos flipped in its parameters (``bit_flipped``) to the repair
-    of its replica (``replica_repaired``; never, if none came): its states differ from its
-    peers' there on purpose, and the replica check is what must end that."""
+    of its replica (``replica_repaired``) or a rollback (never, if neither came): its states
+    differ from its peers' there on purpose, and the replica check is what must end that."""
     windows: dict[tuple[str, int], list[tuple]] = defaultdict(list)
     for e in events:
         writer = (e.get("node", ""), e.get("pid", 0))
         if ev.BIT_FLIPPED.matches(e):
             windows[writer].append((e["ts"], float("inf")))
-        elif ev.REPLICA_REPAIRED.matches(e) and windows[writer]:
-            flipped, _ = windows[writer][-1]
-            windows[writer][-1] = (flipped, e["ts"])
+        elif (ev.REPLICA_REPAIRED.matches(e) or ev.ROLLED_BACK.matches(e)) and windows[writer]:
+            flipped, ended = windows[writer][-1]
+            windows[writer][-1] = (flipped, min(ended, e["ts"]))
     return windows
 
 

@@ -106,3 +106,19 @@ def test_a_step_rank_0_did_not_log_before_a_resize_is_replayed_in_its_own_world(
     assert lr_violations(events, cfg, per_epoch) == [
         f"step 5 (world 3): lr {after['lr']} != {ramped}"
     ]
+
+
+def test_a_flipped_bit_is_excused_until_its_repair_and_no_longer() -> None:
+    """States that differ because chaos flipped a bit are not two histories until the replica
+    check repairs it (or a rollback ends it); after that, a difference is one again."""
+
+    def at(ts: float, step: int, rank: int, before: str) -> dict[str, Any]:
+        return {**samples(ts, step, 1, rank, before, world=2), "node": f"n{rank}", "pid": rank}
+
+    flip = {"event": "bit_flipped", "ts": 1.5, "node": "n1", "pid": 1, "step": 1}
+    repair = {"event": "replica_repaired", "ts": 2.5, "node": "n1", "pid": 1, "step": 2}
+    first = [at(1.0, 1, 0, "a"), at(1.0, 1, 1, "a"), flip, at(2.0, 2, 0, "b"), at(2.0, 2, 1, "x")]
+    assert history_violations([*first, repair, at(3.0, 3, 0, "c"), at(3.0, 3, 1, "c")]) == []
+    late = [*first, repair, at(3.0, 3, 0, "c"), at(3.0, 3, 1, "y")]
+    assert history_violations(late) == ["step 3: the ranks of round 1 trained it from 2 states"]
+    assert history_violations(first) == []  # never repaired: the final digests tell
