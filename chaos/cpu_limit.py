@@ -27,9 +27,13 @@ MIN_CORES = 0.01
 
 
 class CpuLimit:
-    """A slow-down in force; :meth:`end` lifts it (processes that exited meanwhile are skipped)."""
+    """A slow-down in force; :meth:`add` extends it to new processes (a slow machine's new
+    workers are as slow), :meth:`end` lifts it (processes that exited meanwhile are skipped)."""
 
     how = ""
+
+    def add(self, procs: list[psutil.Process]) -> None:
+        raise NotImplementedError
 
     def end(self) -> None:
         raise NotImplementedError
@@ -38,9 +42,10 @@ class CpuLimit:
 class CgroupLimit(CpuLimit):
     """The processes in a cgroup of their own with a CPU quota."""
 
-    def __init__(self, group: Path, pids: list[int], quota_file: str, cores: float) -> None:
-        self.group, self.pids, self.quota_file = group, pids, quota_file
-        self.homes = {pid: _home(pid, group.parent) for pid in pids}
+    def __init__(
+        self, group: Path, procs: list[psutil.Process], quota_file: str, cores: float
+    ) -> None:
+        self.group, self.quota_file = group, quota_file
         quota = max(1000, int(cores * PERIOD_US))
         if quota_file == "cpu.max":  # v2: the parent hands the controller down
             with contextlib.suppress(OSError):
@@ -55,10 +60,17 @@ class CgroupLimit(CpuLimit):
         except OSError:
             group.rmdir()
             raise
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, OSError):
-                (group / "cgroup.procs").write_text(str(pid))
+        self.homes: dict[int, Path] = {}
+        self.add(procs)
         self.how = f"a CPU quota of {cores:.2f} cores ({group}/{quota_file})"
+
+    def add(self, procs: list[psutil.Process]) -> None:
+        for p in procs:
+            if p.pid in self.homes:
+                continue
+            with contextlib.suppress(ProcessLookupError, OSError):
+                self.homes[p.pid] = _home(p.pid, self.group.parent)
+                (self.group / "cgroup.procs").write_text(str(p.pid))
 
     def end(self) -> None:
         # The quota goes first: a task moved out of a throttled group can stay asleep until the
@@ -91,6 +103,10 @@ class DutyCycle(CpuLimit):
             self._done.wait(stop_s)
             self._each("resume")
             self._done.wait(run_s)
+
+    def add(self, procs: list[psutil.Process]) -> None:
+        known = {p.pid for p in self.procs}
+        self.procs = [*self.procs, *(p for p in procs if p.pid not in known)]
 
     def _each(self, action: str) -> None:
         for p in self.procs:
@@ -127,7 +143,7 @@ def limit_cpu(procs: list[psutil.Process], factor: float, name: str) -> CpuLimit
         if not group.exists():
             with contextlib.suppress(OSError):
                 cores = max(MIN_CORES, used_cores(procs) / factor)
-                return CgroupLimit(group, [p.pid for p in procs], quota_file, cores)
+                return CgroupLimit(group, procs, quota_file, cores)
     return DutyCycle(procs, factor)
 
 

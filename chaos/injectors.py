@@ -12,6 +12,7 @@ signal was sent, so recovery can be measured from the log alone: fault to first 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -118,6 +119,13 @@ def slow_node(run_dir: str | os.PathLike[str], node_id: str, factor: float) -> C
         pids=[p.pid for p in workers],
     )
     return limit
+
+
+def keep_slow(agent_pid: int, limit: CpuLimit) -> None:
+    """Extend a :func:`slow_node` to the workers its node's agent (``agent_pid``) started since
+    (a restart, a rejoin): the machine is what is slow."""
+    with contextlib.suppress(TargetNotFound, psutil.NoSuchProcess):
+        limit.add(process_tree(agent_pid, "the slow node's agent")[1:])
 
 
 def unslow_node(run_dir: str | os.PathLike[str], node_id: str, limit: CpuLimit) -> float:

@@ -42,6 +42,7 @@ from launcher.rendezvous.embedded_etcd import EmbeddedEtcd
 from launcher.rendezvous.keys import JobKeys
 
 POLL_S = 0.1  # how often the schedule is looked at: well under a step
+KEEP_SLOW_S = 1.0  # how often a slow node's new workers are slowed too
 RESTARTED_EXIT_S = 30.0  # how long a restarted agent may take to end after the job
 
 
@@ -71,6 +72,8 @@ class CampaignRunner:
     ballast: dict[Path, float] = field(default_factory=dict)  # file -> when it is removed
     cut: dict[tuple[str, FaultKind], float] = field(default_factory=dict)  # -> when it ends
     slowed: dict[str, tuple[CpuLimit, float]] = field(default_factory=dict)  # -> end
+    agents: dict[str, int] = field(default_factory=dict)  # node -> its newest agent's pid
+    kept_slow_at: float = 0.0
     number: int = 0  # faults struck or skipped so far
 
     def __post_init__(self) -> None:
@@ -89,6 +92,8 @@ class CampaignRunner:
         try:
             while running() and not trained:
                 for e in follower.poll():
+                    if ev.AGENT_STARTED.matches(e):
+                        self.agents[e["node"]] = e["pid"]
                     if ev.TRAINING_STARTED.matches(e) and started is None:
                         started = max(e["ts"], began)
                     elif ev.STEP.matches(e):
@@ -96,6 +101,11 @@ class CampaignRunner:
                     trained |= ev.TRAINING_DONE.matches(e)
                 now = time.time()
                 self._end_timed_faults(now)
+                if now - self.kept_slow_at >= KEEP_SLOW_S:  # new workers of a slow node
+                    self.kept_slow_at = now
+                    for node, (limit, _) in self.slowed.items():
+                        if node in self.agents:
+                            injectors.keep_slow(self.agents[node], limit)
                 while self.todo and started is not None and due(self.todo[0], step, now - started):
                     self._strike(self.todo.pop(0))
                 time.sleep(POLL_S)
