@@ -757,11 +757,16 @@ def replica_check_s(setup: Setup, calls: int = 20) -> tuple[float, int]:
     state.optimizer.step()  # the optimizer's state (momentum) exists from the first step
     replicated = state.replicated()
     names = sorted(replicated)
-    checksum(replicated, names)  # warm
-    began = time.perf_counter()
-    for _ in range(calls):
-        checksum(replicated, names).item()  # .item(): waits for the device, as the check does
-    seconds = (time.perf_counter() - began) / calls
+    threads = torch.get_num_threads()
+    torch.set_num_threads(setup.threads)  # a worker's share of the cores, as in the job
+    try:
+        checksum(replicated, names)  # warm
+        began = time.perf_counter()
+        for _ in range(calls):
+            checksum(replicated, names).item()  # .item(): waits for the device, as the check does
+        seconds = (time.perf_counter() - began) / calls
+    finally:
+        torch.set_num_threads(threads)
     return seconds, sum(t.numel() * t.element_size() for t in replicated.values())
 
 
