@@ -69,13 +69,14 @@ def lr_violations(events: list[dict[str, Any]], cfg: Config, samples_per_epoch: 
 
 def attempts_of(events: list[dict[str, Any]]) -> dict[int, dict[tuple[int, int], list]]:
     """Every step's ``samples`` records, by attempt: ``(round, rollbacks)``, where ``rollbacks``
-    counts the ``rolled_back`` events its writer had written before it. A round that rolled
+    counts the ``rolled_back`` events its writer had written in that round before it (every
+    rank of a round rolls back alike; a later round starts from none). A round that rolled
     back (:func:`elastic.trainer.roll_back`) trains the steps after the checkpoint again: a
     new attempt, as a later round's would be."""
-    rollbacks: Counter[tuple[str, int]] = Counter()
+    rollbacks: Counter[tuple[str, int, int]] = Counter()  # (node, pid, round)
     attempts: dict[int, dict[tuple[int, int], list]] = defaultdict(lambda: defaultdict(list))
     for e in events:
-        writer = (e.get("node", ""), e.get("pid", 0))
+        writer = (e.get("node", ""), e.get("pid", 0), e.get("round", 0))
         if ev.ROLLED_BACK.matches(e):
             rollbacks[writer] += 1
         elif ev.SAMPLES.matches(e):

@@ -194,6 +194,7 @@ class Worker:
     flip_bit: threading.Event = field(default_factory=threading.Event)  # chaos: SIGUSR1
     poisoned: set[int] = field(default_factory=set)  # chaos.nan_steps already made NaN
     buffers: BufferBackup | None = None  # the model's buffers before the step in flight
+    params: list[torch.nn.Parameter] = field(default_factory=list)  # the model's, in order
 
 
 def main() -> int:
@@ -260,6 +261,7 @@ def main() -> int:
     )
     w.nonfinite = NonFiniteSteps(cfg.health.nonfinite_rollback)
     w.buffers = BufferBackup(model)
+    w.params = list(model.parameters())
     if cfg.chaos.allow:  # python -m chaos's corrupt_replica: flip a bit between two steps
         signal.signal(signal.SIGUSR1, lambda signum, frame: w.flip_bit.set())
     # All built so far lives as long as the worker (torch's modules included, about 350,000
@@ -492,6 +494,7 @@ def enter_round(w: Worker, a: Assignment, ckpt: CheckpointManager) -> RoundStart
         progress = Progress.from_dict(info.manifest["progress"]) if info else Progress()
         resumed_from = info.step if info else None
     w.progress, w.trained_round = progress, a.round
+    w.nonfinite.rolled_back()  # skipped steps in a row count within a round: every rank alike
     synced_at = time.time()
     w.events.emit(ev.STATE_SYNCED, step=progress.step, source=source, digest=w.state.digest())
 
@@ -658,7 +661,7 @@ def train_step(
             w.precision.backward((per_sample * wt).sum())
         total += (per_sample.detach().float() * (wt > 0)).sum().item()
     scaled = w.precision.scaler.is_enabled()  # then the scaler judges the gradients
-    finite = scaled or gradients_finite(w.state.model.parameters())
+    finite = scaled or gradients_finite(w.params)
     taken = finite and w.precision.step(w.state.optimizer)
     if not taken:
         w.buffers.restore()  # a skipped step leaves no trace, batch-norm statistics included

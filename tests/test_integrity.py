@@ -42,12 +42,30 @@ def test_the_first_producer_is_the_first_rank_whose_loss_was_not_finite() -> Non
 def test_gradients_are_finite_until_one_holds_a_nan_or_an_inf() -> None:
     model = torch.nn.Linear(4, 2)
     model(torch.ones(1, 4)).sum().backward()
-    assert gradients_finite(model.parameters())
+    assert gradients_finite(list(model.parameters()))
     assert model.bias.grad is not None
     model.bias.grad[0] = float("inf")
-    assert not gradients_finite(model.parameters())
+    assert not gradients_finite(list(model.parameters()))
     model.bias.grad[0] = float("nan")
-    assert not gradients_finite(model.parameters())
+    assert not gradients_finite(list(model.parameters()))
+
+
+def test_a_nan_anywhere_above_the_first_layer_reaches_its_gradient() -> None:
+    """gradients_finite reads the two ends of the model only: a NaN loss, or a NaN weight deep
+    inside, still shows, since it spoils every gradient below it."""
+    layers = [torch.nn.Linear(300, 300) for _ in range(4)]  # each more than both ends read
+    model = torch.nn.Sequential(*layers)
+    model(torch.ones(2, 300)).sum().backward()
+    params = list(model.parameters())
+    assert gradients_finite(params)
+    model.zero_grad()
+    (model(torch.ones(2, 300)).sum() * float("nan")).backward()  # a NaN loss
+    assert not gradients_finite(params)
+    model.zero_grad()
+    with torch.no_grad():
+        layers[2].weight[0, 0] = float("nan")  # a corrupt weight in the middle
+    model(torch.ones(2, 300)).sum().backward()
+    assert not gradients_finite(params)
 
 
 def test_a_skipped_step_puts_the_batch_norm_statistics_back() -> None:
