@@ -23,9 +23,9 @@ stamp="$venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   echo "dev.sh: installing into $venv (the first time takes a minute or two: torch is large)" >&2
   "$python" -m venv "$venv"
-  # --no-compile: byte-compiling every file of torch costs about a minute; Python compiles
-  # what it imports, on first use.
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile -e ".[test]" 2>&1 \
+  # Byte-compiled here once: with PYTHONDONTWRITEBYTECODE set (as on this machine), a venv
+  # installed with --no-compile compiles torch again in every process (CI ran twice as slow).
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[test]" 2>&1 \
     | grep -v '^WARNING: Location' >&2 || true
   PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python "$venv/bin/python" -c 'import torch, torchvision, etcd3, hydra, launcher' \
     || { echo "dev.sh: installation failed; see the pip output above" >&2; exit 1; }
