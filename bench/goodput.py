@@ -69,7 +69,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,7 +84,7 @@ from torchrun_peer import DEFAULTS, PEERS, Peer, PeerSettings  # noqa: E402
 from torchrun_peer import NODES as PEER_NODES  # noqa: E402
 
 from chaos.campaign import CampaignConfig, FaultKind, pick, schedule  # noqa: E402
-from chaos.cpu_limit import CpuLimit, DutyCycle  # noqa: E402
+from chaos.cpu_limit import CpuLimit, DutyCycle, Stopper  # noqa: E402
 from chaos.verdict import Interval, goodput, steps_of  # noqa: E402
 from elastic import event_types as ev  # noqa: E402
 from elastic.events import read_events  # noqa: E402
@@ -324,25 +323,22 @@ def run_peer(
     return Outcome(ratio, fault_free, struck, finished)
 
 
-class StepStop(CpuLimit):
+class StepStop(Stopper):
     """``--peer-slow steps``: after each step a peer node logs, its workers stop for ``stop_s``
     (``factor - 1`` of its step), so that each of its steps takes ``factor`` times as long, sleep
     and all."""
 
     def __init__(self, log: Path, workers: list[psutil.Process], stop_s: float) -> None:
-        self.log, self.workers, self.stop_s = log, workers, stop_s
-        self._done = threading.Event()
+        super().__init__(workers)
         # Its size now (here: a missing log fails the bench, not just the thread): the lines
         # after it are the steps to follow.
-        self._thread = threading.Thread(
-            target=self._follow, args=(log.stat().st_size,), daemon=True
-        )
-        self._thread.start()
+        self.log, self.stop_s, self._offset = log, stop_s, log.stat().st_size
         self.how = f"stopped {stop_s:.2f} s after each of its steps"
+        self.start()
 
-    def _follow(self, offset: int) -> None:
+    def _run(self) -> None:
         with open(self.log) as f:
-            f.seek(offset)
+            f.seek(self._offset)
             tail = ""
             while not self._done.wait(FOLLOW_S):
                 *lines, tail = (tail + f.read()).split("\n")
@@ -350,16 +346,6 @@ class StepStop(CpuLimit):
                     self._each("suspend")
                     self._done.wait(self.stop_s)
                     self._each("resume")
-
-    def _each(self, action: str) -> None:
-        for p in self.workers:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                getattr(p, action)()
-
-    def end(self) -> None:
-        self._done.set()
-        self._thread.join(timeout=5)
-        self._each("resume")
 
 
 def paces(

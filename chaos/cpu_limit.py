@@ -85,24 +85,19 @@ class CgroupLimit(CpuLimit):
             self.group.rmdir()
 
 
-class DutyCycle(CpuLimit):
-    """A thread that stops the processes for ``1 - 1/factor`` of every period."""
+class Stopper(CpuLimit):
+    """Processes stopped and continued by a thread of its own (:meth:`_run`, which subclasses
+    write and :meth:`start` runs); :meth:`end` stops the thread and continues them all."""
 
-    def __init__(self, procs: list[psutil.Process], factor: float) -> None:
-        self.procs, self._done = procs, threading.Event()
-        run_s = DUTY_PERIOD_S / factor
-        self._thread = threading.Thread(
-            target=self._cycle, args=(run_s, DUTY_PERIOD_S - run_s), daemon=True
-        )
+    def __init__(self, procs: list[psutil.Process]) -> None:
+        self.procs, self._done = list(procs), threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
         self._thread.start()
-        self.how = f"stopped {DUTY_PERIOD_S - run_s:.2f} s of every {DUTY_PERIOD_S:.1f} s"
 
-    def _cycle(self, run_s: float, stop_s: float) -> None:
-        while not self._done.is_set():
-            self._each("suspend")
-            self._done.wait(stop_s)
-            self._each("resume")
-            self._done.wait(run_s)
+    def _run(self) -> None:
+        raise NotImplementedError
 
     def add(self, procs: list[psutil.Process]) -> None:
         known = {p.pid for p in self.procs}
@@ -117,6 +112,24 @@ class DutyCycle(CpuLimit):
         self._done.set()
         self._thread.join(timeout=5)
         self._each("resume")
+
+
+class DutyCycle(Stopper):
+    """A thread that stops the processes for ``1 - 1/factor`` of every period."""
+
+    def __init__(self, procs: list[psutil.Process], factor: float) -> None:
+        super().__init__(procs)
+        self.run_s = DUTY_PERIOD_S / factor
+        self.stop_s = DUTY_PERIOD_S - self.run_s
+        self.how = f"stopped {self.stop_s:.2f} s of every {DUTY_PERIOD_S:.1f} s"
+        self.start()
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            self._each("suspend")
+            self._done.wait(self.stop_s)
+            self._each("resume")
+            self._done.wait(self.run_s)
 
 
 def cpu_controller() -> tuple[Path, str] | None:
