@@ -73,6 +73,9 @@ class CampaignRunner:
     cut: dict[tuple[str, FaultKind], float] = field(default_factory=dict)  # -> when it ends
     slowed: dict[str, tuple[CpuLimit, float]] = field(default_factory=dict)  # -> end
     agents: dict[str, int] = field(default_factory=dict)  # node -> its newest agent's pid
+    # node -> the pid of what started it again, until its agent says it started: before, the
+    # log names the agent before it, and a fault would strike that one (or its zombie).
+    starting: dict[str, int] = field(default_factory=dict)
     kept_slow_at: float = 0.0
     number: int = 0  # faults struck or skipped so far
 
@@ -94,6 +97,7 @@ class CampaignRunner:
                 for e in follower.poll():
                     if ev.AGENT_STARTED.matches(e):
                         self.agents[e["node"]] = e["pid"]
+                        self.starting.pop(e["node"], None)
                     if ev.TRAINING_STARTED.matches(e) and started is None:
                         started = max(e["ts"], began)
                     elif ev.STEP.matches(e):
@@ -132,8 +136,12 @@ class CampaignRunner:
         else:  # the nodes registered now
             folder = JobKeys(self.cfg.rendezvous.prefix, self.cfg.job_id).nodes
             nodes = sorted(m.key.decode()[len(folder) :] for _, m in self.remote.get_prefix(folder))
+        for node, proc in self.restarted:  # a restarted agent that ended before it started
+            if self.starting.get(node) == proc.pid and proc.poll() is not None:
+                del self.starting[node]
         cut = {node for node, _ in self.cut}
         out = cut | self.down.keys() | self.frozen.keys() | self.slowed.keys()
+        out |= self.starting.keys()
         return [n for n in nodes if n not in out]
 
     def _strike(self, spec: FaultSpec) -> None:
@@ -305,4 +313,5 @@ class CampaignRunner:
                     log_event(self.run_dir, ev.FAULT_CLEARED, kind="restart", target=node)
                     proc = self.start_node(node)
                 self.restarted.append((node, proc))
+                self.starting[node] = proc.pid
                 del self.down[node]

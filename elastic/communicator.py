@@ -17,7 +17,7 @@ import inspect
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
@@ -104,6 +104,7 @@ class Communicator:
         self._aborted = threading.Event()
         self._pending: list[torch.futures.Future[torch.Tensor]] = []
         self._works: list[dist.Work] = []  # this round's hook all-reduces
+        self._kept: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}  # _wires
         self._retired: list[tuple[dist.ProcessGroup, list[dist.Work]]] = []
         self._announced = 0  # the newest round the agent has announced
         self._failure: CollectiveFailure | None = None
@@ -308,6 +309,7 @@ class Communicator:
         if in_flight:
             log.info("retiring the old group with %d collective(s) in flight", len(in_flight))
             self._retired.append((group, in_flight))
+            self._kept = {}  # they may still write into the kept tensors: new ones for the next
         dist.destroy_process_group()
         # Destroyed with the rest, but a group lives (threads, sockets) while a reference does;
         # a save still running holds its own.
@@ -389,8 +391,14 @@ class Communicator:
         large gradient has already overflowed). An inf would cost the whole step, which the
         GradScaler then skips; what dividing first costs instead is that shares below fp16's
         smallest subnormal (6e-8) flush to zero, which the GradScaler's loss scale keeps rare.
-        bf16 has fp32's range: for it the order changes nothing. The reduced tensor is cast
-        back into the bucket when the all-reduce completes, before our future completes.
+        bf16 has fp32's range: for it the order changes nothing.
+
+        The mean travels in a tensor of this communicator's, one per bucket, kept across steps
+        and rounds (:meth:`_wires`), and our future completes with it (cast back, for a
+        narrower ``grad_dtype``); DDP reads the gradients from it. torch keeps the hook futures
+        of a step that a lost peer broke, with their tensors: had they been the bucket
+        buffers, every broken round would have kept the model's gradients' size (45 MB for
+        ResNet-18) for the life of the worker; a tensor used again keeps nothing more.
         """
         with self._lock:
             self.buckets_this_step += 1
@@ -400,17 +408,27 @@ class Communicator:
                 self._marked = True
         if self.aborted:
             return _failed(RoundAborted("the round was left"))
-        buffer = bucket.buffer().div_(dist.get_world_size())
-        tensor = buffer if buffer.dtype == self.grad_dtype else buffer.to(self.grad_dtype)
+        buffer = bucket.buffer()
+        out, wire = self._wires(bucket.index(), buffer)
+        torch.div(buffer, dist.get_world_size(), out=out)
+        if wire is not out:
+            wire.copy_(out)
         with self.collective("gradient all-reduce"):  # gloo may refuse at once: peer gone
-            work = dist.all_reduce(tensor, async_op=True)
+            work = dist.all_reduce(wire, async_op=True)
+        return self._track(work, "gradient all-reduce", out, wire)
 
-        def result() -> torch.Tensor:
-            if tensor is not buffer:
-                buffer.copy_(tensor)
-            return buffer
-
-        return self._track(work, "gradient all-reduce", result)
+    def _wires(self, index: int, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bucket ``index``'s kept tensors: the mean in the bucket's dtype, and the one the
+        network carries (the same tensor unless ``grad_dtype`` is narrower). A round's first
+        step has buckets of other sizes (DDP rebuilds them after it), so two sets are kept:
+        twice the gradients' size, allocated once for the worker's life."""
+        key = (index, buffer.numel(), buffer.dtype)
+        kept = self._kept.get(key)
+        if kept is None:
+            out = torch.empty_like(buffer)
+            wire = out if out.dtype == self.grad_dtype else out.to(self.grad_dtype)
+            kept = self._kept[key] = (out, wire)
+        return kept
 
     def all_reduce(self, tensor: torch.Tensor, what: str) -> None:
         """Sum ``tensor`` over the round's ranks in place, abortably: a blocking all-reduce
@@ -420,21 +438,22 @@ class Communicator:
         as ``what``'s."""
         with self.collective(what):
             work = dist.all_reduce(tensor, async_op=True)
-        self._track(work, what, lambda: tensor).wait()
+        self._track(work, what, tensor, tensor).wait()
 
     def barrier(self, what: str) -> None:
         """Wait until every rank of the round has got here, abortably (:meth:`all_reduce`)."""
         self.all_reduce(torch.zeros(1, device=self.device), what)
 
     def _track(
-        self, work: dist.Work, what: str, result: Callable[[], torch.Tensor]
+        self, work: dist.Work, what: str, out: torch.Tensor, reduced: torch.Tensor
     ) -> torch.futures.Future[torch.Tensor]:
-        """A future of ``work`` (a collective of this round in flight) that :meth:`abort`
-        completes with :class:`RoundAborted`; a failure of the work is recorded as ``what``'s.
-        ``result`` makes its value once the work is done.
+        """A future of ``work`` (a collective of this round in flight, writing ``reduced``) that
+        completes with ``out`` (``reduced`` copied into it, if another tensor) once the work is
+        done, or with :class:`RoundAborted` when :meth:`abort` is called; a failure of the work
+        is recorded as ``what``'s.
 
         On CUDA the future names the device: completing it then records an event on the stream
-        that ran ``result`` (after the all-reduce, on a stream that waited for it), and whoever
+        that made ``out`` (after the all-reduce, on a stream that waited for it), and whoever
         waits on it, DDP before it reads the bucket, waits for that event. Without a device it
         would complete as soon as NCCL had queued the all-reduce, and DDP would read the bucket
         before the all-reduce (and the cast back from ``grad_dtype``) had run on the GPU."""
@@ -455,9 +474,13 @@ class Communicator:
                     fut.value()
                 except Exception as exc:
                     self._record(what, exc)
-                    ours.set_exception(exc)
+                    # Without its traceback: torch keeps a broken step's futures, the future
+                    # its error, and the traceback this frame with the round's tensors.
+                    ours.set_exception(exc.with_traceback(None))
                 else:
-                    ours.set_result(result())
+                    if reduced is not out:
+                        out.copy_(reduced)
+                    ours.set_result(out)
 
         work.get_future().add_done_callback(finish)
         return ours

@@ -40,6 +40,8 @@ def process_tree(pid: int, what: str) -> list[psutil.Process]:
     """Process ``pid`` (``what``, for the error) and every process under it."""
     try:
         root = psutil.Process(pid)
+        if root.status() == psutil.STATUS_ZOMBIE:  # dead, its parent has not reaped it yet
+            raise psutil.NoSuchProcess(pid)
         return [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess as exc:
         raise TargetNotFound(f"{what} (pid {pid}) is not running") from exc

@@ -39,6 +39,10 @@ from launcher.agent.inbox import (
 )
 from launcher.agent.watchdog import Watchdog
 
+log = logging.getLogger(__name__)
+
+KILL_WAIT_S = 5.0  # how long a worker killed with SIGKILL is waited for
+
 
 class WorkerSlot:
     """One local rank's worker process, the current one of possibly several over the job."""
@@ -183,7 +187,16 @@ class WorkerSlot:
             self.proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            self.proc.wait(timeout=5)
+            try:
+                self.proc.wait(timeout=KILL_WAIT_S)
+            except subprocess.TimeoutExpired:  # asleep in the kernel (a hung driver or mount),
+                # or traced: it dies when it wakes, and the agent's loop reaps it then
+                log.warning(
+                    "worker pid %d still runs %.0f s after SIGKILL (uninterruptible sleep in "
+                    "the kernel, or traced); going on without waiting",
+                    self.proc.pid,
+                    KILL_WAIT_S,
+                )
         left = max(0.0, deadline - time.monotonic())
         _, alive = psutil.wait_procs(victims[1:], timeout=left)
         for v in alive:
