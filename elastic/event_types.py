@@ -22,7 +22,7 @@ COMMON = frozenset({"ts", "event", "node", "host", "pid", "role", "local_rank", 
 @dataclass(frozen=True)
 class EventType:
     """One kind of event: its ``name`` in the files, the process that writes it (``by``: agent,
-    worker, chaos or bench), its own ``fields``, and what it says (``doc``)."""
+    launcher, worker, chaos or bench), its own ``fields``, and what it says (``doc``)."""
 
     name: str
     by: str
@@ -96,6 +96,13 @@ ROUND_JOINED = _declare(
     "round world_size first_rank members etcd_requests watch_events watch_bytes",
     "the node's workers were sent into a round (with what the node cost etcd since its last)",
 )
+BELOW_MIN_NODES = _declare(
+    "below_min_nodes",
+    "agent",
+    "ready min_nodes round",
+    "the leader: a round lost members and fewer than cluster.min_nodes nodes are ready to form "
+    "the next; the job waits for nodes",
+)
 STANDBY = _declare("standby", "agent", "round after_step", "a round without this node")
 WORKER_STARTED = _declare(
     "worker_started", "agent", "local_rank worker_pid log", "a worker process started"
@@ -120,6 +127,12 @@ ETCD_UNREACHABLE = _declare(
 ETCD_REACHABLE = _declare("etcd_reachable", "agent", "down_s", "etcd answers again")
 ETCD_LOST = _declare(
     "etcd_lost", "agent", "reason fix waited_s", "etcd stayed away past the grace period"
+)
+ETCD_NO_SPACE = _declare(
+    "etcd_no_space",
+    "agent",
+    "reason fix",
+    "etcd refuses writes: its space quota is exceeded (NOSPACE alarm); rounds cannot change",
 )
 RESTART_LIMIT = _declare(
     "restart_limit", "agent", "crashes max_restarts", "workers crashed too often: the node leaves"
@@ -153,6 +166,21 @@ GPU_FAULT = _declare(
     "gpu_fault", "agent", "gpus reasons", "a GPU broke while training: the node must leave"
 )
 NODE_LEFT = _declare("node_left", "agent", "code signal reason", "the agent ends")
+
+# --- the launcher ---------------------------------------------------------------------------------
+
+NOTIFIED = _declare(
+    "notified",
+    "launcher",
+    "alert target seconds",
+    "an alert was delivered to notify.command or notify.webhook (launcher/notify.py)",
+)
+NOTIFY_FAILED = _declare(
+    "notify_failed",
+    "launcher",
+    "alert target reason",
+    "an alert could not be delivered; training goes on",
+)
 
 # --- a worker (rank 0 unless its doc says every rank) ---------------------------------------------
 
@@ -213,6 +241,12 @@ CHECKPOINT_SKIPPED = _declare(
 )
 TRAINING_DONE = _declare(
     "training_done", "worker", "step samples_seen world_size", "the job is trained"
+)
+CURVES_OFF = _declare(
+    "curves_off",
+    "worker",
+    "reason",
+    "rank 0 writes no TensorBoard curves, and why (elastic/curves.py)",
 )
 STATE_SYNCED = _declare(
     "state_synced", "worker", "step source digest", "every rank: the state a round starts from"

@@ -48,6 +48,9 @@ class EventLog:
         self.path = path / f"{node_id}.jsonl"
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._fields = {"node": node_id, "host": socket.gethostname(), "pid": os.getpid(), **fields}
+        # Given every event this process appends, after it is written (rank 0's TensorBoard
+        # curves, elastic/curves.py); it must return at once and never raise.
+        self.sink: Callable[[dict[str, Any]], None] | None = None
 
     def update(self, **fields: Any) -> None:
         """Change fields that go into every later event (a worker's rank and round)."""
@@ -68,6 +71,8 @@ class EventLog:
         name = event.name if isinstance(event, EventType) else declared(event).name
         record = {"ts": time.time(), "event": name, **self._fields, **fields}
         os.write(self._fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+        if self.sink is not None:
+            self.sink(record)
         if message is not None:
             self._log.log(level, "%s", message)
         return record

@@ -41,6 +41,7 @@ from elastic.checkpoint import CheckpointManager
 from elastic.checkpoint_interval import Measured, choose_interval
 from elastic.communicator import Communicator, RoundAborted, RoundEnd, pick_device, round_end
 from elastic.control import EXIT_FAILED, EXIT_PEER_LOST, Assignment, Channel, WorkerEnv
+from elastic.curves import Curves
 from elastic.data import SeededImageFolder, ValImageFolder
 from elastic.evaluate import average_bn_stats, due_evaluation, evaluate, use_last_batch_stats
 from elastic.events import EventLog
@@ -210,6 +211,7 @@ def main() -> int:
     cfg = config.load(env.config)
     torch.set_num_threads(env.threads)
     events = EventLog(env.run_dir, env.node_id, log, role="worker", local_rank=env.local_rank)
+    curves = Curves(events, env.run_dir, cfg.trainer.tensorboard)  # written while at rank 0
     device = pick_device(cfg.cluster.device, env.local_rank)
     comm = Communicator(
         device,
@@ -277,11 +279,14 @@ def main() -> int:
         assignment = link.next_assignment(after=last_round, timeout=cfg.rendezvous.join_timeout_s)
         if assignment is None:
             log.error("no round assigned within rendezvous.join_timeout_s; leaving")
+            curves.close()
             return EXIT_PEER_LOST
         last_round = assignment.round
         events.update(rank=assignment.rank, round=assignment.round)
+        curves.follow(assignment.rank)
         try:
             train_round(w, assignment)
+            curves.close()  # before the agent may stop this worker
             link.channel.send("finished", round=assignment.round)  # the round the job names
             comm.close()
             return 0
@@ -296,6 +301,7 @@ def main() -> int:
                     error=error[:500],
                     step=w.progress.step if w.progress else 0,
                 )
+                curves.close()
                 raise
             w.interrupted_at = time.time()
             w.saver.abandon()

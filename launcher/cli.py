@@ -5,17 +5,23 @@ defaults that depend on the moment (job id, run directory, checkpoint URL), chec
 and the places the job needs (:mod:`launcher.health.preflight`: etcd, the checkpoint URL, the data)
 before anything starts, prepares the data, writes the resolved ``config.yaml`` that all agents and
 workers of the job read, and then either simulates ``cluster.nodes`` nodes on this machine
-(``cluster=local``) or runs this node's agent (``cluster=bare_metal``).
+(``cluster=local``) or runs this node's agent (``cluster=bare_metal``). When the job ends it draws
+the run's ``curves.png`` (:mod:`launcher.curves_png`) and prints the summary. The events it
+follows for the progress display also make the job's alerts (:mod:`launcher.notify`): on bare
+metal, this node's events only, as every node runs a launcher.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 import socket
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -25,9 +31,12 @@ from elastic import event_types as ev
 from elastic.config import ClusterMode, Config, ConfigError
 from elastic.events import EventFollower, read_events
 from elastic.synthetic import ensure_synthetic
+from launcher import alerts
 from launcher.compose import finalize, validate_launch
+from launcher.curves_png import CURVES_PNG, draw
 from launcher.health.preflight import preflight
 from launcher.local_cluster import run_local
+from launcher.notify import Notifier
 from launcher.progress import ProgressDisplay, summary
 
 log = logging.getLogger("launcher")
@@ -59,24 +68,38 @@ def launch(cfg: Config) -> int:
     log.info("job %s: run directory %s", cfg.job_id, run_dir)
 
     if cfg.cluster.mode is ClusterMode.local:
-        code = run_local(cfg, config_path)
-        # The local launcher's code is 0 unless it was stopped; the job's end is in the events.
-        finished = any(
-            ev.TRAINING_DONE.matches(e) and e["ts"] >= started for e in read_events(run_dir)
-        )
-        code = code if code else (0 if finished else 1)
+        notifier = Notifier(cfg, "launcher")
+        try:
+            code = run_local(cfg, config_path, notifier.follow)
+            # The local launcher's code is 0 unless it was stopped; the job's end is in the
+            # events.
+            finished = any(
+                ev.TRAINING_DONE.matches(e) and e["ts"] >= started for e in read_events(run_dir)
+            )
+            code = code if code else (0 if finished else 1)
+            if not finished:
+                why = _why(code, f"no node finished the job; see the logs in {run_dir / 'logs'}")
+                notifier.send(alerts.failed(cfg.job_id, "launcher", code, why, time.time()))
+        finally:
+            notifier.close()
     else:
         # The agent's code says it (0: the job is trained). The rank-0 node writes
         # training_done, possibly a moment after this node's agent has seen the job done.
         code = _run_bare_metal(cfg, config_path)
+    try:
+        draw(read_events(run_dir), run_dir / CURVES_PNG, f"job {cfg.job_id}")
+    except Exception as exc:  # a picture that fails must not hide the summary
+        log.warning("%s not drawn: %s: %s", run_dir / CURVES_PNG, type(exc).__name__, exc)
     print(summary(run_dir, cfg.checkpoint.url, cfg.job_id, since=started), flush=True)
     return code
 
 
 def _run_bare_metal(cfg: Config, config_path: Path) -> int:
-    """This node's agent in this process, with progress from this node's events."""
+    """This node's agent in this process, with progress from this node's events and the
+    alerts of what this node wrote (each event is written by one node only)."""
     # Imported here: the agent needs torch (its TCPStore), which a local launch's process, whose
     # agents run in processes of their own, would pay for in seconds before any node starts.
+    from launcher.agent.admission import EXIT_ETCD_LOST
     from launcher.agent.agent import Agent
 
     node_id = cfg.cluster.node_id or socket.gethostname()
@@ -84,20 +107,38 @@ def _run_bare_metal(cfg: Config, config_path: Path) -> int:
     agent = Agent(cfg, str(config_path), node_id, host, list(cfg.cluster.etcd_endpoints))
     display, done = ProgressDisplay(), threading.Event()
     follower = EventFollower(cfg.run_dir, only_new=True)
+    notifier = Notifier(cfg, node_id)
+
+    def show(events: list[dict[str, Any]]) -> None:
+        display.handle(events)
+        notifier.follow([e for e in events if e.get("node") == node_id])
 
     def follow() -> None:
         while not done.wait(0.5):
-            display.handle(follower.poll())
+            show(follower.poll())
 
     thread = threading.Thread(target=follow, name="progress", daemon=True)
     thread.start()
     try:
-        return agent.run()
+        code = agent.run()
+        if alerts.reports_failure(code, agent.others_led(), etcd_lost=code == EXIT_ETCD_LOST):
+            why = _why(code, agent.leave_reason or f"see {node_id}'s log")
+            notifier.send(alerts.failed(cfg.job_id, node_id, code, why, time.time()))
+        return code
     finally:
         done.set()
         thread.join(timeout=5)
-        display.handle(follower.poll())
+        show(follower.poll())
         display.close()
+        notifier.close()
+
+
+def _why(code: int, otherwise: str) -> str:
+    """Why a launcher ended with ``code``: the signal that stopped it, or ``otherwise``."""
+    if code > 128:
+        with contextlib.suppress(ValueError):
+            return f"stopped by {signal.Signals(code - 128).name}"
+    return otherwise
 
 
 @hydra.main(version_base=None, config_path="pkg://conf", config_name="config")

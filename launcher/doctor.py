@@ -3,8 +3,10 @@
 It runs the checks an agent runs before it joins (:func:`launcher.health.checks.run_checks`), with
 the thresholds and job of the same Hydra overrides as the launch, prints them as a table (``--json``
 for machines), and exits 1 when a check fails, 2 on bad arguments. Given a job (``job_id`` and
-``cluster.etcd_endpoints``) it also says whether this node is quarantined in it. Nothing is
-written: not to etcd, and not where checkpoints go.
+``cluster.etcd_endpoints``) it also says whether this node is quarantined in it. Given an
+external etcd it checks its upkeep too (:func:`etcd_space_row`, :func:`etcd_compaction_row`): a
+raised alarm, a database near etcd's space quota, a history never compacted. Nothing is written:
+not to etcd, and not where checkpoints go.
 
 It is meant to be quick, so it loads no torch unless it probes GPUs: the device is decided
 without CUDA where there can be no GPU (:func:`launcher.agent.slots.local_slots`), and before the
@@ -22,6 +24,8 @@ import dataclasses
 import logging
 import socket
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from elastic.config import Config
 from launcher.agent.slots import local_slots
@@ -29,7 +33,24 @@ from launcher.compose import UsageError, compose, finalize
 from launcher.health.checks import run_checks
 from launcher.health.quarantine import Quarantine, clear_command
 from launcher.health.report import CheckResult, Status
-from launcher.rendezvous.etcd import EtcdUnavailable, connect, etcd_security
+from launcher.rendezvous.etcd import EtcdUnavailable, connect, etcd_errors, etcd_security
+from launcher.rendezvous.etcd_usage import (
+    DEFAULT_QUOTA_BYTES,
+    MB,
+    alarms,
+    compacted,
+    nospace_fix,
+    usage,
+)
+from launcher.rendezvous.keys import JobKeys
+
+# etcd cannot be asked for its --quota-backend-bytes, so the size is held to half its default.
+DB_SIZE_WARN_BYTES = DEFAULT_QUOTA_BYTES // 2
+# A history this long with nothing compacted means etcd does not compact it: with
+# --auto-compaction-retention=1h it would have to be written within the hour, and a training job
+# writes about 700 an hour (README, "An external etcd").
+UNCOMPACTED_WARN_REVISIONS = 10_000
+COMPACTION_FLAGS = "--auto-compaction-mode=periodic --auto-compaction-retention=1h"
 
 
 def quarantine_row(cfg: Config, node_id: str) -> CheckResult:
@@ -65,6 +86,114 @@ def quarantine_row(cfg: Config, node_id: str) -> CheckResult:
         client.close()
 
 
+def etcd_space_row(client: Any, endpoint: str) -> CheckResult:
+    """``etcd_space``: fails on a raised alarm (``NOSPACE``: etcd refuses every write;
+    ``CORRUPT``), warns when the database of the member that answers passes
+    :data:`DB_SIZE_WARN_BYTES`."""
+    used = usage(client)
+    raised = alarms(client)
+    full = [member for name, member in raised if name == "NOSPACE"]
+    if full:
+        return CheckResult(
+            "etcd_space",
+            Status.FAIL,
+            f"etcd at {full[0]} is out of space (NOSPACE alarm) and refuses every write: no node "
+            f"can join, no round can change. Fix: {nospace_fix(endpoint, used.revision)}",
+        )
+    if raised:
+        members = ", ".join(f"{name} at {member}" for name, member in raised)
+        return CheckResult(
+            "etcd_space",
+            Status.FAIL,
+            f"etcd has alarms raised ({members}). Fix: repair the member (a CORRUPT one: replace "
+            "it, etcdctl member remove / add, from a healthy member's snapshot), then etcdctl "
+            f"--endpoints={endpoint} alarm disarm",
+        )
+    in_use = "" if used.db_size_in_use is None else f", {used.db_size_in_use / MB:.1f} MB in use"
+    size = f"database {used.db_size / MB:.1f} MB{in_use}"
+    if used.db_size >= DB_SIZE_WARN_BYTES:
+        return CheckResult(
+            "etcd_space",
+            Status.WARN,
+            f"{size}: past {DB_SIZE_WARN_BYTES / MB:.0f} MB, half of etcd's default "
+            f"--quota-backend-bytes ({DEFAULT_QUOTA_BYTES / MB:.0f} MB), beyond which it raises "
+            f"NOSPACE and refuses writes. Fix: etcdctl --endpoints={endpoint} compact "
+            f"{used.revision}; etcdctl --endpoints={endpoint} defrag --cluster; run etcd with "
+            f"{COMPACTION_FLAGS}, and with a larger --quota-backend-bytes (at most 8 GiB) if the "
+            "data needs it",
+        )
+    return CheckResult(
+        "etcd_space",
+        Status.PASS,
+        f"no alarm; {size}, below {DB_SIZE_WARN_BYTES / MB:.0f} MB (half of etcd's default "
+        "--quota-backend-bytes)",
+    )
+
+
+def etcd_compaction_row(
+    client: Any, key: str, warn_after: int = UNCOMPACTED_WARN_REVISIONS
+) -> CheckResult:
+    """``etcd_compaction``: whether etcd compacts its history. Its flags cannot be read from a
+    client; what can be is whether it ever compacted (:func:`compacted`, a read of ``key`` at
+    revision 1), and how many revisions it holds: past ``warn_after`` with none compacted, it
+    warns that auto-compaction is off."""
+    revision = usage(client).revision
+    if compacted(client, key):
+        return CheckResult(
+            "etcd_compaction",
+            Status.PASS,
+            f"etcd compacts its history (revision 1 is compacted; now at revision {revision})",
+        )
+    if revision > warn_after:
+        return CheckResult(
+            "etcd_compaction",
+            Status.WARN,
+            f"etcd has compacted none of its {revision} revisions (more than {warn_after}): "
+            "auto-compaction is off, or its retention is longer than etcd has run. It keeps every "
+            "revision of every key until its database passes --quota-backend-bytes and it "
+            f"refuses all writes (NOSPACE). Fix: run every etcd member with {COMPACTION_FLAGS}; "
+            f"meanwhile etcdctl compact {revision}",
+        )
+    return CheckResult(
+        "etcd_compaction",
+        Status.PASS,
+        f"{revision} revisions, none compacted yet: not yet due on an etcd this young (this "
+        f"check warns past {warn_after}; etcd compacts only when run with {COMPACTION_FLAGS} "
+        "or similar)",
+    )
+
+
+def etcd_upkeep_rows(cfg: Config) -> list[CheckResult]:
+    """The external etcd's :func:`etcd_space_row` and :func:`etcd_compaction_row`, as far as
+    this node may read them (SKIP where it may not, or etcd does not answer)."""
+    endpoints = list(cfg.cluster.etcd_endpoints)
+    try:
+        client = connect(
+            endpoints, timeout_s=cfg.health.etcd_timeout_s, security=etcd_security(cfg.cluster)
+        )
+    except EtcdUnavailable as exc:
+        return [CheckResult("etcd_space", Status.SKIP, f"not known: {exc}")]
+    key = JobKeys(cfg.rendezvous.prefix, cfg.job_id).progress
+    try:
+        return [
+            _or_skip("etcd_space", lambda: etcd_space_row(client, ",".join(endpoints))),
+            _or_skip("etcd_compaction", lambda: etcd_compaction_row(client, key)),
+        ]
+    finally:
+        client.close()
+
+
+def _or_skip(name: str, check: Callable[[], CheckResult]) -> CheckResult:
+    """``check()``, or SKIP when etcd refuses or fails the reads it makes."""
+    import grpc
+
+    try:
+        return check()
+    except etcd_errors() as exc:  # etcd away, or this node's etcd user may not read it
+        why = exc.code().name if isinstance(exc, grpc.RpcError) else exc.__class__.__name__
+        return CheckResult(name, Status.SKIP, f"not known: etcd answered {why}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m launcher.doctor",
@@ -89,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     if raw.job_id and cfg.cluster.etcd_endpoints:
         row = quarantine_row(cfg, node_id)
         report = dataclasses.replace(report, results=(*report.results, row))
+    if cfg.cluster.etcd_endpoints:
+        rows = etcd_upkeep_rows(cfg)
+        report = dataclasses.replace(report, results=(*report.results, *rows))
     print(report.to_json() if args.json else report.table())
     return 0 if report.ok else 1
 

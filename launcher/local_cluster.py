@@ -14,9 +14,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from elastic import event_types as ev
 from elastic.config import Config
@@ -37,8 +38,11 @@ def node_ids(count: int) -> list[str]:
     return [f"node{i}" for i in range(count)]
 
 
-def run_local(cfg: Config, config_path: Path) -> int:
-    """Run the job on simulated nodes until it is done; returns the launcher's exit code."""
+def run_local(
+    cfg: Config, config_path: Path, follow: Callable[[list[dict[str, Any]]], None]
+) -> int:
+    """Run the job on simulated nodes until it is done; returns the launcher's exit code.
+    ``follow`` gets every node's new events (none, too) on each pass, as the display does."""
     run_dir = Path(cfg.run_dir)
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -94,6 +98,7 @@ def run_local(cfg: Config, config_path: Path) -> int:
         while not stop and any(p.poll() is None for p in agents.values()):
             events = follower.poll()
             display.handle(events)
+            follow(events)
             for e in events:
                 if ev.QUARANTINE_WAIT.matches(e):
                     in_quarantine.add(e["node"])
@@ -114,7 +119,9 @@ def run_local(cfg: Config, config_path: Path) -> int:
         if stop:
             log.warning("stopping: asking every node to leave the job")
             _shutdown(agents)
-        display.handle(follower.poll())
+        events = follower.poll()
+        display.handle(events)
+        follow(events)
     finally:
         display.close()
         _shutdown(agents)

@@ -1,7 +1,9 @@
 """What a person watching a run sees: progress while it trains, a summary when it ends.
 
 Both are read from the run's event files, so the display needs no channel of its own to the
-workers, and a summary can be printed for any run directory after the fact.
+workers, and a summary can be printed for any run directory after the fact. The step lines carry
+the estimated time left (:mod:`elastic.eta`); the summary says where the curves are
+(``<run_dir>/tensorboard/``, :mod:`elastic.curves`; ``curves.png``, :mod:`launcher.curves_png`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ from typing import IO, Any
 from tqdm import tqdm
 
 from elastic import event_types as ev
+from elastic.curves import TENSORBOARD_DIR
+from elastic.eta import Pace, as_text
 from elastic.events import read_events
+from launcher.curves_png import CURVES_PNG
 
 
 def describe(e: dict[str, Any]) -> str | None:
@@ -71,6 +76,8 @@ def describe(e: dict[str, Any]) -> str | None:
             f"checkpoint of step {e['step']} FAILED: {e['reason']}. Fix: {e['fix']}. "
             "Training goes on; the newest good checkpoint is kept"
         )
+    if ev.CURVES_OFF.matches(e):
+        return f"{e['node']}: TensorBoard curves off ({e['reason']})"
     if ev.WORKER_FAILED.matches(e):
         return f"{e['node']}: worker rank {e['rank']} failed: {e['error']}"
     if ev.CHECKPOINT_SKIPPED.matches(e):
@@ -143,16 +150,22 @@ class ProgressDisplay:
         self.min_interval_s = min_interval_s
         self._last_step_line = 0.0
         self._bar: tqdm[Any] | None = None
+        self._pace = Pace()  # rank 0's recent steps: the time left
 
     def handle(self, events: Iterable[dict[str, Any]]) -> None:
         for e in events:
-            if ev.TRAINING_STARTED.matches(e) and self.tty:
-                self._open_bar(e["total_samples"], e["samples_seen"])
+            if ev.TRAINING_STARTED.matches(e):
+                self._pace.total_samples = e["total_samples"]
+                self._pace.add(e["ts"], e["samples_seen"])
+                if self.tty:
+                    self._open_bar(e["total_samples"], e["samples_seen"])
+            if ev.STEP.matches(e):
+                self._pace.add(e["ts"], e["samples"])
             if ev.STEP.matches(e) and self._bar is not None:
                 self._bar.n = e["samples"]
                 self._bar.set_postfix_str(
                     f"step {e['step']} loss {e['loss']:.3f} world {e['world_size']} "
-                    f"{e['samples_per_s']:.0f}/s",
+                    f"{e['samples_per_s']:.0f}/s ETA {as_text(self._pace.eta_s())}",
                     refresh=True,
                 )
                 continue
@@ -164,6 +177,7 @@ class ProgressDisplay:
                 if now - self._last_step_line < self.min_interval_s:
                     continue
                 self._last_step_line = now
+                line += f" | ETA {as_text(self._pace.eta_s())}"
             self._write(f"[{time.strftime('%H:%M:%S', time.localtime(e['ts']))}] {line}")
 
     def _open_bar(self, total: int, done: int) -> None:
@@ -247,6 +261,12 @@ def summary(run_dir: Path, checkpoint_url: str, job_id: str, since: float = 0.0)
         f"run directory: {run_dir}",
         f"logs:          {run_dir / 'logs'}",
         f"events:        {run_dir / 'events'}",
+    ]
+    if (run_dir / CURVES_PNG).is_file():
+        lines.append(f"curves:        {run_dir / CURVES_PNG}")
+    if (run_dir / TENSORBOARD_DIR).is_dir():
+        lines.append(f"tensorboard:   tensorboard --logdir {run_dir / TENSORBOARD_DIR}")
+    lines += [
         f"checkpoints:   {checkpoint_url}"
         + (f" (newest: step {saved[-1]['step']})" if saved else ""),
         f"resume or extend it: run again with job_id={job_id} and the same overrides, "

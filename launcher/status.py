@@ -1,13 +1,13 @@
 """``python -m launcher.status``: one screen for an operator of a running job.
 
 It shows the members (host, ranks, readiness, health report, quarantine), the round and its
-leader, the newest step rank 0's agent published (:mod:`launcher.agent.progress_key`) and the
-newest committed checkpoint with its age; ``--json`` prints the same data, ``--watch [seconds]``
-refreshes it. The job and its etcd come from the launch's Hydra overrides (``job_id=...
-cluster.etcd_endpoints=[...]``); a local run's embedded etcd is found in its run directory, and
-with no job named the newest running local job is shown. Everything is read in one range read
-and a listing of the checkpoints' manifests (nothing is loaded or hashed); :func:`gather` and
-:func:`render` are pure functions of that data and the time.
+leader, the newest step rank 0's agent published (:mod:`launcher.agent.progress_key`) with the
+estimated time left, and the newest committed checkpoint with its age; ``--json`` prints the same
+data, ``--watch [seconds]`` refreshes it. The job and its etcd come from the launch's Hydra
+overrides (``job_id=... cluster.etcd_endpoints=[...]``); a local run's embedded etcd is found in
+its run directory, and with no job named the newest running local job is shown. Everything is
+read in one range read and a listing of the checkpoints' manifests (nothing is loaded or hashed);
+:func:`gather` and :func:`render` are pure functions of that data and the time.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic import config
+from elastic.eta import as_text
 from launcher.compose import UsageError, compose, finalize
 from launcher.health.report import HealthReport
 from launcher.local_cluster import ENDPOINTS_FILE
@@ -264,7 +265,8 @@ def render(data: dict[str, Any]) -> str:
         lines.append(
             f"progress   step {p['step']}, epoch {p['epoch']}, samples {p['samples']}{total}, "
             f"lr {p['lr']:.6g}, loss {p['loss']:.4f}, {p['samples_per_s']:.1f} samples/s, "
-            f"world size {p['world_size']} (round {p['round']}), {age(p['age_s'])} ago"
+            f"world size {p['world_size']} (round {p['round']}), {age(p['age_s'])} ago; "
+            f"ETA {as_text(p.get('eta_s'))}"
         )
     c = data["checkpoint"]
     if c is None:

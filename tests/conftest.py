@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import contextlib
+import http.server
+import json
 import os
+import queue
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from elastic.config import RendezvousConfig
+# This process talks to etcd, whose client (etcd3 0.12) needs protobuf's pure-Python parser, and
+# protobuf takes its implementation once, at its first import: a test that imports tensorboard
+# (which imports protobuf) before any etcd client would leave etcd3 unable to load.
+os.environ["PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"] = "python"
+
+from elastic.config import RendezvousConfig  # noqa: E402
 from launcher.rendezvous.embedded_etcd import EmbeddedEtcd
 from launcher.rendezvous.etcd import connect
 from launcher.rendezvous.membership import NodeRecord
@@ -96,6 +106,35 @@ def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         del os.environ["ELASTIC_CACHE"]
     else:
         os.environ["ELASTIC_CACHE"] = old
+
+
+class _Hook(http.server.BaseHTTPRequestHandler):
+    received: queue.Queue[tuple[str, dict[str, Any]]]
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        self.received.put((self.path, json.loads(body)))
+        self.send_response(204)
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def webhook() -> Iterator[tuple[str, queue.Queue[tuple[str, dict[str, Any]]]]]:
+    """A webhook on 127.0.0.1 (notify.webhook): its URL, and the path and JSON of each POST it
+    received, put before it answers."""
+    received: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), type("Hook", (_Hook,), {"received": received})
+    )
+    thread = threading.Thread(target=server.serve_forever, name="webhook", daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/hooks/T0", received
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=10)
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -448,14 +449,17 @@ def test_killed_worker_is_restarted_and_rejoins_in_place_and_requests_are_refuse
 
 
 def test_a_worker_in_a_crash_loop_quarantines_its_node_and_the_job_goes_on(
-    tmp_path: Path,
+    tmp_path: Path, webhook: tuple[str, queue.Queue[tuple[str, dict]]]
 ) -> None:
     """Every worker node1 starts is SIGKILLed as soon as it runs (a crash loop): each crash is a
     strike and a restart, the third quarantines the node, and it starts no more workers. The
     job never spins and nobody waits for a timeout: node0 trains on in place, and its first
-    step without node1 comes within a second of the first crash."""
+    step without node1 comes within a second of the first crash. The owner's webhook is told
+    of the quarantine, the recoveries and the end, each once."""
     run_dir = tmp_path / "run"
-    proc = launch(run_dir, "cluster.nodes=2", "trainer.epochs=4", RECORD)
+    url, received = webhook
+    alerting = [f"notify.webhook={url}", "notify.recoveries_per_hour=1"]
+    proc = launch(run_dir, "cluster.nodes=2", "trainer.epochs=4", RECORD, *alerting)
     wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["step"] >= 5)
     follower = EventFollower(run_dir, only_new=True)
     first = killed = kill_worker(run_dir, "node1")
@@ -488,6 +492,14 @@ def test_a_worker_in_a_crash_loop_quarantines_its_node_and_the_job_goes_on(
     solo = next(e for e in after if e["event"] == "step" and e["world_size"] == 1)
     assert solo["ts"] - first < 5  # a generous bound; about 0.3 s measured
     assert worker_pids(events, only="node0") == worker_pids(events, only="node0")[:1]
+    # Posted before the launcher ended (it waits for its alerts): all there, in their order.
+    posts = [received.get_nowait()[1] for _ in range(received.qsize())]
+    kinds = [p["kind"] for p in posts]
+    assert kinds.count("node_quarantined") == 1 and kinds[-1] == "job_done", kinds
+    assert set(kinds) == {"node_quarantined", "recoveries", "job_done"}  # node0 went on alone
+    assert posts[kinds.index("node_quarantined")]["node"] == "node1"
+    assert all(p["job_id"] == "job" and p["text"].startswith("job: ") for p in posts)
+    assert [e["alert"] for e in events if e["event"] == "notified"] == kinds
 
 
 def test_node_added_mid_run_enters_at_next_round_with_lr_ramped_and_its_clock_may_step(

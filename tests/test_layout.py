@@ -86,15 +86,18 @@ def test_elastic_imports_nothing_from_launcher() -> None:
     assert {m: t for m, t in upward.items() if m.startswith("elastic") and t} == {}
 
 
-# The agent's decisions are pure functions over plain data: they may read the membership's types,
-# the key layout and the worker contract's constants, and nothing that talks to etcd or processes.
+# The agent's decisions and the alerts' are pure functions over plain data: they may read the
+# membership's types, the key layout, the worker contract's constants and the event declarations,
+# and nothing that talks to etcd or processes.
 PURE = {
     "launcher.agent.decisions",
+    "launcher.alerts",
     "launcher.rendezvous.round_plan",
     "launcher.rendezvous.membership",
     "launcher.rendezvous.keys",
 }
-PURE_MAY_IMPORT = PURE | {"elastic.control"}
+# ``elastic`` itself imports nothing: ``from elastic import event_types`` names it.
+PURE_MAY_IMPORT = PURE | {"elastic", "elastic.control", "elastic.event_types"}
 
 
 def test_the_decisions_import_no_module_that_does_io() -> None:

@@ -57,7 +57,7 @@ def job_keys() -> dict[str, tuple[bytes, int]]:
     keys = {f"{BASE}/nodes/{n.node_id}": (n.to_json().encode(), n.joined_rev) for n in (a, b, c)}
     keys[f"{BASE}/round"] = (rnd.to_json().encode(), 0)
     keys[f"{BASE}/leader"] = (leader_value("node0", 11).encode(), 0)
-    record = progress_record(step_event(30), 480, "file:///ckpt", NOW - 1)
+    record = progress_record(step_event(30), 480, "file:///ckpt", NOW - 1, 125.04)
     keys[f"{BASE}/progress"] = (json.dumps(record).encode(), 0)
     entry = {
         "node_id": "node3",
@@ -102,7 +102,7 @@ def test_the_status_data_names_members_round_progress_and_checkpoint() -> None:
     assert not members["node3"]["health"]["ok"]
     p = data["progress"]
     assert (p["step"], p["samples"], p["lr"], p["samples_per_s"]) == (30, 480, 0.0125, 31.5)
-    assert p["age_s"] == 2.0
+    assert p["age_s"] == 2.0 and p["eta_s"] == 125.0
     assert data["checkpoint"]["step"] == 25
 
 
@@ -120,6 +120,7 @@ def test_the_screen_shows_every_line_an_operator_needs() -> None:
     screen = status.render(data)
     assert "round      2: world size 2 on 2 node(s), formed 65 s ago; leader node0" in screen
     assert "step 30, epoch 0, samples 480/480, lr 0.0125, loss 2.2500, 31.5 samples/s" in screen
+    assert "world size 2 (round 2), 2.0 s ago; ETA 2m05s" in screen
     assert "checkpoint step 25, saved 12 s ago, 45.0 MB, world size 2" in screen
     rows = {line.split()[0]: line for line in screen.splitlines()[5:] if line.strip()}
     assert rows["node0"].split()[:5] == ["node0", "*", "127.0.0.1", "0", "yes"]
@@ -188,8 +189,9 @@ def test_the_publisher_puts_rank_0s_newest_step_and_a_failing_or_slow_etcd_costs
             raise ConnectionError("etcd away")
         put.append(value)
 
-    publisher = ProgressPublisher(str(tmp_path), "node0", "file:///ckpt", into_etcd)
-    other = ProgressPublisher(str(tmp_path), "node1", "file:///ckpt", into_etcd)
+    # Puts a second apart, not the agent's PROGRESS_EVERY_S, to keep the test short.
+    publisher = ProgressPublisher(str(tmp_path), "node0", "file:///ckpt", into_etcd, every_s=1.0)
+    other = ProgressPublisher(str(tmp_path), "node1", "file:///ckpt", into_etcd, every_s=1.0)
     try:
         events.emit("training_started", total_samples=480)
         events.emit("step", **{k: v for k, v in step_event(1).items() if k not in ("ts", "event")})
@@ -207,6 +209,7 @@ def test_the_publisher_puts_rank_0s_newest_step_and_a_failing_or_slow_etcd_costs
         record = json.loads(put[1])
         assert (record["step"], record["total_samples"], record["lr"]) == (2, 480, 0.0125)
         assert record["checkpoint_url"] == "file:///ckpt" and record["round"] == 2
+        assert record["eta_s"] > 0  # 448 samples left at the pace of steps 1 and 2
         slow.set()
         time.sleep(1.0)
         events.emit("step", **{k: v for k, v in step_event(3).items() if k not in ("ts", "event")})

@@ -28,6 +28,7 @@ from elastic.config.model_data import (
     ModelConfig,
     SyntheticDataConfig,
 )
+from elastic.config.notify import NotifyConfig
 from elastic.config.optim import (
     AkibaConfig,
     LarsConfig,
@@ -101,6 +102,7 @@ __all__ = [
     "HealthConfig",
     "LarsConfig",
     "ModelConfig",
+    "NotifyConfig",
     "OptimConfig",
     "OptimizerName",
     "Policy",

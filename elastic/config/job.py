@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from elastic.config.cluster import ClusterConfig, RendezvousConfig
 from elastic.config.model_data import DataConfig, ModelConfig
+from elastic.config.notify import NotifyConfig
 from elastic.config.optim import OptimConfig
 from elastic.config.resilience import ChaosConfig, CheckpointConfig, HealthConfig
 from elastic.config.trainer import CommConfig, TrainerConfig
@@ -29,6 +30,7 @@ class Config:
     health: HealthConfig = field(default_factory=HealthConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
+    notify: NotifyConfig = field(default_factory=NotifyConfig)
 
 
 def max_nodes(cfg: Config) -> int:

@@ -1,15 +1,17 @@
-"""What a range cannot say about where the job runs: the cluster, its id, etcd, the checkpoints.
+"""What a range cannot say about where the job runs: the cluster, its id, etcd, the checkpoints,
+the alerts.
 
 One rule function per section, each yielding :func:`~elastic.config.schema.problem` strings for
 :func:`elastic.config.validate`: relations between keys (``cluster.min_nodes`` against the most a
-round holds), formats (etcd endpoints, the job id, the rendezvous prefix), and what the machine
-must have (an fsspec backend for ``checkpoint.url``).
+round holds), formats (etcd endpoints, the job id, the rendezvous prefix, the alerts' webhook),
+and what the machine must have (an fsspec backend for ``checkpoint.url``).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from urllib.parse import urlsplit
 
 from elastic.config.job import Config, max_nodes
 from elastic.config.schema import problem
@@ -118,3 +120,20 @@ def chaos_problems(cfg: Config) -> Iterator[str]:
         )
     if c.nan_rank < 0:
         yield problem("chaos.nan_rank", c.nan_rank, "no such rank", "set a rank of the job, e.g. 0")
+
+
+def notify_problems(cfg: Config) -> Iterator[str]:
+    """``notify.webhook`` must be an http(s) URL with a host: anything else would fail at the
+    first alert, days into the run, when nobody is looking."""
+    url = cfg.notify.webhook
+    if not url:
+        return
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        yield problem(
+            "notify.webhook",
+            url,
+            "alerts are POSTed to an http(s) URL with a host",
+            "write the full URL, e.g. notify.webhook=https://hooks.example.com/T0/B0, or "
+            "notify.webhook='' for no webhook",
+        )

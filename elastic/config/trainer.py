@@ -62,3 +62,7 @@ class TrainerConfig:
     eval_every_epochs: float = bounded(
         1.0, ge=0, fix="set trainer.eval_every_epochs=0 to evaluate only at the end"
     )
+    # Rank 0 writes loss, accuracy, LR, samples/s, world size, recoveries and checkpoints as
+    # TensorBoard scalars under <run_dir>/tensorboard/ (elastic/curves.py; needs the optional
+    # tensorboard package, else the curves are off).
+    tensorboard: bool = True

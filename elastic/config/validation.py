@@ -16,6 +16,7 @@ from elastic.config.job_rules import (
     checkpoint_problems,
     cluster_problems,
     job_id_problems,
+    notify_problems,
     rendezvous_problems,
 )
 from elastic.config.schema import ConfigError, bound_problems
@@ -38,6 +39,7 @@ RULES: tuple[Rule, ...] = (
     comm_problems,
     checkpoint_problems,
     chaos_problems,
+    notify_problems,
     model_problems,
 )
 

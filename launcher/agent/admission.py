@@ -24,12 +24,12 @@ from launcher.health.quarantine import Entry, Quarantine, clear_command
 from launcher.health.report import Status
 from launcher.rendezvous.etcd import etcd_errors
 from launcher.rendezvous.lease import ETCD_LOST_FIX
-from launcher.rendezvous.rendezvous import EtcdDenied, EtcdLost, NodeIdInUse, Rendezvous
+from launcher.rendezvous.rendezvous import EtcdDenied, EtcdFull, EtcdLost, NodeIdInUse, Rendezvous
 
 log = logging.getLogger("launcher.agent")
 
 EXIT_UNHEALTHY = 3  # the node failed its health checks (or cannot reach etcd) and did not join
-EXIT_ETCD_LOST = 4  # etcd stayed away beyond rendezvous.etcd_grace_s; the checkpoint is kept
+EXIT_ETCD_LOST = 4  # etcd stayed away past rendezvous.etcd_grace_s, or is full; checkpoint kept
 EXIT_NODE_ID_IN_USE = 5  # another live node holds this node's id (cluster.node_id)
 QUARANTINE_POLL_S = 2.0  # how often a quarantined node looks up from its wait (signals)
 
@@ -68,7 +68,8 @@ class Admission:
             if isinstance(exc, EtcdDenied):  # waiting cannot change a role
                 self.reason = str(exc)
                 return EXIT_UNHEALTHY
-            self.reason = f"{exc}; {ETCD_LOST_FIX}"
+            # A full etcd's error names its own fix (free space, disarm the alarm).
+            self.reason = str(exc) if isinstance(exc, EtcdFull) else f"{exc}; {ETCD_LOST_FIX}"
             return EXIT_ETCD_LOST
 
     def _register(self) -> int:

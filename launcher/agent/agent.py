@@ -160,6 +160,14 @@ class Agent:
             # client's watch thread (etcd3 0.12) die with a traceback in every agent's log.
         return code
 
+    def others_led(self) -> frozenset[str] | None:
+        """If this node led the job as it ended, the other nodes live in its view then (a
+        leader's view holds every node); else None (:func:`launcher.alerts.reports_failure`)."""
+        rdzv: Rendezvous | None = getattr(self, "rdzv", None)  # None: etcd never answered
+        if rdzv is None or not rdzv.leads:
+            return None
+        return frozenset(rdzv.view.nodes) - {self.node_id}
+
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.inbox.put(Signal(signum))  # reentrant: safe even if the main thread is in the queue
 

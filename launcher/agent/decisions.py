@@ -482,7 +482,10 @@ def join_timed_out(waiting_since: float, now: float, limit_s: float) -> bool:
 
 # --- the job's progress in etcd (python -m launcher.status) --------------------------------------
 
-PROGRESS_EVERY_S = 1.0  # the ``progress`` key is written at most this often
+# The ``progress`` key is written at most this often: each put is one etcd revision, kept until
+# etcd compacts it, and at once a second it was all but every revision a running job wrote
+# (3,600 an hour). launcher.status shows the step with its age, which this bounds.
+PROGRESS_EVERY_S = 5.0
 
 
 def publishes_progress(

@@ -2,11 +2,12 @@
 by ``python -m launcher.status``.
 
 The rank-0 worker already logs every step to its node's event file (``step`` events, see
-:mod:`elastic.events`); its agent follows that one file and, at most once a second
+:mod:`elastic.events`); its agent follows that one file and, at most every
+:data:`~launcher.agent.decisions.PROGRESS_EVERY_S` seconds
 (:func:`launcher.agent.decisions.publishes_progress`), puts the newest step under
-``<prefix>/<job_id>/progress``, bound to its own lease, so the key goes with the node. No new
-channel to the workers, and no watch carries the key: agents watch only ``round``, ``leader``,
-``done`` and node keys.
+``<prefix>/<job_id>/progress``, bound to its own lease, so the key goes with the node, with the
+estimated time left (:mod:`elastic.eta`, over the steps it read). No new channel to the workers,
+and no watch carries the key: agents watch only ``round``, ``leader``, ``done`` and node keys.
 
 The put runs on a thread of its own, one at a time, and only the newest record waits for it: an
 etcd that is away (each put then waits out the client's timeout) never slows the agent's loop,
@@ -23,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from elastic import event_types as ev
+from elastic.eta import Pace
 from elastic.events import EventFollower
 from launcher.agent import decisions as decide
 from launcher.rendezvous.membership import Round
@@ -31,16 +33,22 @@ log = logging.getLogger(__name__)
 
 
 def progress_record(
-    step: dict[str, Any], total_samples: int, checkpoint_url: str, now: float
+    step: dict[str, Any],
+    total_samples: int,
+    checkpoint_url: str,
+    now: float,
+    eta_s: float | None,
 ) -> dict[str, Any]:
     """The ``progress`` value for a rank-0 ``step`` event: step, epoch, samples, LR, samples/s,
     world size and round as the worker logged them, ``logged_at`` (the event's time) and
-    ``published_at`` (``now``), both wall clock; ``total_samples`` is 0 when not known."""
+    ``published_at`` (``now``), both wall clock; ``total_samples`` is 0 when not known;
+    ``eta_s``: the seconds left as of ``logged_at``, None when not known."""
     return {
         "step": step["step"],
         "epoch": step["epoch"],
         "samples": step["samples"],
         "total_samples": total_samples,
+        "eta_s": None if eta_s is None else round(eta_s, 1),
         "loss": step["loss"],
         "lr": step["lr"],
         "samples_per_s": step["samples_per_s"],
@@ -65,13 +73,16 @@ class ProgressPublisher:
         node_id: str,
         checkpoint_url: str,
         put: Callable[[str], None],
+        every_s: float = decide.PROGRESS_EVERY_S,
     ) -> None:
+        """``every_s``: the least time between two reads of the file, and two puts."""
         self._node_id = node_id
+        self._every_s = every_s
         self._checkpoint_url = checkpoint_url
         self._put = put
         self._events = EventFollower(run_dir, only_new=True, pattern=f"{node_id}.jsonl")
         self._newest: dict[str, Any] | None = None
-        self._total = 0
+        self._pace = Pace()
         self._published_step = 0
         self._published_at = -float("inf")  # monotonic
         self._read_at = -float("inf")
@@ -91,26 +102,35 @@ class ProgressPublisher:
     def _tick(self, current: Round | None) -> None:
         now = time.monotonic()
         member = current.member(self._node_id) if current else None
-        if (
-            member is None
-            or member.first_rank != 0
-            or now - self._read_at < decide.PROGRESS_EVERY_S
-        ):
-            return  # the file is read at most once a second, and only while rank 0 is here
+        if member is None or member.first_rank != 0 or now - self._read_at < self._every_s:
+            return  # the file is read at most every every_s, and only while rank 0 is here
         self._read_at = now
         for e in self._events.poll():
             if ev.STEP.matches(e):
                 self._newest = e
+                self._pace.add(e["ts"], e["samples"])
             elif ev.TRAINING_STARTED.matches(e):
-                self._total = e.get("total_samples", 0)
+                self._pace.total_samples = e.get("total_samples", 0)
+                self._pace.add(e["ts"], e.get("samples_seen", 0))
         step = self._newest["step"] if self._newest else 0
         if not decide.publishes_progress(
-            current, self._node_id, step, self._published_step, now - self._published_at
+            current,
+            self._node_id,
+            step,
+            self._published_step,
+            now - self._published_at,
+            self._every_s,
         ):
             return
         assert self._newest is not None
         value = json.dumps(
-            progress_record(self._newest, self._total, self._checkpoint_url, time.time())
+            progress_record(
+                self._newest,
+                self._pace.total_samples,
+                self._checkpoint_url,
+                time.time(),
+                self._pace.eta_s(),
+            )
         )
         self._published_step, self._published_at = step, now
         with self._cond:

@@ -11,6 +11,13 @@ injectors can stop one (:meth:`EmbeddedEtcd.stop_member`) and start it again
 3-member etcd also writes its ports beside the members' data (``ports.json``) and takes them
 again when started on the same data, since its members find each other at the addresses they
 were created with: a relaunched job then continues the same etcd, round numbers and all.
+
+It keeps itself bounded for a job of days (:mod:`launcher.rendezvous.etcd_usage`): it compacts
+its history every :data:`COMPACTION_RETENTION` (periodic mode), runs under an explicit space
+quota (:data:`QUOTA_BYTES`), and a member whose database file is mostly free pages (a relaunch on
+the data of a long run) is defragmented when it starts. Between starts no defragmentation is
+needed: the pages a compaction frees are reused by later writes, so the file stays at the size
+one retention window of writes needs.
 """
 
 from __future__ import annotations
@@ -30,8 +37,16 @@ from pathlib import Path
 from types import TracebackType
 
 from elastic.lifeline import tied
+from launcher.rendezvous.etcd import connect
+from launcher.rendezvous.etcd_usage import DEFAULT_QUOTA_BYTES, usage
 
 HOST = "127.0.0.1"
+# Periodic, not revision, compaction: the history kept is a span of time whatever the job's write
+# rate (a burst of rounds cannot outrun it), and etcd 3.5 checks a revision retention only every
+# five minutes anyway. Five minutes is ample: every watch of this project starts at the revision
+# after a read it has just made, so none ever needs an older one.
+COMPACTION_RETENTION = "5m"
+QUOTA_BYTES = DEFAULT_QUOTA_BYTES  # stated, not implied: past it etcd refuses writes (NOSPACE)
 
 
 def etcd_binary() -> str:
@@ -48,6 +63,18 @@ def etcd_binary() -> str:
             "or put etcd on PATH, or pass cluster.etcd_endpoints=[host:port] of a running etcd"
         )
     return found
+
+
+def defragment_if_fragmented(endpoint: str) -> None:
+    """Defragment the member at ``endpoint`` if less than half of its database file holds data
+    (what a long run's compactions left behind)."""
+    client = connect([endpoint])
+    try:
+        used = usage(client)
+        if used.db_size_in_use is not None and used.db_size > 2 * used.db_size_in_use:
+            client.defragment()
+    finally:
+        client.close()
 
 
 def free_port(host: str = HOST) -> int:
@@ -90,9 +117,14 @@ class EmbeddedEtcd:
         log_path: str | os.PathLike[str],
         members: int = 1,
         listen_host: str = HOST,
+        *,
+        compaction_retention: str = COMPACTION_RETENTION,
+        quota_bytes: int = QUOTA_BYTES,
     ) -> None:
         """``listen_host``: the clients' address to listen on; ``0.0.0.0`` serves other hosts
-        (or network namespaces) too, at this machine's addresses."""
+        (or network namespaces) too, at this machine's addresses. ``compaction_retention``:
+        etcd's ``--auto-compaction-retention`` (periodic; "0" turns compaction off);
+        ``quota_bytes``: its ``--quota-backend-bytes``."""
         data, log = Path(data_dir), Path(log_path)
         if members == 1:
             names = [("embedded", data, log)]
@@ -108,6 +140,7 @@ class EmbeddedEtcd:
             for (n, d, lg), (c, p) in zip(names, ports, strict=True)
         ]
         self._token = "elastic-" + uuid.uuid4().hex[:8]
+        self._retention, self._quota = compaction_retention, quota_bytes
 
     def _saved_ports(self, members: int) -> list[tuple[int, int]]:
         """The (client, peer) ports a 3-member etcd on this data had, if any."""
@@ -136,6 +169,8 @@ class EmbeddedEtcd:
             self._spawn(i)
         for i in range(len(self.members)):
             self._wait_healthy(i, timeout_s)
+        for endpoint in self.endpoints:
+            defragment_if_fragmented(endpoint)
         return self
 
     def start_member(self, index: int, timeout_s: float = 30.0) -> None:
@@ -190,6 +225,12 @@ class EmbeddedEtcd:
                         cluster,
                         "--initial-cluster-token",
                         self._token,
+                        "--auto-compaction-mode",
+                        "periodic",
+                        "--auto-compaction-retention",
+                        self._retention,
+                        "--quota-backend-bytes",
+                        str(self._quota),
                         "--log-level",
                         "warn",
                     ]

@@ -4,11 +4,13 @@ Only the leader, the live registration that claimed the ``leader`` key first, pr
 A round that only removes members is proposed at once (the survivors are waiting); one that adds
 members closes when at least ``min_nodes`` are ready and either ``max_nodes`` are or membership
 has been still for ``settle_s``. Who is in it is :func:`launcher.rendezvous.round_plan.plan_round`;
-this module adds the timing and the fenced write.
+this module adds the timing and the fenced write, and says when the job starts to wait for nodes
+(``below_min_nodes``, which :mod:`launcher.alerts` turns into an alert).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -22,6 +24,7 @@ from launcher.rendezvous.round_plan import (
     draining,
     only_drops,
     plan_round,
+    short_of_nodes,
     shrink_only,
     switch_step,
 )
@@ -51,6 +54,7 @@ class Leadership:
         self._emit, self._load = emit, load
         self._initial_settle = max(cfg.first_round_wait_s, cfg.settle_s)
         self._drain_seen: dict[str, float] = {}  # drained members: when the leader first saw them
+        self._short = False  # the job waits for nodes, and this leader said so
 
     def claim(self, node_id: str, registration: int, lease: Any) -> None:
         """Take the ``leader`` key (under the node's lease, so it goes with the node) if nobody
@@ -80,6 +84,7 @@ class Leadership:
             return None
         if node_id not in view.nodes:
             return None
+        self._say_short(view, node_id)
         members = plan_round(view, self._min, self._max)
         if members is None:
             return None
@@ -99,6 +104,22 @@ class Leadership:
                 return settles_at
         self.propose(view, members, registration)
         return None
+
+    def _say_short(self, view: JobView, node_id: str) -> None:
+        """Say once, as the job starts to wait for nodes, that it does
+        (:func:`launcher.rendezvous.round_plan.short_of_nodes`)."""
+        ready = short_of_nodes(view, self._min, node_id)
+        if ready is not None and not self._short and view.round is not None:
+            self._emit(
+                ev.BELOW_MIN_NODES,
+                f"round {view.round.number} lost members and only {ready} node(s) are ready, "
+                f"fewer than cluster.min_nodes={self._min}: the job waits for nodes",
+                level=logging.WARNING,
+                ready=ready,
+                min_nodes=self._min,
+                round=view.round.number,
+            )
+        self._short = ready is not None
 
     def propose(self, view: JobView, members: list[NodeRecord], registration: int) -> bool:
         """Replace the round seen in ``view`` by one of ``members``; False if it was stale.

@@ -34,6 +34,7 @@ from launcher.rendezvous.etcd import (
     etcd_errors,
     lease_gone,
 )
+from launcher.rendezvous.etcd_usage import NoSpace, out_of_space
 from launcher.rendezvous.follower import JobFollower
 from launcher.rendezvous.keys import JobKeys
 from launcher.rendezvous.leader import Leadership, leads
@@ -65,6 +66,11 @@ class EtcdLost(ConnectionError):
 class EtcdDenied(EtcdLost):
     """etcd answered and refused: the user may not use the job's keys. Raised at once, since
     waiting out the grace period cannot change a role."""
+
+
+class EtcdFull(EtcdLost):
+    """etcd answered and refused a write: its space quota is exceeded (the ``NOSPACE`` alarm).
+    Raised at once, since waiting frees no space: an operator must, and disarm the alarm."""
 
 
 RETRY_MIN_S, RETRY_MAX_S = 0.25, 4.0  # backoff of the calls retried while etcd is away
@@ -110,6 +116,8 @@ class Rendezvous:
         self.fenced = threading.Event()
         self.etcd_lost = threading.Event()
         self.load = EtcdLoad()
+        self._full: NoSpace | None = None  # etcd's NOSPACE, reported; until a progress put lands
+        self._full_lock = threading.Lock()
         self.follower = JobFollower(
             client,
             self.keys,
@@ -199,6 +207,9 @@ class Rendezvous:
             try:
                 return call()
             except etcd_errors() as exc:
+                full = self._out_of_space(exc)
+                if full is not None:
+                    raise EtcdFull(f"while trying to {what}: {full}") from exc
                 if denied(exc):
                     prefix = self.keys.rendezvous
                     raise EtcdDenied(
@@ -283,7 +294,12 @@ class Rendezvous:
         if lease is None or self.fenced.is_set():
             return
         self.load.requests += 1
-        self._client.put(key, value, lease)
+        try:
+            self._client.put(key, value, lease)
+        except etcd_errors() as exc:
+            self._out_of_space(exc)
+            raise
+        self._full = None
 
     # --- the view ----------------------------------------------------------------------------
 
@@ -312,6 +328,12 @@ class Rendezvous:
     def node(self) -> NodeRecord:
         """This node's record, as written or being written."""
         return self.record.node
+
+    @property
+    def leads(self) -> bool:
+        """Whether this registration holds the ``leader`` key, as of the view (after
+        :meth:`leave`: as it was)."""
+        return self._leads()
 
     def _fence_now(self, reason: str) -> None:
         """:meth:`_fence`, from a thread that does not hold ``self._cond``."""
@@ -369,6 +391,7 @@ class Rendezvous:
                     )
                 failures = 0
             except etcd_errors() as exc:  # the keep-alive says when etcd is away; no log spam
+                self._out_of_space(exc)
                 log.debug("rendezvous sync failed (%s); retrying", exc)
                 self.follower.cancel()
                 deadline = next_resync = time.monotonic() + backoff(failures)
@@ -387,6 +410,27 @@ class Rendezvous:
     def propose(self, view: JobView, members: list[NodeRecord]) -> bool:
         """:meth:`Leadership.propose` as this registration."""
         return self.leadership.propose(view, members, self._registration)
+
+    def _out_of_space(self, exc: BaseException) -> NoSpace | None:
+        """Whether etcd refused the call that raised ``exc`` for lack of space
+        (:func:`launcher.rendezvous.etcd_usage.out_of_space`); the first refusal is reported as
+        an ``etcd_no_space`` event, with the fix. Rank 0's node learns it first: its ``progress``
+        put is refused within seconds, and the next one that lands ends the episode."""
+        full = out_of_space(self._client, exc)
+        if full is None:
+            return None
+        with self._full_lock:
+            first, self._full = self._full is None, full
+        if first:
+            self._emit(
+                ev.ETCD_NO_SPACE,
+                f"{self.node.node_id}: {full.reason}: until then no round can change and no "
+                f"node can join (a round in progress trains on). Fix: {full.fix}",
+                level=logging.ERROR,
+                reason=full.reason,
+                fix=full.fix,
+            )
+        return full
 
     def _emit(
         self,

@@ -1,7 +1,8 @@
 """Round planning, as pure functions over a :class:`~launcher.rendezvous.membership.JobView`:
-who is in the next round and in which rank order, whether it only drops members (formed at
-once), which members an operator is draining, and after which step a planned leave switches
-rounds. The leader's rendezvous (:meth:`launcher.rendezvous.rendezvous.Rendezvous`) acts on them.
+who is in the next round and in which rank order, whether the job waits for nodes, whether it
+only drops members (formed at once), which members an operator is draining, and after which step
+a planned leave switches rounds. The leader's rendezvous
+(:meth:`launcher.rendezvous.rendezvous.Rendezvous`) acts on them.
 """
 
 from __future__ import annotations
@@ -19,11 +20,7 @@ def plan_round(view: JobView, min_nodes: int, max_nodes: int) -> list[NodeRecord
     Quarantined and leaving nodes are never placed. Survivors keep their relative order, so
     rank 0 stays where it was unless its node left; newcomers follow in join order.
     """
-    ready = {
-        n.node_id: n
-        for n in view.nodes.values()
-        if n.ready and not n.leaving_after and n.node_id not in view.quarantined
-    }
+    ready = _placeable(view)
     if view.done or len(ready) < min_nodes:
         return None
     current = view.round
@@ -37,6 +34,26 @@ def plan_round(view: JobView, min_nodes: int, max_nodes: int) -> list[NodeRecord
         (n for n in ready.values() if n.node_id not in previous), key=lambda n: n.joined_rev
     )
     return (survivors + newcomers)[:max_nodes]
+
+
+def _placeable(view: JobView) -> dict[str, NodeRecord]:
+    """The nodes a round may hold: ready, not leaving, not quarantined."""
+    return {
+        n.node_id: n
+        for n in view.nodes.values()
+        if n.ready and not n.leaving_after and n.node_id not in view.quarantined
+    }
+
+
+def short_of_nodes(view: JobView, min_nodes: int, leader: str) -> int | None:
+    """The ready nodes, when the job waits for nodes: a round trained, it lost members, and
+    fewer than ``min_nodes`` are ready to form the next. None otherwise, and while the job is
+    done or the ``leader`` itself leaves (the job is being stopped)."""
+    me = view.nodes.get(leader)
+    if view.done or view.round is None or view.round_intact() or me is None or me.leaving_after:
+        return None
+    ready = len(_placeable(view))
+    return ready if ready < min_nodes else None
 
 
 def shrink_only(current: Round | None, members: list[NodeRecord]) -> bool:
