@@ -515,18 +515,14 @@ def judge_campaign(run_dir: Path, name: str, what: str, code: int | None) -> dic
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
     from elastic import event_types as ev  # the standard library only, like this file
+    from elastic.events import read_events  # the same: rotated files too
 
     report_file = run_dir / "chaos" / "report.json"
     if not report_file.exists():
         ended = "timed out" if code is None else f"exited {code}"
         return {"name": name, "ok": False, "summary": f"{what}: no report ({ended})"}
     report = json.loads(report_file.read_text())
-    events = [
-        json.loads(line)
-        for log in sorted((run_dir / "events").glob("*.jsonl"))
-        for line in log.read_text().splitlines()
-        if line.strip()
-    ]
+    events = read_events(run_dir)
     struck = min((f["ts"] for f in report["faults"]), default=float("inf"))
     after = [e for e in events if e["ts"] > struck]
     sources = sorted(

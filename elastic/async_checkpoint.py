@@ -7,7 +7,8 @@ save group, a gloo group beside the training group (``Communicator.save_group``)
 save's collectives never interleave with training's and a peer frozen in the middle of a save
 holds only the save. One save runs at a time per rank, so the ranks enter the save group's
 collectives in the same order. Leaving a round abandons its save (:meth:`BackgroundSaver.abandon`),
-and the end of training waits for the last one (:meth:`BackgroundSaver.wait`).
+and the end of training waits for the last one (:meth:`BackgroundSaver.wait`), which says whether
+it committed: the end is not the end until the final state is saved (:mod:`elastic.final_save`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class _Save:
     gathered: list[dict[str, Any]] | None = None  # every rank's figures, once all have written
     wrote: frozenset[str] | None = None  # the names this rank wrote, once every rank has
     plan: Plan | None = None  # for the round's next save to replay, once every rank has written
+    committed: bool = False  # rank 0 (which commits), once the manifest is in place
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[None]:
@@ -266,6 +268,7 @@ class BackgroundSaver:
                 )
         else:
             if saved is not None:
+                save.committed = True
                 self.events.emit(
                     ev.CHECKPOINT_SAVED,
                     step=step,
@@ -289,9 +292,14 @@ class BackgroundSaver:
         if save is not None and not save.done.is_set():
             save.abandoned = True
 
-    def wait(self, aborted: Callable[[], bool]) -> None:
-        """Until the current save is done (the end of training); abortable like :meth:`start`."""
+    def wait(self, aborted: Callable[[], bool]) -> int | None:
+        """Until the current save is done (the end of training); abortable like :meth:`start`.
+
+        Returns its step if this rank committed it: on rank 0, which commits, the end of
+        training learns whether the final state is saved; None when it failed, was abandoned or
+        none ran, and on the other ranks (rank 0's answer reaches them through a collective)."""
         save = self._current
         while save is not None and not save.done.wait(WAIT_POLL_S):
             if aborted():
                 raise RoundAborted("the round was left while the last save was written")
+        return save.step if save is not None and save.committed else None

@@ -3,10 +3,11 @@
 A worker is started with a :class:`WorkerEnv` in its environment, talks to its agent over a
 control channel (:class:`Channel`), and ends with an exit code the agent acts on: 0 (the job is
 trained), :data:`EXIT_PEER_LOST` (peers went away and no round came: not this worker's fault),
-anything else a local failure (a strike, and a restart). Workers live across rounds, so the agent
-cannot hand them a round through the environment once; it sends each new assignment down the
-channel, and the worker sends back what the agent needs to supervise it: that it is ready, a
-heartbeat with its step and phase, and that it saw a peer fail.
+:data:`EXIT_UNSAVED` (trained, but the final checkpoint could not be written), anything else a
+local failure (a strike, and a restart). Workers live across rounds, so the agent cannot hand
+them a round through the environment once; it sends each new assignment down the channel, and
+the worker sends back what the agent needs to supervise it: that it is ready, a heartbeat with
+its step and phase, and that it saw a peer fail.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ EXIT_PEER_LOST = 75
 # Exit code of a worker that failed by itself (bad data, a CUDA error, a bug): its traceback is in
 # its log, and its agent counts a strike against the node.
 EXIT_FAILED = 1
+# Exit code of a worker that trained the job to its end but whose final checkpoint could not be
+# written within checkpoint.final_retry_s (every rank agrees; rank 0's final_save_failed names the
+# steps not saved): no restart and no strike, and the job is not done. Its agent, and the
+# launcher, end with it too (sysexits' EX_IOERR).
+EXIT_UNSAVED = 74
 
 
 @dataclass(frozen=True)

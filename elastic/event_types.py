@@ -240,7 +240,24 @@ CHECKPOINT_SKIPPED = _declare(
     "checkpoint_skipped", "worker", "url reason", "a checkpoint failed verification"
 )
 TRAINING_DONE = _declare(
-    "training_done", "worker", "step samples_seen world_size", "the job is trained"
+    "training_done",
+    "worker",
+    "step samples_seen world_size",
+    "the job is trained, and its final checkpoint committed",
+)
+FINAL_SAVE_RETRY = _declare(
+    "final_save_retry",
+    "worker",
+    "step saved_step attempt retry_in_s left_s",
+    "the job is trained but its final checkpoint did not commit (saved_step: the newest that "
+    "did, None if none): the state is kept and the save retried (elastic/final_save.py)",
+)
+FINAL_SAVE_FAILED = _declare(
+    "final_save_failed",
+    "worker",
+    "step saved_step attempts waited_s",
+    "the final checkpoint could not be written within checkpoint.final_retry_s: the steps after "
+    "saved_step up to step are not saved, and the job ends with EXIT_UNSAVED",
 )
 CURVES_OFF = _declare(
     "curves_off",

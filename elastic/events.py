@@ -9,30 +9,88 @@ interleaving; one file per node keeps bare-metal nodes from ever writing the sam
 A fact that a person should also read in the process's log is written by one call,
 ``emit(event, message, level=...)``, which appends the event and logs the message: the log line
 and the event can never disagree or be written twice by hand.
+
+**Rotation.** A run of days must not grow one file without end, so a node's file past
+``trainer.events_rotate_mb`` is renamed ``<node>.jsonl.<n>`` (``n`` counting up from 1) and a
+new ``<node>.jsonl`` started. ``*.jsonl`` thus still names one current file per
+node, and :func:`event_files` lists a node's rotated files, oldest first, before it: every reader
+here (:func:`read_events`, :class:`EventFollower`) goes through it. Several processes append to
+one file, so the writer that finds the file full renames it under an ``flock`` on the file
+itself (one renamer per file), and every writer, before each line, compares its descriptor's
+inode with the path's and reopens the path when they differ: a line goes whole into one file or
+the next, never lost, in each writer's order. ``trainer.events_keep`` rotated files are kept per
+node, 0 (the default) keeping them all: the invariant checker, ``curves.png`` and the goodput
+verdict read the whole log, and a week at 1 step/s writes about 175 MB of it on rank 0's node,
+little next to the checkpoints (README, "Disk use"); a bound is there for runs that log far more
+(``trainer.record_samples``).
 """
 
 from __future__ import annotations
 
+import fcntl
+import glob
 import json
 import logging
+import math
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from elastic.event_types import EventType, declared
+
+MB = 1 << 20
 
 
 def events_dir(run_dir: str | os.PathLike[str]) -> Path:
     return Path(run_dir) / "events"
 
 
+@dataclass(frozen=True)
+class Rotation:
+    """When a node's event file is rotated and how many rotated files it keeps."""
+
+    max_bytes: int  # a file at least this large is renamed before the next line
+    keep: int = 0  # rotated files kept per node, the oldest deleted first; 0: every one
+
+    @classmethod
+    def of_mb(cls, mb: float, keep: int) -> Rotation:
+        """From ``trainer.events_rotate_mb`` and ``trainer.events_keep``."""
+        return cls(max(1, int(mb * MB)), keep)
+
+
+def rotation_number(path: Path) -> int | None:
+    """``n`` of a rotated file ``<node>.jsonl.<n>``; None for anything else."""
+    stem, _, n = path.name.rpartition(".")
+    return int(n) if stem.endswith(".jsonl") and n.isdigit() else None
+
+
+def event_files(run_dir: str | os.PathLike[str], pattern: str = "*.jsonl") -> list[Path]:
+    """The event files of the nodes whose current file ``pattern`` names, in the order their
+    lines were written: each node's rotated files, oldest first, then its current file.
+
+    A node's rotated files are listed even while it has no current file (between a rotation and
+    the next line)."""
+    folder = events_dir(run_dir)
+    rotated = [p for p in folder.glob(f"{pattern}.*") if rotation_number(p) is not None]
+
+    def order(path: Path) -> tuple[str, float]:
+        n = rotation_number(path)
+        return (path.name, math.inf) if n is None else (path.name.rpartition(".")[0], n)
+
+    return sorted([*rotated, *folder.glob(pattern)], key=order)
+
+
 class EventLog:
     """Appends events for one process; ``fields`` given here go into every event.
 
     ``logger``: where the messages of :meth:`emit` are logged (the owning module's logger).
+    ``rotation``: when this writer rotates the file; without one it never does, but still follows
+    the rotations of the node's other writers (a short-lived writer such as a fault helper's).
     """
 
     def __init__(
@@ -40,13 +98,18 @@ class EventLog:
         run_dir: str | os.PathLike[str],
         node_id: str,
         logger: logging.Logger | None = None,
+        *,
+        rotation: Rotation | None = None,
         **fields: Any,
     ) -> None:
         self._log = logger or logging.getLogger(__name__)
         path = events_dir(run_dir)
         path.mkdir(parents=True, exist_ok=True)
         self.path = path / f"{node_id}.jsonl"
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._rotation = rotation
+        # The agent's threads emit concurrently; the descriptor is replaced on a rotation.
+        self._lock = threading.Lock()
+        self._fd = self._open()
         self._fields = {"node": node_id, "host": socket.gethostname(), "pid": os.getpid(), **fields}
         # Given every event this process appends, after it is written (rank 0's TensorBoard
         # curves, elastic/curves.py); it must return at once and never raise.
@@ -70,7 +133,10 @@ class EventLog:
         that line at ``level``."""
         name = event.name if isinstance(event, EventType) else declared(event).name
         record = {"ts": time.time(), "event": name, **self._fields, **fields}
-        os.write(self._fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+        line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+        with self._lock:
+            self._follow_rotation()
+            os.write(self._fd, line)
         if self.sink is not None:
             self.sink(record)
         if message is not None:
@@ -78,28 +144,91 @@ class EventLog:
         return record
 
     def close(self) -> None:
-        os.close(self._fd)
+        with self._lock:
+            os.close(self._fd)
+
+    def _open(self) -> int:
+        return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def _follow_rotation(self) -> None:
+        """Before a line: rotate the file when it is full, and write to the path's file when
+        another writer rotated it. Two ``stat`` calls a line (about 4 us)."""
+        mine = os.fstat(self._fd)
+        if self._rotation is not None and mine.st_size >= self._rotation.max_bytes:
+            self._rotate(mine, self._rotation)
+        elif _inode(self.path) == (mine.st_dev, mine.st_ino):
+            return
+        try:
+            fd, self._fd = self._fd, self._open()
+        except FileNotFoundError:  # the run's folder was deleted under this process: write on
+            return
+        os.close(fd)
+
+    def _rotate(self, mine: os.stat_result, rotation: Rotation) -> None:
+        """Rename the full file, unless another writer of it has already: the ``flock`` on the
+        file makes its writers take turns, and only the one that still finds it at the path
+        renames it (after which the path names another file)."""
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            if _inode(self.path) != (mine.st_dev, mine.st_ino):
+                return
+            rotated = sorted(
+                (n, p)
+                for p in event_files(self.path.parent.parent, glob.escape(self.path.name))
+                if (n := rotation_number(p)) is not None
+            )
+            newest = rotated[-1][0] if rotated else 0
+            os.rename(self.path, self.path.with_name(f"{self.path.name}.{newest + 1}"))
+            if rotation.keep:
+                for _, old in rotated[: max(0, len(rotated) + 1 - rotation.keep)]:
+                    old.unlink(missing_ok=True)
+            self._log.info(
+                "%s rotated at %.1f MB (trainer.events_rotate_mb), as %s.%d",
+                self.path,
+                mine.st_size / MB,
+                self.path.name,
+                newest + 1,
+            )
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+
+def _inode(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def read_events(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every event of a run, all nodes merged, in timestamp order.
+    """Every event of a run, all nodes and their rotated files merged, in timestamp order.
 
     A line cut short by a process killed mid-write is skipped: the fault injectors do kill
     processes at arbitrary points, and one torn line must not hide the rest of the log.
     """
-    records: list[dict[str, Any]] = []
-    for path in sorted(events_dir(run_dir).glob("*.jsonl")):
-        records.extend(_parse(path.read_text(errors="replace").splitlines()))
+    follower = EventFollower(run_dir)
+    # The second pass reads a file renamed between the first's listing and its opening the path.
+    records = follower.poll() + follower.poll()
     records.sort(key=lambda r: r["ts"])
     return records
 
 
-def _parse(lines: list[str]) -> Iterator[dict[str, Any]]:
+def _parse(lines: list[bytes]) -> Iterator[dict[str, Any]]:
     for line in lines:
         try:
-            yield json.loads(line)
+            yield json.loads(line.decode(errors="replace"))
         except json.JSONDecodeError:
             continue
+
+
+@dataclass
+class _Cursor:
+    """How far one file (an inode: a rotation renames it, the cursor stays) has been read."""
+
+    offset: int = 0
+    partial: bytes = b""  # a line still being written
+    missed: bool = False  # absent from the last listing
 
 
 class EventFollower:
@@ -107,31 +236,55 @@ class EventFollower:
 
     With ``only_new``, what the files hold already is skipped: a launcher started again on the
     same run directory shows this run's events, not the earlier runs' replayed as new.
-    ``pattern`` picks the files (``<node>.jsonl``: one node's).
+    ``pattern`` picks the nodes (``<node>.jsonl``: one node's), rotated files included.
+
+    Files are followed by inode, not name, so a file renamed by a rotation goes on from where
+    it was read. An inode the file system hands to a new file after the old one was deleted
+    (``trainer.events_keep``) is told apart by its size, smaller than what was read of the old.
     """
 
     def __init__(
         self, run_dir: str | os.PathLike[str], only_new: bool = False, pattern: str = "*.jsonl"
     ) -> None:
-        self._dir = events_dir(run_dir)
+        self._run_dir = run_dir
         self._pattern = pattern
-        self._offsets: dict[Path, int] = {}
-        self._partial: dict[Path, str] = {}
+        self._cursors: dict[tuple[int, int], _Cursor] = {}
         if only_new:
-            self._offsets = {p: p.stat().st_size for p in self._dir.glob(pattern)}
+            for path in event_files(run_dir, pattern):
+                try:
+                    st = path.stat()
+                except FileNotFoundError:
+                    continue
+                self._cursors[st.st_dev, st.st_ino] = _Cursor(st.st_size)
 
     def poll(self) -> list[dict[str, Any]]:
         new: list[dict[str, Any]] = []
-        for path in sorted(self._dir.glob(self._pattern)):
-            with open(path, encoding="utf-8", errors="replace") as f:
-                f.seek(self._offsets.get(path, 0))
-                chunk = f.read()
-                self._offsets[path] = f.tell()
-            text = self._partial.pop(path, "") + chunk
-            lines = text.split("\n")
-            if lines[-1]:
-                self._partial[path] = lines[-1]  # a line still being written
+        seen: set[tuple[int, int]] = set()
+        for path in event_files(self._run_dir, self._pattern):
+            try:
+                with open(path, "rb") as f:  # the file opened is the one read, whatever its name
+                    st = os.fstat(f.fileno())
+                    key = (st.st_dev, st.st_ino)
+                    cursor = self._cursors.get(key)
+                    if cursor is None or st.st_size < cursor.offset:
+                        cursor = self._cursors[key] = _Cursor()
+                    f.seek(cursor.offset)
+                    chunk = f.read()
+            except FileNotFoundError:  # deleted (events_keep) or renamed since the listing
+                continue
+            cursor.offset += len(chunk)
+            cursor.missed = False
+            seen.add(key)
+            lines = (cursor.partial + chunk).split(b"\n")
+            cursor.partial = lines[-1]
             new.extend(_parse(lines[:-1]))
+        # A file missing from one listing may have been renamed between it and the opening of
+        # its path; one missing from two in a row is gone.
+        for key in self._cursors.keys() - seen:
+            if self._cursors[key].missed:
+                del self._cursors[key]
+            else:
+                self._cursors[key].missed = True
         new.sort(key=lambda r: r["ts"])
         return new
 

@@ -7,7 +7,9 @@ round, and :func:`train_step` one optimizer step. A round ends in one of three w
 by what the communicator recorded (:func:`elastic.communicator.round_end`), never by an error's
 text: the agent announced a new round, a collective failed (a peer died: the worker tells its
 agent, which finds the dead peer), or neither, which is this worker's own fault: it exits with
-:data:`~elastic.control.EXIT_FAILED`. A checkpoint that cannot be written ends nothing.
+:data:`~elastic.control.EXIT_FAILED`. A checkpoint that cannot be written ends nothing, but the
+final one: the end keeps the trained state and retries it (:func:`final_save`), and a run that
+cannot save it ends with :data:`~elastic.control.EXIT_UNSAVED`, never as if it had succeeded.
 """
 
 from __future__ import annotations
@@ -36,16 +38,25 @@ from torch.nn.parallel import DistributedDataParallel
 
 from elastic import config
 from elastic import event_types as ev
-from elastic.async_checkpoint import BackgroundSaver
+from elastic.async_checkpoint import WAIT_POLL_S, BackgroundSaver, Started
 from elastic.checkpoint import CheckpointManager
 from elastic.checkpoint_interval import Measured, choose_interval
 from elastic.communicator import Communicator, RoundAborted, RoundEnd, pick_device, round_end
-from elastic.control import EXIT_FAILED, EXIT_PEER_LOST, Assignment, Channel, WorkerEnv
+from elastic.control import (
+    EXIT_FAILED,
+    EXIT_PEER_LOST,
+    EXIT_UNSAVED,
+    Assignment,
+    Channel,
+    WorkerEnv,
+)
 from elastic.curves import Curves
 from elastic.data import SeededImageFolder, ValImageFolder
 from elastic.evaluate import average_bn_stats, due_evaluation, evaluate, use_last_batch_stats
-from elastic.events import EventLog
+from elastic.events import EventLog, Rotation
+from elastic.final_save import retry_in, unsaved_steps
 from elastic.lr_policy import LRPolicy
+from elastic.manifest import newest_manifest
 from elastic.model import build_model
 from elastic.nonfinite import (
     BufferBackup,
@@ -210,7 +221,10 @@ def main() -> int:
     env = WorkerEnv.from_environ()
     cfg = config.load(env.config)
     torch.set_num_threads(env.threads)
-    events = EventLog(env.run_dir, env.node_id, log, role="worker", local_rank=env.local_rank)
+    rotation = Rotation.of_mb(cfg.trainer.events_rotate_mb, cfg.trainer.events_keep)
+    events = EventLog(
+        env.run_dir, env.node_id, log, rotation=rotation, role="worker", local_rank=env.local_rank
+    )
     curves = Curves(events, env.run_dir, cfg.trainer.tensorboard)  # written while at rank 0
     device = pick_device(cfg.cluster.device, env.local_rank)
     comm = Communicator(
@@ -285,11 +299,12 @@ def main() -> int:
         events.update(rank=assignment.rank, round=assignment.round)
         curves.follow(assignment.rank)
         try:
-            train_round(w, assignment)
+            saved = train_round(w, assignment)
             curves.close()  # before the agent may stop this worker
-            link.channel.send("finished", round=assignment.round)  # the round the job names
+            if saved:
+                link.channel.send("finished", round=assignment.round)  # the round the job names
             comm.close()
-            return 0
+            return 0 if saved else EXIT_UNSAVED  # rank 0's final_save_failed names the steps
         except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
             end = round_end(comm.aborted, comm.failure)
             if end is RoundEnd.LOCAL_FAULT:
@@ -335,11 +350,12 @@ class RoundStart:
     synced_at: float
 
 
-def train_round(w: Worker, a: Assignment) -> None:
+def train_round(w: Worker, a: Assignment) -> bool:
     """Enter round ``a`` (:func:`enter_round`: its group, the newest state any rank holds, the
     LR for its world size), wrap DDP, then train step by step from where the state says until
-    the job is trained; a collective. A rollback (:func:`roll_back`) starts the steps again
-    from the checkpoint it loaded."""
+    the job is trained, and save the final state (:func:`final_save`); a collective. A rollback
+    (:func:`roll_back`) starts the steps again from the checkpoint it loaded. Returns whether
+    the final state is saved, the same on every rank."""
     cfg, events, rank, world = w.cfg, w.events, a.rank, a.world_size
     ckpt = CheckpointManager(cfg.checkpoint.url, cfg.checkpoint.keep, events, w.comm.collective)
     start = enter_round(w, a, ckpt)
@@ -362,9 +378,9 @@ def train_round(w: Worker, a: Assignment) -> None:
     ):
         save(w, ckpt, progress, a, 0.0)
     w.link.status["phase"] = "finishing"  # waits for the last save and the peers: not frozen
-    w.saver.wait(lambda: w.comm.aborted)
+    saved = final_save(w, a, ckpt, progress)
     events.emit(ev.STATE_DIGEST, step=progress.step, digest=w.state.digest())
-    if rank == 0:
+    if rank == 0 and saved:
         events.emit(
             ev.TRAINING_DONE,
             step=progress.step,
@@ -376,6 +392,111 @@ def train_round(w: Worker, a: Assignment) -> None:
     # would have its node mark the job done, and the job would end unrecorded and the last
     # checkpoint uncommitted. Past this point, the job's end is written.
     w.comm.barrier("the end of training")
+    return saved
+
+
+def final_save(w: Worker, a: Assignment, ckpt: CheckpointManager, progress: Progress) -> bool:
+    """Whether the final state, ``progress``'s, is in a committed checkpoint, as every rank
+    agrees; a collective, once its save was started (or found unneeded).
+
+    The final weights are the run's product, so a save of them that failed (a full disk, a store
+    that is down) is not the end: every rank keeps the state in memory, and the ranks save it
+    again together after :func:`elastic.final_save.retry_in`'s pauses, rank 0 saying so at each
+    (``final_save_retry``, which the owner's alert follows), until it commits or
+    ``checkpoint.final_retry_s`` is spent; then rank 0 names the steps not saved
+    (``final_save_failed``). Rank 0 commits, so its answer and its clock go to every rank in one
+    all-reduce per attempt: the ranks decide alike and retry together.
+    """
+    began = time.monotonic()
+    limit_s = w.cfg.checkpoint.final_retry_s
+    failed = 0
+    while True:
+        committed = w.saver.wait(lambda: w.comm.aborted) == progress.step
+        saved_step = None
+        if a.rank == 0 and not committed:
+            # Or it was committed before this round: a state resumed or rolled back to.
+            saved_step = newest_saved(ckpt.url)
+            committed = saved_step == progress.step
+        word = torch.zeros(2, dtype=torch.float64, device=w.device)
+        if a.rank == 0:
+            word[0], word[1] = float(committed), time.monotonic() - began
+        w.comm.all_reduce(word, "final save")
+        if word[0].item():
+            return True
+        failed += 1
+        elapsed_s = word[1].item()
+        pause_s = retry_in(failed, elapsed_s, limit_s)
+        if a.rank == 0:
+            report_unsaved(w, progress.step, saved_step, failed, elapsed_s, pause_s)
+        if pause_s is None:
+            return False
+        pause(w, pause_s)
+        start_save(w, ckpt, progress, a, 0.0)
+
+
+def report_unsaved(
+    w: Worker,
+    step: int,
+    saved_step: int | None,
+    failed: int,
+    elapsed_s: float,
+    pause_s: float | None,
+) -> None:
+    """Rank 0: the final state, of ``step``, is not saved after ``failed`` attempts over
+    ``elapsed_s``; the newest checkpoint is ``saved_step``'s. Either the save is retried in
+    ``pause_s`` (``final_save_retry``), or (None) the run gives up (``final_save_failed``)."""
+    limit_s = w.cfg.checkpoint.final_retry_s
+    lost = unsaved_steps(saved_step, step)
+    newest = "none" if saved_step is None else f"the checkpoint of step {saved_step}"
+    if pause_s is None:
+        w.events.emit(
+            ev.FINAL_SAVE_FAILED,
+            f"the final checkpoint, of step {step}, could not be written in {failed} "
+            f"attempt(s) over {elapsed_s:.0f} s (checkpoint.final_retry_s={limit_s:g}): {lost} "
+            f"were trained but are not saved; the newest saved is {newest}. Fix: what the "
+            "checkpoint_failed events name, then run again with the same job_id to train them "
+            "again",
+            level=logging.ERROR,
+            step=step,
+            saved_step=saved_step,
+            attempts=failed,
+            waited_s=round(elapsed_s, 3),
+        )
+        return
+    w.events.emit(
+        ev.FINAL_SAVE_RETRY,
+        f"the final checkpoint, of step {step}, did not commit: {lost} are not saved (the "
+        f"newest saved is {newest}). The state is kept in memory; retry {failed} in "
+        f"{pause_s:.0f} s, for up to {limit_s - elapsed_s:.0f} s more "
+        "(checkpoint.final_retry_s). Fix: what the checkpoint_failed events name",
+        level=logging.ERROR,
+        step=step,
+        saved_step=saved_step,
+        attempt=failed,
+        retry_in_s=round(pause_s, 3),
+        left_s=round(limit_s - elapsed_s, 3),
+    )
+
+
+def newest_saved(url: str) -> int | None:
+    """The step of the newest committed checkpoint at ``url`` (rank 0, at the end); None when
+    there is none, or when the store cannot be listed, which is then what failed the save."""
+    try:
+        newest = newest_manifest(url)
+    except Exception as exc:  # any fsspec backend's error: the store is what is down
+        log.warning("could not list the checkpoints at %s: %s: %s", url, type(exc).__name__, exc)
+        return None
+    return int(newest["step"]) if newest is not None else None
+
+
+def pause(w: Worker, seconds: float) -> None:
+    """Wait ``seconds`` between two attempts of the final save, leaving as soon as the round
+    is left (:class:`RoundAborted`; the next round keeps the state and saves it again)."""
+    until = time.monotonic() + seconds
+    while (left := until - time.monotonic()) > 0:
+        if w.comm.aborted:
+            raise RoundAborted("the round was left while the final save waited to be retried")
+        time.sleep(min(left, WAIT_POLL_S))
 
 
 def train_steps(
@@ -839,17 +960,7 @@ def save(
     on every rank; ``step_s`` is this rank's mean step time since that save.
     """
     w.link.status["phase"] = "checkpoint"
-    assert w.comm.save_group is not None  # set up with the round
-    started = w.saver.start(
-        ckpt,
-        progress.step,
-        w.tensors,
-        {"progress": progress.to_dict(), "round": a.round},
-        w.comm.save_group,
-        a.round,
-        lambda: w.comm.aborted,
-        {"step_s": step_s},
-    )
+    started = start_save(w, ckpt, progress, a, step_s)
     w.link.status["phase"] = "step"
     if started.previous is None:
         return progress
@@ -866,6 +977,23 @@ def save(
             reason=interval.reason,
         )
     return replace(progress, checkpoint_every=interval.steps)
+
+
+def start_save(
+    w: Worker, ckpt: CheckpointManager, progress: Progress, a: Assignment, step_s: float
+) -> Started:
+    """Start the background save of ``progress``'s state (:meth:`BackgroundSaver.start`)."""
+    assert w.comm.save_group is not None  # set up with the round
+    return w.saver.start(
+        ckpt,
+        progress.step,
+        w.tensors,
+        {"progress": progress.to_dict(), "round": a.round},
+        w.comm.save_group,
+        a.round,
+        lambda: w.comm.aborted,
+        {"step_s": step_s},
+    )
 
 
 if __name__ == "__main__":

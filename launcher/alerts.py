@@ -11,8 +11,12 @@ follows each occurrence once, not once per node:
   ``notify.below_min_nodes_s`` with no round formed since (a node back sooner is no news);
 - ``recoveries``: rank 0's ``recovered``, ``notify.recoveries_per_hour`` of them within an hour;
 - ``job_done``: rank 0's ``training_done``;
-- ``job_failed``: the launcher's end without the job trained (:func:`failed`); on bare metal,
-  where every node runs a launcher, only the one :func:`reports_failure` names.
+- ``final_save_failing``: rank 0's first ``final_save_retry``: the job is trained but its final
+  checkpoint does not commit, and a person has ``checkpoint.final_retry_s`` to fix the store
+  (the reason and fix of the ``checkpoint_failed`` before it come along);
+- ``job_failed``: rank 0's ``final_save_failed`` (trained, the steps it names not saved), or the
+  launcher's end without the job trained (:func:`failed`); on bare metal, where every node runs a
+  launcher, only the one :func:`reports_failure` names.
 
 The launcher follows the events (``cluster=local``: every node's; ``bare_metal``: its own
 node's) and :mod:`launcher.notify` sends the alerts. Nothing here reads a clock or does I/O.
@@ -26,11 +30,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastic import event_types as ev
+from elastic.control import EXIT_UNSAVED
+from elastic.final_save import unsaved_steps
 
 QUARANTINED = "node_quarantined"
 BELOW_MIN_NODES = "below_min_nodes"
 RECOVERIES = "recoveries"
 JOB_DONE = "job_done"
+FINAL_SAVE_FAILING = "final_save_failing"
 JOB_FAILED = "job_failed"
 HOUR_S = 3600.0
 
@@ -71,6 +78,7 @@ class AlertPolicy:
         self._wait_s = below_min_nodes_s
         self._recoveries: deque[float] = deque()  # when the recent recoveries were read
         self._short: tuple[Mapping[str, Any], float] | None = None  # below_min_nodes, read at
+        self._save_failure = ""  # the newest checkpoint_failed's reason and fix, in words
 
     def take(self, e: Mapping[str, Any], now: float) -> Alert | None:
         """The alert ``e`` makes now, if any (see also :meth:`due`)."""
@@ -94,6 +102,25 @@ class AlertPolicy:
             )
         elif ev.RECOVERED.matches(e):
             return self._recovered(e, now)
+        elif ev.CHECKPOINT_FAILED.matches(e):
+            self._save_failure = f": {e['reason']}. Fix: {e['fix']}"
+        elif ev.FINAL_SAVE_RETRY.matches(e) and e["attempt"] == 1:
+            return self._alert(
+                FINAL_SAVE_FAILING,
+                e,
+                f"trained, but the final checkpoint (step {e['step']}) does not commit"
+                f"{self._save_failure}; the state is kept and the save retried for "
+                f"{_span(e['left_s'])} (checkpoint.final_retry_s), newest saved: "
+                f"{_saved(e['saved_step'])}",
+            )
+        elif ev.FINAL_SAVE_FAILED.matches(e):
+            return self._alert(
+                JOB_FAILED,
+                e,
+                f"ended without its final checkpoint (exit code {EXIT_UNSAVED}): "
+                f"{unsaved_steps(e['saved_step'], e['step'])} were trained but are not saved"
+                f"{self._save_failure}; newest saved: {_saved(e['saved_step'])}",
+            )
         return None
 
     def due(self, now: float) -> Alert | None:
@@ -138,6 +165,10 @@ def _span(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
+def _saved(step: int | None) -> str:
+    return "none" if step is None else f"step {step}"
+
+
 def failed(job_id: str, node: str, code: int, why: str, ts: float) -> Alert:
     """The ``job_failed`` alert of a launcher that ended with ``code`` without the job trained;
     ``why`` in words."""
@@ -157,6 +188,7 @@ def reports_failure(code: int, others: Set[str] | None, etcd_lost: bool) -> bool
     ``others``: the other nodes live in its view as it ended if it led the job, else None (its
     view then does not hold every node). Of the nodes of a job, the leader alone speaks, and
     only if no other node carries the job on (they speak in turn as they end), or if etcd was
-    lost, which ends every node at once.
+    lost, which ends every node at once. A job trained but unsaved (:data:`EXIT_UNSAVED`) was
+    said by rank 0's ``final_save_failed``, on whichever node it ran.
     """
-    return code != 0 and others is not None and (not others or etcd_lost)
+    return code not in (0, EXIT_UNSAVED) and others is not None and (not others or etcd_lost)

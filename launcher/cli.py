@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from elastic import config
 from elastic import event_types as ev
 from elastic.config import ClusterMode, Config, ConfigError
+from elastic.control import EXIT_UNSAVED
 from elastic.events import EventFollower, read_events
 from elastic.synthetic import ensure_synthetic
 from launcher import alerts
@@ -72,19 +73,21 @@ def launch(cfg: Config) -> int:
         try:
             code = run_local(cfg, config_path, notifier.follow)
             # The local launcher's code is 0 unless it was stopped; the job's end is in the
-            # events.
-            finished = any(
-                ev.TRAINING_DONE.matches(e) and e["ts"] >= started for e in read_events(run_dir)
-            )
-            code = code if code else (0 if finished else 1)
-            if not finished:
+            # events: trained and saved, trained but its final state unsaved (whose event made
+            # its alert), or neither.
+            ended = [e for e in read_events(run_dir) if e["ts"] >= started]
+            finished = any(ev.TRAINING_DONE.matches(e) for e in ended)
+            unsaved = any(ev.FINAL_SAVE_FAILED.matches(e) for e in ended)
+            code = code if code else (0 if finished else EXIT_UNSAVED if unsaved else 1)
+            if not finished and not unsaved:
                 why = _why(code, f"no node finished the job; see the logs in {run_dir / 'logs'}")
                 notifier.send(alerts.failed(cfg.job_id, "launcher", code, why, time.time()))
         finally:
             notifier.close()
     else:
-        # The agent's code says it (0: the job is trained). The rank-0 node writes
-        # training_done, possibly a moment after this node's agent has seen the job done.
+        # The agent's code says it (0: the job is trained; EXIT_UNSAVED: trained, but its
+        # final state is not saved). The rank-0 node writes training_done, possibly a moment
+        # after this node's agent has seen the job done.
         code = _run_bare_metal(cfg, config_path)
     try:
         draw(read_events(run_dir), run_dir / CURVES_PNG, f"job {cfg.job_id}")

@@ -21,6 +21,7 @@ from typing import Any
 
 from elastic import event_types as ev
 from elastic.config import Config
+from elastic.control import EXIT_UNSAVED
 from elastic.events import EventFollower
 from elastic.lifeline import tied
 from launcher.progress import ProgressDisplay
@@ -105,7 +106,8 @@ def run_local(
                 elif ev.QUARANTINE_OVER.matches(e):
                     in_quarantine.discard(e["node"])
             codes = {node: p.poll() for node, p in agents.items()}
-            if finished_at is None and 0 in codes.values():
+            # Trained, its final state saved (0) or not (EXIT_UNSAVED): the job is over.
+            if finished_at is None and {0, EXIT_UNSAVED} & set(codes.values()):
                 finished_at = time.monotonic()
             waiting = still_waiting(codes, finished_at, time.monotonic(), in_quarantine)
             if waiting:

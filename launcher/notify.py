@@ -30,7 +30,7 @@ from typing import Any
 
 from elastic import event_types as ev
 from elastic.config import Config
-from elastic.events import EventLog
+from elastic.events import EventLog, Rotation
 from launcher.alerts import Alert, AlertPolicy
 
 log = logging.getLogger("launcher.notify")
@@ -62,7 +62,8 @@ class Notifier:
         self._idle = threading.Condition()
         if not self._targets:
             return
-        self._events = EventLog(cfg.run_dir, node, logger=log, role="launcher")
+        rotation = Rotation.of_mb(cfg.trainer.events_rotate_mb, cfg.trainer.events_keep)
+        self._events = EventLog(cfg.run_dir, node, logger=log, rotation=rotation, role="launcher")
         self._thread = threading.Thread(target=self._deliver_all, name="notify", daemon=True)
         self._thread.start()
 

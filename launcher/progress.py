@@ -17,10 +17,16 @@ from typing import IO, Any
 from tqdm import tqdm
 
 from elastic import event_types as ev
+from elastic.control import EXIT_UNSAVED
 from elastic.curves import TENSORBOARD_DIR
 from elastic.eta import Pace, as_text
 from elastic.events import read_events
+from elastic.final_save import unsaved_steps
 from launcher.curves_png import CURVES_PNG
+
+# A worker's exit codes that are no failure of its own: the job trained (its final state saved, or
+# not: the final save's lines say so), or the exit not known.
+ENDED = (0, None, EXIT_UNSAVED)
 
 
 def describe(e: dict[str, Any]) -> str | None:
@@ -82,7 +88,7 @@ def describe(e: dict[str, Any]) -> str | None:
         return f"{e['node']}: worker rank {e['rank']} failed: {e['error']}"
     if ev.CHECKPOINT_SKIPPED.matches(e):
         return f"checkpoint {e['url']} skipped: {e['reason']}"
-    if ev.WORKER_EXITED.matches(e) and e["code"] not in (0, None) and not e["stopped_by_agent"]:
+    if ev.WORKER_EXITED.matches(e) and e["code"] not in ENDED and not e["stopped_by_agent"]:
         return f"{e['node']}: worker {e['local_rank']} exited with code {e['code']}"
     if ev.RESTART_LIMIT.matches(e):
         return (
@@ -130,6 +136,17 @@ def describe(e: dict[str, Any]) -> str | None:
         return f"{e['node']}: {e['reason']}. Fix: {e['fix']}"
     if ev.TRAINING_DONE.matches(e):
         return f"training done: step {e['step']}, {e['samples_seen']} samples"
+    if ev.FINAL_SAVE_RETRY.matches(e):
+        return (
+            f"the final checkpoint (step {e['step']}) did not commit: the trained state is kept "
+            f"and the save retried in {e['retry_in_s']:.0f} s, for up to {e['left_s']:.0f} s "
+            "more (checkpoint.final_retry_s)"
+        )
+    if ev.FINAL_SAVE_FAILED.matches(e):
+        return (
+            f"the final checkpoint (step {e['step']}) could not be written in "
+            f"{e['waited_s']:.0f} s: {unsaved_steps(e['saved_step'], e['step'])} NOT SAVED"
+        )
     return None
 
 
@@ -200,6 +217,32 @@ class ProgressDisplay:
             self._bar.close()
 
 
+def not_saved(events: list[dict[str, Any]]) -> str | None:
+    """For a run that did not finish: the steps it trained that no checkpoint holds, in words
+    (None: none). A final save that failed names them (``final_save_failed``); a run stopped
+    otherwise (a signal, a failure) trained at least to its last logged step, and whatever
+    followed its newest checkpoint is gone with the workers."""
+    failed = next((e for e in reversed(events) if ev.FINAL_SAVE_FAILED.matches(e)), None)
+    if failed is not None:
+        return (
+            f"NOT SAVED: {unsaved_steps(failed['saved_step'], failed['step'])}: trained, but the "
+            "final checkpoint could not be written within checkpoint.final_retry_s (the "
+            "checkpoint_failed lines above say why); run again with the same job_id, once fixed, "
+            "to train them again"
+        )
+    steps = ev.STEP.of(events)
+    saved = [e["step"] for e in ev.CHECKPOINT_SAVED.of(events)] + [
+        e["resumed_from"] for e in ev.TRAINING_STARTED.of(events) if e["resumed_from"] is not None
+    ]
+    newest = max(saved, default=None)
+    if not steps or (newest is not None and steps[-1]["step"] <= newest):
+        return None
+    return (
+        f"not saved: {unsaved_steps(newest, steps[-1]['step'])}, trained after the newest "
+        "checkpoint (up to the last step logged); a run with the same job_id trains them again"
+    )
+
+
 def summary(run_dir: Path, checkpoint_url: str, job_id: str, since: float = 0.0) -> str:
     """Where a run's outputs are and how it went, from its events since ``since``."""
     events = [e for e in read_events(run_dir) if e["ts"] >= since]
@@ -210,7 +253,7 @@ def summary(run_dir: Path, checkpoint_url: str, job_id: str, since: float = 0.0)
     crashed = [
         e
         for e in events
-        if ev.WORKER_EXITED.matches(e) and e["code"] not in (0, None) and not e["stopped_by_agent"]
+        if ev.WORKER_EXITED.matches(e) and e["code"] not in ENDED and not e["stopped_by_agent"]
     ]
     lines = []
     if done:
@@ -221,6 +264,9 @@ def summary(run_dir: Path, checkpoint_url: str, job_id: str, since: float = 0.0)
         )
     else:
         lines.append(f"job {job_id} did not finish")
+        lost = not_saved(events)
+        if lost is not None:
+            lines.append(lost)
     if steps:
         lines.append(
             f"last step {steps[-1]['step']}: loss {steps[-1]['loss']:.4f}, lr {steps[-1]['lr']:.5f}"

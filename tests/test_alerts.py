@@ -18,6 +18,7 @@ import pytest
 from elastic import config
 from elastic import event_types as ev
 from elastic.config import Config, ConfigError, NotifyConfig, RendezvousConfig
+from elastic.control import EXIT_UNSAVED
 from elastic.events import read_events
 from launcher import alerts
 from launcher.alerts import AlertPolicy, reports_failure
@@ -113,6 +114,32 @@ def test_a_failure_is_told_by_the_leader_with_no_one_left_to_carry_the_job() -> 
     assert reports_failure(4, frozenset({"node1"}), etcd_lost=True)  # every node stops
     assert not reports_failure(1, None, etcd_lost=True)  # not the leader: the leader says it
     assert not reports_failure(0, frozenset(), etcd_lost=False)  # done: rank 0's event says it
+    # Trained but unsaved: rank 0's final_save_failed says it (below).
+    assert not reports_failure(EXIT_UNSAVED, frozenset(), etcd_lost=False)
+
+
+def test_a_final_save_that_fails_alerts_once_and_giving_up_names_the_unsaved_steps() -> None:
+    policy = AlertPolicy("j1", recoveries_per_hour=1, below_min_nodes_s=60)
+    cause = {"reason": "[Errno 28] No space left on device", "fix": "free space"}
+    assert policy.take(event(ev.CHECKPOINT_FAILED, step=103, round=2, **cause), 0.0) is None
+    retry = {"step": 103, "saved_step": 45, "retry_in_s": 5.0, "left_s": 599.5}
+    first = policy.take(event(ev.FINAL_SAVE_RETRY, attempt=1, **retry), 0.0)
+    assert first is not None and first.kind == alerts.FINAL_SAVE_FAILING
+    assert first.text == (
+        "j1: trained, but the final checkpoint (step 103) does not commit: [Errno 28] No space "
+        "left on device. Fix: free space; the state is kept and the save retried for 10 min "
+        "(checkpoint.final_retry_s), newest saved: step 45"
+    )
+    assert policy.take(event(ev.FINAL_SAVE_RETRY, attempt=2, **retry), 5.0) is None  # once
+    gave_up = event(ev.FINAL_SAVE_FAILED, step=103, saved_step=45, attempts=9, waited_s=600.0)
+    failed = policy.take(gave_up, 600.0)
+    assert failed is not None and failed.kind == alerts.JOB_FAILED
+    assert failed.text == (
+        f"j1: ended without its final checkpoint (exit code {EXIT_UNSAVED}): steps 46-103 were "
+        "trained but are not saved: [Errno 28] No space left on device. Fix: free space; newest "
+        "saved: step 45"
+    )
+    assert failed.payload()["saved_step"] == 45 and failed.payload()["step"] == 103
 
 
 # --- who says the job waits for nodes: the leader ----------------------------------------------

@@ -55,7 +55,7 @@ def _phase_main(rank: int, port: int, url: str, out: str, phase: str) -> None:
     saver = BackgroundSaver(events)
     tensors = state(5)
     saver.start(manager, 5, tensors, {}, group, 1, lambda: False)
-    saver.wait(lambda: False)
+    assert saver.wait(lambda: False) == (5 if rank == 0 else None)  # rank 0 committed it
     if phase == "staging" and rank == 1:
         saver._stage = lambda *args: _die()  # type: ignore[method-assign]
     if phase == "write" and rank == 1:
@@ -74,7 +74,8 @@ def _phase_main(rank: int, port: int, url: str, out: str, phase: str) -> None:
     saver.start(manager, 10, tensors, {}, group, 1, lambda: False)
     for t in tensors.values():
         t.zero_()  # training goes on: what is written is the staged copy
-    saver.wait(lambda: False)
+    # The survivor did not commit step 10: rank 0's save failed, or rank 1 commits nothing.
+    assert saver.wait(lambda: False) is None
     Path(out, f"survivor{rank}").write_text("done")
     os._exit(0)
 
@@ -84,7 +85,8 @@ def test_a_process_killed_at_each_phase_of_a_background_save_never_leaves_a_wron
     tmp_path: Path, phase: str
 ) -> None:
     """The newest checkpoint that loads is step 10 only when the kill came after its commit,
-    and it holds what was staged, not what training wrote afterwards; otherwise step 5."""
+    and it holds what was staged, not what training wrote afterwards; otherwise step 5. The
+    saver's ``wait`` tells rank 0, which commits, the step it committed; no one a failed one."""
     url = f"file://{tmp_path}/ckpt"
     survivor = 0 if phase in ("staging", "write") else 1
     with served_store() as port:

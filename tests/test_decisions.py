@@ -8,7 +8,7 @@ import signal
 import threading
 import time
 
-from elastic.control import EXIT_PEER_LOST, Assignment
+from elastic.control import EXIT_PEER_LOST, EXIT_UNSAVED, Assignment
 from launcher.agent.decisions import (
     REQUESTABLE_KINDS,
     Assign,
@@ -25,6 +25,7 @@ from launcher.agent.decisions import (
     Standby,
     StopNode,
     TakeOver,
+    Unsaved,
     WaitForId,
     answer_fault_request,
     assignments,
@@ -73,6 +74,12 @@ def test_a_worker_that_finished_finishes_the_node() -> None:
     assert on_worker_exits([0, 0], 0, 3) == Finish()
     assert on_worker_exits([0, None], 0, 3) == Finish()  # the other finishes the same last step
     assert on_worker_exits([0, -9], 5, 3) == Finish()  # finished beats crashed and gave up
+
+
+def test_a_worker_trained_but_unsaved_ends_the_node_without_a_restart_or_a_strike() -> None:
+    assert on_worker_exits([EXIT_UNSAVED, None], 0, 3) == Unsaved()  # the other ends alike
+    assert on_worker_exits([EXIT_UNSAVED, EXIT_UNSAVED], 3, 3) == Unsaved()  # no restart limit
+    assert "checkpoint.final_retry_s" in Unsaved().reason
 
 
 def test_a_crash_restarts_the_worker_with_a_strike() -> None:

@@ -38,6 +38,12 @@ class CheckpointConfig:
         0.0, ge=0, fix="set checkpoint.mtbf_hours to 0 (derived) or the job's MTBF in hours"
     )
     keep: int = bounded(3, ge=1, why="must keep at least one", fix="set checkpoint.keep=1 or more")
+    # The final weights are the run's product: a final checkpoint that fails is retried, the
+    # trained state kept in memory, for up to this long (elastic/final_save.py); then the job
+    # ends with EXIT_UNSAVED, naming the steps not saved. 0: no retry.
+    final_retry_s: float = bounded(
+        600.0, ge=0, fix="set checkpoint.final_retry_s to 0 (no retry) or the seconds to retry"
+    )
 
 
 class StragglerPolicy(Choice):

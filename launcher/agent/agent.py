@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from elastic import config
 from elastic import event_types as ev
-from elastic.events import EventLog
+from elastic.control import EXIT_UNSAVED
+from elastic.events import EventLog, Rotation
 from launcher.agent import decisions as decide
 from launcher.agent.admission import EXIT_ETCD_LOST, EXIT_UNHEALTHY
 from launcher.agent.inbox import (
@@ -83,7 +84,8 @@ class Agent:
             1, cores // (self.slots * nodes_on_machine)
         )
         self.run_dir = Path(cfg.run_dir)
-        self.events = EventLog(self.run_dir, node_id, logger=log, role="agent")
+        rotation = Rotation.of_mb(cfg.trainer.events_rotate_mb, cfg.trainer.events_keep)
+        self.events = EventLog(self.run_dir, node_id, logger=log, rotation=rotation, role="agent")
         self.node = Node(
             cfg, node_id, host, endpoints, self.slots, self.device, self.run_dir, self.events
         )
@@ -245,6 +247,10 @@ class Agent:
             if isinstance(exits, decide.Finish):  # the others finish the same last step
                 self._finish()
                 return 0
+            if isinstance(exits, decide.Unsaved):  # every rank ends so: no restart, not done
+                self._finish()
+                self.leave_reason = exits.reason
+                return EXIT_UNSAVED
             if decide.leaves_done_job(view.done_in, self.current, self.peers.lost_round):
                 log.info("the job is done")
                 return 0
@@ -377,7 +383,8 @@ class Agent:
         return 0
 
     def _finish(self) -> None:
-        """A local worker finished the job: let the others finish, then mark the job done."""
+        """A local worker trained the job to its end: let the others end too, then mark the job
+        done if all of them saved it (exit 0; not :data:`EXIT_UNSAVED`)."""
         deadline = time.monotonic() + STOP_GRACE_S * 6
         while None in self.workers.exit_codes() and not self.rdzv.fenced.is_set():
             left = deadline - time.monotonic()

@@ -12,7 +12,7 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from elastic.control import EXIT_PEER_LOST, Assignment
+from elastic.control import EXIT_PEER_LOST, EXIT_UNSAVED, Assignment
 from launcher.rendezvous.membership import JobView, Member, NodeRecord, Round
 
 # --- worker exits ---------------------------------------------------------------------------------
@@ -22,6 +22,22 @@ from launcher.rendezvous.membership import JobView, Member, NodeRecord, Round
 class Finish:
     """A local worker finished the job: let the others finish the same last step, then mark the
     job done."""
+
+
+@dataclass(frozen=True)
+class Unsaved:
+    """The workers trained the job to its end, but its final checkpoint could not be written
+    (:data:`EXIT_UNSAVED`, the same on every rank): the node ends with that code. Nothing is
+    restarted, which would only train the unsaved steps again into the same broken store, and
+    the job is not marked done."""
+
+    @property
+    def reason(self) -> str:
+        """Why the node leaves the job (its ``node_left``)."""
+        return (
+            "the job was trained, but its final checkpoint could not be written within "
+            "checkpoint.final_retry_s (rank 0's final_save_failed names the steps not saved)"
+        )
 
 
 def leaves_done_job(done_in: int | None, current: Round | None, lost_round: int) -> bool:
@@ -66,16 +82,19 @@ class GiveUp:
 
 def on_worker_exits(
     codes: Sequence[int | None], crashes: int, max_restarts: int
-) -> Finish | Restart | GiveUp | None:
+) -> Finish | Unsaved | Restart | GiveUp | None:
     """What to do about the local workers' exit codes (None: still running), by local rank.
 
-    Any 0 means the job is trained. Other codes are failures: each is restarted, and each that
+    Any 0 means the job is trained; any :data:`EXIT_UNSAVED`, that it is trained but its final
+    state could not be saved. Other codes are failures: each is restarted, and each that
     is not :data:`EXIT_PEER_LOST` (peers went away, not this node's fault) counts as a crash and a
     strike; more than ``max_restarts`` crashes in all and the node gives up. ``crashes`` is the
     count before these exits. None when every worker still runs.
     """
     if 0 in codes:
         return Finish()
+    if EXIT_UNSAVED in codes:
+        return Unsaved()
     failed = [(rank, code) for rank, code in enumerate(codes) if code is not None]
     if not failed:
         return None
