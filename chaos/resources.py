@@ -11,17 +11,22 @@ figure ``bench/soak.py`` prints and its short form in the tests holds near zero.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
-from collections.abc import Iterable, Mapping
+import threading
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
 
 from elastic import event_types as ev
+from elastic.events import EventFollower
 
 METRICS = ("rss_mb", "fds", "threads")
 WARMUP = 3  # a process's first recoveries fill caches and pools: not counted as growth
+POLL_S = 0.2  # how often :func:`watching` reads the run's new events
 
 
 @dataclass(frozen=True)
@@ -40,7 +45,7 @@ class Sample:
 
 @dataclass(frozen=True)
 class Growth:
-    """The steepest growth per recovery among the processes of one role that lived through at
+    """The steepest growth per recovery among the survivors of one role that lived through at
     least ``WARMUP + min_points`` recoveries (``processes`` of them), and the process it was."""
 
     role: str
@@ -62,11 +67,16 @@ def slope(points: list[tuple[float, float]]) -> float:
 
 
 def growth(samples: Iterable[Sample], min_points: int = 4) -> dict[str, Growth]:
-    """Per role, the steepest slope per recovery of each metric among its processes, counted
-    past each process's first ``WARMUP`` samples."""
+    """Per role, the steepest slope per recovery of each metric among the survivors: the
+    processes that ran from the first recovery on (a node started again warms up for several
+    rounds: its first save allocates the staged copy, its first rounds DDP's buckets), counted
+    past their first ``WARMUP`` samples."""
+    samples = list(samples)
+    first = min((s.recovery for s in samples), default=0)
     by_pid: dict[tuple[str, int], list[Sample]] = {}
     for s in samples:
         by_pid.setdefault((s.role, s.pid), []).append(s)
+    by_pid = {k: v for k, v in by_pid.items() if min(s.recovery for s in v) == first}
     out: dict[str, Growth] = {}
     for role in sorted({r for r, _ in by_pid}):
         lives = [
@@ -139,3 +149,29 @@ class ResourceWatch:
             now.append(s)
         self.samples.extend(now)
         return now
+
+
+@contextlib.contextmanager
+def watching(run_dir: str | os.PathLike[str]) -> Iterator[ResourceWatch]:
+    """A :class:`ResourceWatch` of the run in ``run_dir``, fed on a thread of its own until the
+    block ends (a test's job, a campaign); its samples are complete once the block has."""
+    watch, done = ResourceWatch(), threading.Event()
+
+    def follow() -> None:
+        follower = None
+        while True:
+            last = done.wait(POLL_S)  # the block ended: one more read, for its last events
+            if follower is None and os.path.isdir(os.path.join(run_dir, "events")):
+                follower = EventFollower(run_dir)
+            if follower is not None:
+                watch.see(follower.poll())
+            if last:
+                return
+
+    thread = threading.Thread(target=follow, name="resource-watch", daemon=True)
+    thread.start()
+    try:
+        yield watch
+    finally:
+        done.set()
+        thread.join(timeout=30)
