@@ -378,8 +378,10 @@ def train_round(w: Worker, a: Assignment) -> bool:
     ):
         save(w, ckpt, progress, a, 0.0)
     w.link.status["phase"] = "finishing"  # waits for the last save and the peers: not frozen
-    saved = final_save(w, a, ckpt, progress)
+    # The replica as trained, before the final save's collectives: a peer held in them (rank 0
+    # still committing) has recorded its end, and saving changes nothing of it.
     events.emit(ev.STATE_DIGEST, step=progress.step, digest=w.state.digest())
+    saved = final_save(w, a, ckpt, progress)
     if rank == 0 and saved:
         events.emit(
             ev.TRAINING_DONE,

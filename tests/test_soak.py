@@ -35,7 +35,7 @@ def test_survivors_stay_flat_in_memory_descriptors_and_threads_across_rebuilds(
             "--kinds=kill_node",
             "--restart-after-s=0.5",
             "--ckpt-every=5",
-            "--epochs=20",
+            "--epochs=17",
             *(a for a in FAST_JOB if not a.startswith("checkpoint.")),
         ]
     )
