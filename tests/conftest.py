@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import http.server
+import importlib.util
 import json
 import os
 import queue
@@ -13,6 +14,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -29,6 +31,19 @@ from launcher.rendezvous.membership import NodeRecord
 from launcher.rendezvous.rendezvous import Rendezvous
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def load_bench(name: str) -> ModuleType:
+    """A script of bench/ as a module (bench/ is not a package), loaded once."""
+    if (module := sys.modules.get(f"bench_{name}")) is not None:
+        return module
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / f"bench/{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
 
 # A job small enough for two CPU cores: 240 JPEGs, 8 per worker per step, 32-pixel crops.
 FAST_JOB = [

@@ -3,20 +3,14 @@ width needs, the CPU interpolated at the window's edges, and the window's checks
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("bench_throughput", REPO / "bench/throughput.py")
-assert _spec is not None and _spec.loader is not None
-bench = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = bench  # dataclasses look their module up while the class is built
-_spec.loader.exec_module(bench)
+from .conftest import load_bench
+
+bench = load_bench("throughput")
 
 
 def test_t_quantile_table_and_expansion() -> None:

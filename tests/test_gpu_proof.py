@@ -3,33 +3,21 @@ before a GPU comes (bench/gpu_proof.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 
+from .conftest import load_bench
+
 REPO = Path(__file__).resolve().parent.parent
 
 
-def load(name: str) -> ModuleType:
-    """A script of bench/ as a module (bench/ is not a package)."""
-    if (module := sys.modules.get(f"bench_{name}")) is not None:
-        return module
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / f"bench/{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu_proof = load("gpu_proof")
+gpu_proof = load_bench("gpu_proof")
 
 
 def test_the_reduced_form_runs_every_built_part_and_reports_each(tmp_path: Path) -> None:
@@ -103,7 +91,7 @@ def test_unknown_parts_are_refused_with_the_list(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_the_throughput_window_of_each_form_is_one_the_bench_accepts(device: str) -> None:
-    throughput = load("throughput")
+    throughput = load_bench("throughput")
     argv = gpu_proof.throughput_argv(gpu_proof.Context(device, Path("/tmp"), "python", {}))
     option = {a.split("=")[0]: a.split("=")[1] for a in argv if a.startswith("--") and "=" in a}
     every = int(next(a for a in argv if a.startswith("checkpoint.every_steps=")).split("=")[1])

@@ -3,20 +3,15 @@ test (tests/test_chaos_campaign.py) holds near zero: chaos/resources.py's arithm
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
 from chaos.resources import WARMUP, Sample, growth, slope
 
-REPO = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("bench_soak", REPO / "bench/soak.py")
-assert _spec is not None and _spec.loader is not None
-soak = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = soak  # dataclasses look their module up while the class is built
-_spec.loader.exec_module(soak)
+from .conftest import load_bench
+
+soak = load_bench("soak")
 
 
 def sample(recovery: int, pid: int, rss: float, fds: int = 10, role: str = "worker") -> Sample:

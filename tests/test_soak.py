@@ -8,8 +8,9 @@ from pathlib import Path
 
 from chaos.resources import WARMUP
 
-from .conftest import FAST_JOB
-from .test_resources import soak
+from .conftest import FAST_JOB, load_bench
+
+soak = load_bench("soak")
 
 # An agent holds no tensors; descriptors and threads wander by a few between samples. A worker's
 # memory is not bounded here: over a run this short it is still warming up (30 MB a recovery over
