@@ -11,22 +11,17 @@ figure ``bench/soak.py`` prints and its short form in the tests holds near zero.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import statistics
-import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
 
 from elastic import event_types as ev
-from elastic.events import EventFollower
 
 METRICS = ("rss_mb", "fds", "threads")
 WARMUP = 3  # a process's first recoveries fill caches and pools: not counted as growth
-POLL_S = 0.2  # how often :func:`watching` reads the run's new events
 
 
 @dataclass(frozen=True)
@@ -149,29 +144,3 @@ class ResourceWatch:
             now.append(s)
         self.samples.extend(now)
         return now
-
-
-@contextlib.contextmanager
-def watching(run_dir: str | os.PathLike[str]) -> Iterator[ResourceWatch]:
-    """A :class:`ResourceWatch` of the run in ``run_dir``, fed on a thread of its own until the
-    block ends (a test's job, a campaign); its samples are complete once the block has."""
-    watch, done = ResourceWatch(), threading.Event()
-
-    def follow() -> None:
-        follower = None
-        while True:
-            last = done.wait(POLL_S)  # the block ended: one more read, for its last events
-            if follower is None and os.path.isdir(os.path.join(run_dir, "events")):
-                follower = EventFollower(run_dir)
-            if follower is not None:
-                watch.see(follower.poll())
-            if last:
-                return
-
-    thread = threading.Thread(target=follow, name="resource-watch", daemon=True)
-    thread.start()
-    try:
-        yield watch
-    finally:
-        done.set()
-        thread.join(timeout=30)
