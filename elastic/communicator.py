@@ -203,6 +203,13 @@ class Communicator:
         store = dist.TCPStore(
             assignment.store_host, assignment.store_port, is_master=False, timeout=self.timeout
         )
+        # torch names a process's groups, and their keys on the store, from a count of the
+        # groups it has created, set back to 0 only when the default group is destroyed. A
+        # set-up that failed (a peer lost while the group was built) leaves no group to destroy
+        # and the count advanced on this rank alone: its next groups would wait for keys under
+        # names no peer uses, round after round. No group exists here: count from 0, as the
+        # destroy would have.
+        dist.distributed_c10d._world.group_count = 0
         options = None
         if self.backend == "nccl":
             # Non-blocking communicators let abort() return even when a kernel is stuck.
