@@ -284,3 +284,20 @@ def test_a_node_that_registers_again_is_a_new_member(make) -> None:
     )
     assert view is not None
     assert view.round.member("a").joined_rev == view.nodes["a"].joined_rev
+
+
+def test_a_node_evicted_while_it_did_not_run_finds_out_by_reading_its_key(
+    make, etcd_client
+) -> None:
+    """An agent frozen while a peer evicted it must not act on the view it wakes to before its
+    watch speaks: :meth:`Rendezvous.confirm` reads its key and fences it at once."""
+    a, b = make("a"), make("b")
+    a.confirm()  # its own registration, still there
+    assert not a.fenced.is_set()
+    b._stop.set()  # as frozen: its threads run no more,
+    b._wake.set()
+    b.follower.cancel()  # and no watch tells it that its key went
+    etcd_client.delete(b.keys.node("b"))
+    assert not b.fenced.is_set()
+    b.confirm()
+    assert b.fenced.is_set()

@@ -196,6 +196,7 @@ class Agent:
             )
             for slot in self.workers.slots:
                 slot.excuse(now)
+            self.rdzv.confirm()  # evicted while stopped: fenced before it follows a stale round
 
     def _take(self, msg: Message) -> None:
         if isinstance(msg, Signal):

@@ -188,6 +188,24 @@ class Rendezvous:
             t.start()
         self._emit(ev.NODE_REGISTERED, lease=lease.id, ttl_s=self._cfg.lease_ttl_s)
 
+    def confirm(self) -> None:
+        """Read this node's key now, and fence it if the key is gone or another registration's.
+
+        For an agent that did not run for a while (frozen): the view it wakes to may list a
+        round formed while it was stopped, and its watch may not yet have told it that a peer
+        evicted it meanwhile. Sending the workers into that round would hold them in a group
+        set-up that no peer comes to, for ``rendezvous.pg_timeout_s``. etcd away: nothing to
+        learn here; the lease keeper decides."""
+        if self.fenced.is_set() or not self._registration:
+            return
+        try:
+            self.load.requests += 1
+            _, meta = self._client.get(self._node_key)
+        except etcd_errors():
+            return
+        if meta is None or meta.create_revision != self._registration:
+            self._fence_now("this node was evicted by a peer")
+
     def _register(self) -> tuple[Any, bool, list[Any]]:
         self.load.requests += 2
         lease = self._client.lease(self._cfg.lease_ttl_s)
