@@ -7,6 +7,8 @@ campaign of ``--faults`` faults of mixed kinds (nodes killed and started again, 
 planned leaves, freezes) ``--mtbf-s`` apart, checkpointing every ``--ckpt-every`` steps, and
 after every recovery samples every agent and worker (resident memory, open descriptors,
 threads: :class:`chaos.resources.ResourceWatch`) and the job's etcd (revision, database size).
+Strikes count only within ``STRIKE_WINDOW_S``: the faults a real week spreads over many nodes
+fall here on two, and must not quarantine them.
 Once the campaign has struck its last fault and the job recovered from it, the job is stopped
 (SIGTERM: a planned leave of every node). It prints:
 
@@ -55,6 +57,11 @@ KINDS = "kill_node,kill_worker,leave_node,freeze_node"
 POLL_S = 0.2
 SETTLE_S = 10.0  # after the last fault's recovery: the nodes it took come back
 FINAL = ("samples", "replicas")  # the invariants that need the job to have finished
+# A node of a real 128-node job meets a fault every few weeks, so its strikes (health.max_strikes
+# within health.strike_window_s, an hour) never add up to a quarantine. Here two nodes take every
+# fault seconds apart: with the hour's window both were quarantined within 3 minutes and the soak
+# went on measuring one node training alone. Strikes count within this many seconds instead.
+STRIKE_WINDOW_S = 1.0
 
 
 @dataclass
@@ -62,6 +69,8 @@ class Soak:
     """What one soak run measured."""
 
     faults: int = 0
+    skipped: int = 0  # faults the campaign found no target for
+    quarantined: int = 0  # nodes that quarantined themselves
     recoveries: int = 0
     seconds: float = 0.0
     goodput: float | None = None
@@ -144,6 +153,7 @@ def overrides(args: argparse.Namespace, run_dir: Path) -> list[str]:
         # Without --epochs, the job is stopped once the campaign is over.
         f"trainer.epochs={args.epochs or 100000}",
         f"checkpoint.every_steps={args.ckpt_every}",
+        f"health.strike_window_s={STRIKE_WINDOW_S}",
         *args.job,
     ]
 
@@ -169,7 +179,10 @@ def run(args: argparse.Namespace, run_dir: Path) -> Soak:
             for e in events:
                 if ev.FAULT_INJECTED.matches(e) or ev.FAULT_SKIPPED.matches(e):
                     out.faults += 1
+                    out.skipped += ev.FAULT_SKIPPED.matches(e)
                     last_fault = time.monotonic()
+                elif ev.QUARANTINED.matches(e):
+                    out.quarantined += 1
             if client is None and (run_dir / "config.yaml").exists():
                 client = etcd_client(run_dir)
                 out.etcd.append((time.monotonic() - began, *etcd_state(client)))
@@ -182,7 +195,9 @@ def run(args: argparse.Namespace, run_dir: Path) -> Soak:
                 print(
                     f"soak: recovery {watch.recoveries}, {out.faults} faults, "
                     + ", ".join(
-                        f"{s.node} {s.role} {s.rss_mb:.0f} MB {s.fds} fds {s.threads} thr"
+                        f"{s.node} {s.role} {s.rss_mb:.0f} MB"
+                        + (f" GPU {s.gpu_mb:.0f} MB" if s.gpu_mb else "")
+                        + f" {s.fds} fds {s.threads} thr"
                         for s in watch.samples
                         if s.recovery == watch.recoveries
                     ),
@@ -222,18 +237,21 @@ def per_hour(first: float, last: float, seconds: float) -> float:
 def table(s: Soak) -> str:
     """The figures, as printed."""
     lines = [
-        f"faults {s.faults}, recoveries {s.recoveries}, {s.seconds / 60:.1f} min, goodput "
+        f"faults {s.faults} ({s.skipped} skipped: no target), recoveries {s.recoveries}, "
+        f"nodes quarantined {s.quarantined}, {s.seconds / 60:.1f} min, goodput "
         + (f"{s.goodput:.1%}" if s.goodput is not None else "n/a")
         + ("" if s.ok is None else f", invariants {'held' if s.ok else 'BROKEN'}"),
         "",
-        f"{'growth per recovery':<22}{'processes':>10}{'memory MB':>12}{'fds':>8}{'threads':>9}"
+        f"{'growth per recovery':<22}{'processes':>10}{'memory MB':>12}{'GPU MB':>9}{'fds':>8}"
+        f"{'threads':>9}"
         "   worst (first -> last after warm-up)",
     ]
     for role, g in sorted(s.growth.items()):
         p = g.per_recovery
         worst = g.worst["rss_mb"]
         lines.append(
-            f"{role:<22}{g.processes:>10}{p['rss_mb']:>12.2f}{p['fds']:>8.2f}{p['threads']:>9.2f}"
+            f"{role:<22}{g.processes:>10}{p['rss_mb']:>12.2f}{p['gpu_mb']:>9.2f}{p['fds']:>8.2f}"
+            f"{p['threads']:>9.2f}"
             f"   {worst}: {g.first['rss_mb']:.0f} -> {g.last['rss_mb']:.0f} MB"
         )
     if len(s.etcd) >= 2:
@@ -267,7 +285,7 @@ def draw(s: Soak, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(METRICS), figsize=(15, 4))
+    fig, axes = plt.subplots(1, len(METRICS), figsize=(18, 4))
     lives: dict[tuple[str, int], list[Sample]] = {}
     for sample in s.samples:
         lives.setdefault((sample.role, sample.pid), []).append(sample)
@@ -334,6 +352,8 @@ def main(argv: list[str]) -> int:
             json.dumps(
                 {
                     "faults": s.faults,
+                    "skipped": s.skipped,
+                    "quarantined": s.quarantined,
                     "recoveries": s.recoveries,
                     "seconds": s.seconds,
                     "goodput": s.goodput,

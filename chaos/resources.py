@@ -4,7 +4,8 @@ A long unattended run survives hundreds of in-place rebuilds in processes that n
 a few megabytes, descriptors or threads left behind per rebuild become gigabytes within weeks.
 :class:`ResourceWatch` follows a run's event log, knows every agent and worker from their
 ``agent_started`` and ``worker_started`` events, and samples each live one (resident memory,
-open descriptors, threads: ``psutil``) after every ``recovered`` event. :func:`growth` fits a
+open descriptors, threads: ``psutil``; on a GPU node the device memory NVML sees it use) after
+every ``recovered`` event. :func:`growth` fits a
 line through each process's samples, past its warm-up, and gives the slope per recovery: the
 figure ``bench/soak.py`` prints and its short form in the tests holds near zero.
 """
@@ -20,7 +21,7 @@ import psutil
 
 from elastic import event_types as ev
 
-METRICS = ("rss_mb", "fds", "threads")
+METRICS = ("rss_mb", "gpu_mb", "fds", "threads")
 WARMUP = 3  # a process's first recoveries fill caches and pools: not counted as growth
 
 
@@ -36,6 +37,7 @@ class Sample:
     rss_mb: float
     fds: int
     threads: int
+    gpu_mb: float = 0.0  # device memory, summed over the GPUs it uses (0 where there are none)
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,29 @@ def growth(samples: Iterable[Sample], min_points: int = 4) -> dict[str, Growth]:
     return out
 
 
+def gpu_memory_mb() -> dict[int, float]:
+    """Device memory in use by each process on this machine's GPUs (NVML's per-process figure,
+    summed over GPUs); empty where NVML or a GPU is missing."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no NVML library, no driver or no GPU: nothing to read
+        return {}
+    used: dict[int, float] = {}
+    try:
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                mb = (proc.usedGpuMemory or 0) / 2**20  # None where the driver will not say
+                used[proc.pid] = used.get(proc.pid, 0.0) + mb
+    except pynvml.NVMLError:
+        return {}
+    finally:
+        pynvml.nvmlShutdown()
+    return used
+
+
 @dataclass
 class ResourceWatch:
     """The job's agents and workers, known from its events, sampled after each recovery."""
@@ -121,7 +146,7 @@ class ResourceWatch:
 
     def sample(self) -> list[Sample]:
         """Every known process that is alive now; the dead are forgotten."""
-        now = []
+        now, gpu = [], gpu_memory_mb()
         for pid, (node, role, local_rank) in list(self.procs.items()):
             try:
                 p = psutil.Process(pid)
@@ -137,6 +162,7 @@ class ResourceWatch:
                         p.memory_info().rss / 2**20,
                         p.num_fds(),
                         p.num_threads(),
+                        gpu.get(pid, 0.0),
                     )
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 del self.procs[pid]

@@ -1,13 +1,15 @@
-"""The growth per recovery that the soak bench (bench/soak.py) prints and the scripted campaign's
-test (tests/test_chaos_campaign.py) holds near zero: chaos/resources.py's arithmetic."""
+"""The growth per recovery that the soak bench (bench/soak.py) prints and its short form
+(tests/test_soak.py) holds near zero: chaos/resources.py's arithmetic, and where the device
+memory comes from."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 
-from chaos.resources import WARMUP, Sample, growth, slope
+from chaos.resources import WARMUP, Sample, gpu_memory_mb, growth, slope
 
 from .conftest import load_bench
 
@@ -42,3 +44,10 @@ def test_the_soak_bench_spaces_its_faults_by_steps_and_takes_the_kinds_in_turn()
         "{kind:kill_node,at_step:90,target:not_rank0,duration_s:4.0,restart_after_s:3.0}]"
     )
     assert "campaign.mtbf_s=0" in soak.overrides(args, Path("/tmp/run"))
+
+
+def test_device_memory_is_read_only_where_nvml_sees_a_gpu() -> None:
+    """No NVML library or no GPU (CI): no process holds device memory, and nothing fails."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: its processes may hold device memory")
+    assert gpu_memory_mb() == {}
