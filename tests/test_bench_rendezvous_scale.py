@@ -3,21 +3,14 @@ peer's, what torch's log says about keep-alives and removals, and the saturation
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from .conftest import REPO, load_bench
+
 sys.path.insert(0, str(REPO / "bench"))  # the bench imports torchrun_peer as its neighbour
-_spec = importlib.util.spec_from_file_location(
-    "bench_rdzv_scale", REPO / "bench/rendezvous_scale.py"
-)
-assert _spec is not None and _spec.loader is not None
-bench = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = bench  # dataclasses look their module up while the class is built
-_spec.loader.exec_module(bench)
+bench = load_bench("rendezvous_scale")
 
 
 def test_torch_rows_run_torchrun_peer_settings() -> None:

@@ -4,7 +4,6 @@ import, etcd's binary included."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -17,11 +16,9 @@ from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("bench_gpu_wheels", REPO / "bench/gpu_wheels.py")
-assert _spec is not None and _spec.loader is not None
-gpu_wheels = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(gpu_wheels)  # bench/ is not a package
+from .conftest import REPO, load_bench
+
+gpu_wheels = load_bench("gpu_wheels")
 WheelsError = gpu_wheels.WheelsError
 
 # What the GPU machine lacks, by the issue's account and the packages' own requirements.

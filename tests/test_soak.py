@@ -1,12 +1,18 @@
 """The soak bench's short form on the real job (bench/soak.py): nodes killed and started again
 while the survivors rebuild in place, every agent and worker sampled after each recovery
-(chaos/resources.py), the job ending by itself with its invariants kept."""
+(chaos/resources.py), the job ending by itself with its invariants kept. The job keeps its global
+batch (``optim.policy=keep_global_batch``), so the same run shows that policy through every
+resize."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from chaos.resources import WARMUP
+from elastic import event_types as ev
+from elastic.events import read_events
+from launcher.agent.decisions import Reach
+from launcher.agent.peers import WHY_EVICTED
 
 from .conftest import FAST_JOB, load_bench
 
@@ -26,7 +32,8 @@ def test_survivors_keep_their_descriptors_and_threads_and_agents_their_memory_ac
 ) -> None:
     """A node other than rank 0's killed every 40 steps and started again: each kill and each
     return is a rebuild in place of rank 0's worker, and the job ends by itself, its invariants
-    (every sample once, replicas identical, the LR) kept."""
+    (every sample once, replicas identical, the LR) kept, its global batch and LR the same at
+    every world size."""
     args = soak.parse(
         [
             "--faults=4",
@@ -36,9 +43,11 @@ def test_survivors_keep_their_descriptors_and_threads_and_agents_their_memory_ac
             "--ckpt-every=5",
             "--epochs=17",
             *(a for a in FAST_JOB if not a.startswith("checkpoint.")),
+            "optim.policy=keep_global_batch",
         ]
     )
-    s = soak.run(args, tmp_path / "run")
+    run_dir = tmp_path / "run"
+    s = soak.run(args, run_dir)
     table = soak.table(s)
     assert s.ok, table
     assert s.recoveries >= WARMUP + 4, table
@@ -48,3 +57,13 @@ def test_survivors_keep_their_descriptors_and_threads_and_agents_their_memory_ac
         assert grown["fds"] < MAX_FDS_PER_RECOVERY, table
         assert grown["threads"] < MAX_THREADS_PER_RECOVERY, table
     assert s.etcd[-1][1] > s.etcd[0][1], table  # etcd was sampled as the job went
+
+    events = read_events(run_dir)
+    steps = [e for e in events if ev.STEP.matches(e)]
+    assert {e["world_size"] for e in steps} >= {2, 3}, table
+    assert {e["global_batch"] for e in steps} == {24}  # 3 workers x 8, kept by accumulation
+    assert not any(ev.LR_CHANGED.matches(e) for e in events)  # the LR follows no world size
+    # A killed node's agent refuses connections: a survivor whose all-reduce failed evicts it
+    # at once, without waiting for its lease.
+    evicted = [e for e in events if ev.PEER_EVICTED.matches(e)]
+    assert any(e["reason"] == WHY_EVICTED[Reach.DEAD] for e in evicted), evicted
