@@ -48,6 +48,7 @@ def load_bench(name: str) -> ModuleType:
 # A job small enough for two CPU cores: 240 JPEGs, 8 per worker per step, 32-pixel crops.
 FAST_JOB = [
     "data.generate.images_per_class=24",
+    "data.generate.val_images_per_class=4",  # 40 held out: an evaluation a test waits little for
     "data.batch_size=8",
     "checkpoint.every_steps=5",
     "rendezvous.lease_ttl_s=2",

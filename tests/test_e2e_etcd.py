@@ -38,7 +38,7 @@ def wait_every_node(run_dir: Path, proc, kind: str, since: float) -> None:  # ty
     wait_event(run_dir, proc, both, since=since)
 
 
-def test_etcd_restarted_for_3_s_and_for_20_s_mid_run_costs_nothing(tmp_path: Path) -> None:
+def test_etcd_restarted_for_3_s_and_for_10_s_mid_run_costs_nothing(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     with EmbeddedEtcd(tmp_path / "etcd", tmp_path / "etcd.log") as etcd:
         proc = launch(
@@ -49,7 +49,7 @@ def test_etcd_restarted_for_3_s_and_for_20_s_mid_run_costs_nothing(tmp_path: Pat
             RECORD,
         )
         wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["step"] >= 3)
-        for seconds in (3, 20):
+        for seconds in (3, 10):  # within the 2 s lease, and five times it
             down = stop_etcd(run_dir, etcd)
             # Training goes on while etcd is away: two steps, awaited from the event log.
             first = wait_event(run_dir, proc, lambda e: e["event"] == "step", since=down)

@@ -30,14 +30,15 @@ MAX_THREADS_PER_RECOVERY = 2.0
 def test_survivors_keep_their_descriptors_and_threads_and_agents_their_memory_across_rebuilds(
     tmp_path: Path,
 ) -> None:
-    """A node other than rank 0's killed every 40 steps and started again: each kill and each
+    """The node other than rank 0's killed every 50 steps and started again: each kill and each
     return is a rebuild in place of rank 0's worker, and the job ends by itself, its invariants
     (every sample once, replicas identical, the LR) kept, its global batch and LR the same at
     every world size."""
     args = soak.parse(
         [
             "--faults=4",
-            "--every-steps=40",
+            "--nodes=2",
+            "--every-steps=50",
             "--kinds=kill_node",
             "--restart-after-s=0.5",
             "--ckpt-every=5",
@@ -60,8 +61,8 @@ def test_survivors_keep_their_descriptors_and_threads_and_agents_their_memory_ac
 
     events = read_events(run_dir)
     steps = [e for e in events if ev.STEP.matches(e)]
-    assert {e["world_size"] for e in steps} >= {2, 3}, table
-    assert {e["global_batch"] for e in steps} == {24}  # 3 workers x 8, kept by accumulation
+    assert {e["world_size"] for e in steps} == {1, 2}, table
+    assert {e["global_batch"] for e in steps} == {16}  # 2 workers x 8, kept by accumulation
     assert not any(ev.LR_CHANGED.matches(e) for e in events)  # the LR follows no world size
     # A killed node's agent refuses connections: a survivor whose all-reduce failed evicts it
     # at once, without waiting for its lease.
