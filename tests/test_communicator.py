@@ -256,14 +256,13 @@ def test_an_evaluation_all_reduce_is_left_when_the_round_is_aborted(tmp_path: Pa
 def _after_a_failed_set_up_main(rank: int, port: int, out: str) -> None:
     """Rank 0 alone tries to build round 1, whose peer never comes, and fails; then both ranks
     enter round 2 and all-reduce."""
-    c = Communicator(torch.device("cpu"), timeout_s=3)
     if rank == 0:
         lonely = Assignment(
             round=1, rank=0, world_size=2, store_host="127.0.0.1", store_port=port, formed_at=0
         )
-        with pytest.raises(dist.DistError):
-            c._init_group(lonely)  # past _meet: as when the peer vanished after meeting
-    started = time.monotonic()
+        with pytest.raises(dist.DistError):  # past _meet: as when the peer vanished after it
+            Communicator(torch.device("cpu"), timeout_s=2)._init_group(lonely)
+    c = Communicator(torch.device("cpu"), timeout_s=30)  # a slow start of the other's is no fault
     c.enter(
         Assignment(
             round=2, rank=rank, world_size=2, store_host="127.0.0.1", store_port=port, formed_at=0
@@ -272,7 +271,7 @@ def _after_a_failed_set_up_main(rank: int, port: int, out: str) -> None:
     total = torch.ones(1)
     c.all_reduce(total, "a sum")
     if rank == 0:
-        Path(out).write_text(json.dumps({"sum": total.item(), "took": time.monotonic() - started}))
+        Path(out).write_text(json.dumps({"sum": total.item()}))
     os._exit(0)
 
 
@@ -281,7 +280,6 @@ def test_a_set_up_that_failed_on_one_rank_does_not_keep_it_from_the_next_rounds_
 ) -> None:
     """torch names groups from a per-process count that a failed set-up advances on that rank
     alone: found by the soak, every later round's set-up of such a rank waited out its timeout
-    for keys under another name than its peers', and the job never trained again."""
-    result = on_two_ranks(tmp_path, _after_a_failed_set_up_main)
-    assert result["sum"] == 2.0
-    assert result["took"] < 3  # not a set-up that waited out its timeout
+    for keys under another name than its peers', and the job never trained again (here: round
+    2's set-up fails after 30 s)."""
+    assert on_two_ranks(tmp_path, _after_a_failed_set_up_main) == {"sum": 2.0}

@@ -733,7 +733,7 @@ def test_a_worker_whose_data_fails_is_a_local_crash_named_at_once(tmp_path: Path
     with its state in memory; nobody waits for rendezvous.join_timeout_s. (The bad sample is in
     the step being redone, so whoever draws it next fails the same way, until quarantine.)"""
     root = tmp_path / "data"
-    generate = config.SyntheticDataConfig(images_per_class=24)  # tests/conftest.FAST_JOB
+    generate = config.SyntheticDataConfig(images_per_class=24, val_images_per_class=4)  # FAST_JOB
     ensure_synthetic(config.DataConfig(root=str(root), generate=generate))
     bad = sorted((root / "train").rglob("*.jpg"))[0]
     bad.write_bytes(b"not a JPEG")

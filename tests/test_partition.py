@@ -22,7 +22,7 @@ from .test_e2e import RECORD, assert_invariants, wait_event, wait_exit
 WHY_NOT = netns.available()
 pytestmark = pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "")
 NODES = 3
-EPOCHS = 10  # 100 steps: the last fault ends by about step 35
+EPOCHS = 8  # 80 steps: the last fault ends by about step 35
 PG_TIMEOUT_S = 5  # a cut link fails the round's collectives after this long
 SLOW_MBIT = 300  # a ResNet-18 step's allreduce then takes seconds, still within PG_TIMEOUT_S
 SLOW_STEPS = 3
