@@ -407,9 +407,20 @@ class CheckpointManager:
         _fsync_dir(path)
 
     def _discard(self, path: str) -> None:
-        """Remove what a failed save left (rank 0)."""
-        with contextlib.suppress(Exception):  # the store may be what failed
-            self.fs.rm(path, recursive=True)
+        """Remove what a failed save left (rank 0), and the folders that abandoned saves left
+        before it: never committed, no load takes them, and their space may be what this save
+        lacked. Left to the next prune, which only a save that commits runs, they kept a full
+        store full for good (found by CI: a save abandoned by a round change wrote into the
+        space just freed, and every later save failed)."""
+        for older in [p for p in self._uncommitted() if p < path] + [path]:
+            with contextlib.suppress(Exception):  # the store may be what failed
+                self.fs.rm(older, recursive=True)
+
+    def _uncommitted(self) -> list[str]:
+        """Checkpoint folders without a manifest (saves abandoned or failed), newest first."""
+        with contextlib.suppress(Exception):
+            return [p for p in self._candidates() if not self.fs.exists(f"{p}/{MANIFEST}")]
+        return []
 
     def _prune(self, step: int) -> None:
         """Keep the newest ``keep`` committed checkpoints; remove older folders that were never

@@ -157,9 +157,13 @@ def test_a_save_that_fails_on_one_rank_fails_on_every_rank_and_keeps_the_last_go
 ) -> None:
     """Rank 1 cannot write its shard (a directory stands where its file goes): DCP reports it to
     every rank through a collective that completes, so both raise SaveFailed, the half-written
-    folder is removed and the checkpoint before it still loads."""
+    folder is removed with the one an abandoned save left, and the checkpoint before it still
+    loads."""
     url = f"file://{tmp_path}/ckpt"
     run_ranks(2, "save", url, tmp_path, step=5, seed=1)
+    abandoned = tmp_path / "ckpt" / "step_000000007"  # a save a round change left, unfinished
+    abandoned.mkdir()
+    (abandoned / "__0_0.distcp").write_bytes(bytes(1024))
     trap = tmp_path / "ckpt" / "step_000000010" / "__1_0.distcp"
     trap.mkdir(parents=True)
     run_ranks(2, "save", url, tmp_path, step=10, seed=2)
@@ -168,6 +172,7 @@ def test_a_save_that_fails_on_one_rank_fails_on_every_rank_and_keeps_the_last_go
     reason, fix = seen[0]
     assert reason.startswith("rank 1: IsADirectoryError") and "checkpoint.url" in fix
     assert not trap.parent.exists()
+    assert not abandoned.exists()  # its space may be what the failed save lacked
     run_ranks(1, "load", url, tmp_path, seed=99)
     got = loaded(tmp_path, 0)
     assert got["step"] == 5 and got["tensors"] == expected(1)
