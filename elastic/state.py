@@ -117,7 +117,9 @@ class TrainState:
         """sha256 of :meth:`replicated`: the ``state_digest`` events' replica check."""
         h = hashlib.sha256()
         for t in self.replicated().values():
-            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            # reshape: a contiguous 1x1 convolution in channels_last keeps a last stride of C,
+            # and a dtype view of another element size needs 1 (it failed on the first GPU)
+            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         return h.hexdigest()[:16]
 
     def fingerprint(self) -> str:
@@ -130,6 +132,15 @@ class TrainState:
         for p in self.model.parameters():
             crc = zlib.crc32(p.detach().reshape(-1).cpu().view(torch.uint8).numpy(), crc)
         return f"{crc:08x}"
+
+    def flip_bit(self, bit: int) -> str:
+        """Flip ``bit`` of the first element of the largest parameter, as a memory fault would
+        (chaos's corrupt_replica); its name. In the layout it has: channels_last too."""
+        name, param = max(self.model.named_parameters(), key=lambda np: np[1].numel())
+        with torch.no_grad():
+            words = param.data.view(torch.int32)  # fp32 parameters: same element size
+            words[(0,) * words.dim()] ^= 1 << bit
+        return name
 
     @property
     def _param_names(self) -> set[str]:

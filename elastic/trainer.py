@@ -898,16 +898,15 @@ def check_replicas(w: Worker, a: Assignment) -> bool:
     return True
 
 
+FLIPPED_BIT = 20  # a mantissa bit: seen by a checksum, harmless to training
+
+
 def flip_one_bit(w: Worker, step: int) -> None:
-    """chaos's corrupt_replica (SIGUSR1, only with chaos.allow): flip one bit of the first
-    element of the largest parameter, as a memory fault would; between two steps, so that no
-    collective sees half of it."""
+    """chaos's corrupt_replica (SIGUSR1, only with chaos.allow), between two steps, so that no
+    collective sees half of it (:meth:`TrainState.flip_bit`)."""
     w.flip_bit.clear()
-    name, param = max(w.state.model.named_parameters(), key=lambda np: np[1].numel())
-    with torch.no_grad():
-        words = param.data.view(-1).view(torch.int32)
-        words[0] ^= 1 << 20  # a mantissa bit: visible to a checksum, harmless to training
-    w.events.emit(ev.BIT_FLIPPED, step=step, param=name, index=0, bit=20)
+    name = w.state.flip_bit(FLIPPED_BIT)
+    w.events.emit(ev.BIT_FLIPPED, step=step, param=name, index=0, bit=FLIPPED_BIT)
 
 
 def straggler_watch(cfg: config.HealthConfig, world: int) -> StragglerWatch | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torchvision
 
 from elastic.nonfinite import (
     BufferBackup,
@@ -12,6 +13,7 @@ from elastic.nonfinite import (
     gradients_finite,
 )
 from elastic.replicas import ReplicaVerdict, checksum, judge
+from elastic.state import TrainState
 
 
 def test_non_finite_steps_are_skipped_and_a_run_of_them_rolls_back() -> None:
@@ -101,3 +103,22 @@ def test_a_minority_is_repaired_from_the_majority_and_no_majority_rolls_back() -
     assert judge([9, 5, 5]) == ReplicaVerdict(corrupt=(0,), source=1)
     assert judge([5, 9]).roll_back  # two replicas: no telling which is right
     assert judge([5, 5, 9, 9]).roll_back
+
+
+def test_a_channels_last_replica_has_a_digest_a_fingerprint_and_a_bit_to_flip() -> None:
+    """A ResNet in channels_last, as CUDA workers train it: its 1x1 convolutions are contiguous
+    with a last stride of C, which a byte view refuses (the first GPU run's workers all failed
+    at their first state digest). Equal replicas digest alike; a flipped bit changes both."""
+
+    def replica() -> TrainState:
+        torch.manual_seed(0)
+        model = torchvision.models.resnet18(num_classes=4).to(memory_format=torch.channels_last)
+        return TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+
+    one, two = replica(), replica()
+    assert one.model.layer2[0].downsample[0].weight.stride()[-1] != 1  # the 1x1 case
+    assert (one.digest(), one.fingerprint()) == (two.digest(), two.fingerprint())
+    name = two.flip_bit(20)
+    assert name == "layer4.0.conv2.weight"  # the first of the largest
+    assert two.model.get_parameter(name).is_contiguous(memory_format=torch.channels_last)
+    assert one.digest() != two.digest() and one.fingerprint() != two.fingerprint()
