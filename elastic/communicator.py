@@ -429,7 +429,7 @@ class Communicator:
         network carries (the same tensor unless ``grad_dtype`` is narrower). A round's first
         step has buckets of other sizes (DDP rebuilds them after it), so two sets are kept:
         twice the gradients' size, allocated once for the worker's life."""
-        key = (index, buffer.numel(), buffer.dtype)
+        key = (index, buffer.numel(), buffer.dtype, self.grad_dtype)
         kept = self._kept.get(key)
         if kept is None:
             out = torch.empty_like(buffer)

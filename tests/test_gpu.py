@@ -447,7 +447,7 @@ def stream_order(comm: Communicator, device: torch.device) -> list[float]:
     x.fill_(2.0)
     with comm.collective("stream order check"):
         work = dist.all_reduce(x, async_op=True)
-    future = comm._track(work, "stream order check", lambda: x)
+    future = comm._track(work, "stream order check", x, x)
     reader = torch.cuda.Stream(device)
     with torch.cuda.stream(reader):
         future.wait()

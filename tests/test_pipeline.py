@@ -171,7 +171,9 @@ def test_decoding_on_a_gpu_gives_the_hosts_crops_and_flips(
     device = torch.device("cuda", torch.cuda.current_device())
     got = decoded_on(device, encoded, workers=2)
     assert all(images.device == device for images, _ in got)
-    assert_same_crops(got, plain(dataset), mean_levels=4)  # nvJPEG's IDCT is not libjpeg's
+    # nvJPEG's IDCT is not libjpeg's: 4.3 levels at worst on an H200 (CUDA 13), against 17 or more
+    # for a wrong crop or flip
+    assert_same_crops(got, plain(dataset), mean_levels=8)
 
 
 @pytest.mark.gpu
