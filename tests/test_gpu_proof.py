@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -54,11 +55,18 @@ def test_the_reduced_form_runs_every_built_part_and_reports_each(tmp_path: Path)
     assert "failed" not in parts["gpu-tests"]["headline"]
     assert parts["nccl-lifecycle"]["data"]["rounds"]
     assert "DCP `async_save`: stall" in parts["checkpoint"]["headline"]
-    assert not (out / "checkpoint-bench").exists()  # the bench's saves are not kept
     markdown = (out / "report.md").read_text()
     for name in status:
         assert f"| {name} |" in markdown
-    assert (out / "checkpoint.log").read_text().startswith("$ ")
+    # Three files, which the device tool returns whole (eight at most); the logs packed.
+    assert sorted(p.name for p in out.rglob("*")) == ["parts.tar.gz", "report.json", "report.md"]
+    with tarfile.open(out / "parts.tar.gz") as tar:
+        names = tar.getnames()
+        log = tar.extractfile("./checkpoint.log")
+        assert log is not None and log.read().startswith(b"$ ")
+    assert {f"./{name}.log" for name in CPU_PARTS} <= set(names)
+    assert "./gpu-tests.xml" in names and "./recovery-checkpoint/report.json" in names
+    assert not any("/etcd/member" in n or "checkpoint-bench" in n for n in names)
 
 
 THROUGHPUT_OUTPUT = """\
