@@ -28,8 +28,9 @@ class ConfigError(ValueError):
 
 def problem(key: str, value: object, why: str, fix: str) -> str:
     """The one shape of a refusal: the key as typed on the command line, its value, why it
-    cannot work, and what to write instead."""
-    return f"{key}={value!r}: {why}. Fix: {fix}."
+    cannot work, and what to write instead. A choice is shown as typed (``'gloo'``)."""
+    shown = value.value if isinstance(value, Enum) else value
+    return f"{key}={shown!r}: {why}. Fix: {fix}."
 
 
 @dataclass(frozen=True)
