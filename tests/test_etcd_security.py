@@ -466,11 +466,11 @@ def test_the_torchrun_backend_speaks_tls_and_auth_and_refuses_without(
 
     wrong = tmp_path / "wrong"
     wrong.write_text("wrong\n")
-    with pytest.raises(RendezvousConnectionError, match="refused user 'job'.*rdzv_conf"):
+    with pytest.raises(RendezvousConnectionError, match="refused user .job.*--rdzv-conf"):
         create_backend(params(**tls, user="job", password_file=str(wrong)))
     with pytest.raises(ValueError, match="process list.*password_file"):
         create_backend(params(**tls, user="job", password=PASSWORD))
-    with pytest.raises(ValueError, match="rdzv_conf key="):
+    with pytest.raises(ValueError, match="--rdzv-conf key="):
         create_backend(params(**tls | {"key": str(tmp_path / "missing.key")}))
 
 
@@ -512,7 +512,7 @@ def test_security_settings_are_checked_before_connecting(
     assert "embedded etcd" in problems(ca=str(pem), etcd_endpoints=[])
     # The torchrun backend checks the same rules, naming its own settings.
     torchrun = "\n".join(
-        credential_problems("", str(pem), "", "", "", "/pw", lambda n: f"rdzv_conf {n}")
+        credential_problems("", str(pem), "", "", "", "/pw", lambda n: f"--rdzv-conf {n}")
     )
-    assert "set rdzv_conf key too" in torchrun and "set rdzv_conf ca=" in torchrun
-    assert "a password without rdzv_conf user" in torchrun and "cluster." not in torchrun
+    assert "set --rdzv-conf key too" in torchrun and "set --rdzv-conf ca=" in torchrun
+    assert "a password without --rdzv-conf user" in torchrun and "cluster." not in torchrun

@@ -5,7 +5,7 @@ the launcher's ``cluster.etcd_tls.*``/``cluster.etcd_user`` (:func:`etcd_securit
 run with the config's own rules by :func:`launcher.compose.validate_launch` and again by
 :func:`launcher.rendezvous.etcd.etcd_security`), and torchrun's ``--rdzv-conf`` settings
 (:mod:`launcher.torchrun.backend`). Each names the settings in its own vocabulary:
-:data:`CLUSTER_NAMES` for ours, :func:`rdzv_conf_name` for torchrun's.
+:data:`OUR_NAMES` and :data:`TORCHRUN_NAMES` (which connection errors use too).
 """
 
 from __future__ import annotations
@@ -26,22 +26,16 @@ CLUSTER_NAMES = {
     "user": "cluster.etcd_user",
     "password_file": "cluster.etcd_password_file",
 }
-_TLS = "cluster.etcd_tls."
 
 
 def rdzv_conf_name(setting: str) -> str:
     """A setting as torchrun's user writes it (``--rdzv-conf ca=...``)."""
-    return f"rdzv_conf {setting}"
+    return f"--rdzv-conf {setting}"
 
 
-def torchrun_glossary() -> str:
-    """Our settings' names and torchrun's, for a message written in ours (``cluster.etcd_tls.ca/
-    cert/key/server_name, cluster.etcd_user and ... are rdzv_conf ca, cert, ...``)."""
-    tls = [s for s, name in CLUSTER_NAMES.items() if name.startswith(_TLS)]
-    others = [name for name in CLUSTER_NAMES.values() if not name.startswith(_TLS)]
-    *most, last = CLUSTER_NAMES
-    ours = f"{_TLS}{'/'.join(tls)}, {' and '.join(others)}"
-    return f"{ours} are {rdzv_conf_name(', '.join(most))} and {last}"
+# Every etcd setting a message may name, in each front end's words: ours, and torchrun's.
+OUR_NAMES = {"endpoints": "cluster.etcd_endpoints", **CLUSTER_NAMES}
+TORCHRUN_NAMES = {"endpoints": "--rdzv-endpoint", **{s: rdzv_conf_name(s) for s in CLUSTER_NAMES}}
 
 
 def _readable(path: str) -> bool:

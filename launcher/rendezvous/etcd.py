@@ -21,12 +21,14 @@ import os
 import socket
 import ssl
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from elastic.config import ClusterConfig
 from launcher.rendezvous.credentials import (
     ETCD_PASSWORD_ENV,
+    OUR_NAMES,
     etcd_security_problems,
     read_password,
 )
@@ -48,13 +50,15 @@ class WatchRefused(ConnectionError):
 
 class EtcdRefused(EtcdUnavailable):
     """etcd answered but refuses this node: its credentials, its certificate, or etcd's
-    certificate. The message names the ``cluster.etcd_*`` setting and the fix."""
+    certificate. The message names the setting, as the caller's user writes it, and the fix."""
 
 
-PASSWORD_FIX = (
-    "check cluster.etcd_user and the password in cluster.etcd_password_file (or "
-    f"${ETCD_PASSWORD_ENV}); the user must exist in etcd (etcdctl user get <user>)"
-)
+def password_fix(names: Mapping[str, str]) -> str:
+    """The fix for a user etcd refuses, in ``names``' words (:data:`OUR_NAMES`)."""
+    return (
+        f"check {names['user']} and the password in {names['password_file']} (or "
+        f"${ETCD_PASSWORD_ENV}); the user must exist in etcd (etcdctl user get <user>)"
+    )
 
 
 @dataclass(frozen=True)
@@ -164,34 +168,38 @@ def grpc_options() -> list[tuple[str, object]]:
     ]
 
 
-def _resolve(endpoint: str) -> tuple[str, int]:
+def _resolve(endpoint: str, names: Mapping[str, str]) -> tuple[str, int]:
     host, port = parse_endpoint(endpoint)
     try:
         return socket.gethostbyname(host), port
     except OSError as exc:
         raise EtcdUnavailable(
             f"etcd endpoint {endpoint!r}: cannot resolve {host!r} ({exc}). Fix: correct "
-            "cluster.etcd_endpoints"
+            f"{names['endpoints']}"
         ) from exc
 
 
 def connect(
-    endpoints: list[str], timeout_s: float = 3.0, security: EtcdSecurity = INSECURE
+    endpoints: list[str],
+    timeout_s: float = 3.0,
+    security: EtcdSecurity = INSECURE,
+    names: Mapping[str, str] = OUR_NAMES,
 ) -> etcd3.Etcd3Client:
     """A client over all of ``endpoints``, once one of them answers a status call.
 
     Production runs against a 3-member etcd cluster: one dead member neither keeps a node out of
     the job nor breaks a running one. ``security``: TLS and the user (:func:`etcd_security`).
     Raises :class:`EtcdUnavailable` when no endpoint answers, :class:`EtcdRefused` when etcd
-    refuses this node's credentials or certificates (or this node refuses etcd's).
+    refuses this node's credentials or certificates (or this node refuses etcd's); their
+    messages name the settings as ``names`` spells them (torchrun's: ``TORCHRUN_NAMES``).
     """
     os.environ["PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"] = "python"
     import etcd3
     import grpc
 
     if not endpoints:
-        raise EtcdUnavailable("no etcd endpoint given. Fix: set cluster.etcd_endpoints")
-    host, _, port = grpc_target([_resolve(e) for e in endpoints]).rpartition(":")
+        raise EtcdUnavailable(f"no etcd endpoint given. Fix: set {names['endpoints']}")
+    host, _, port = grpc_target([_resolve(e, names) for e in endpoints]).rpartition(":")
     options = grpc_options()
     if security.tls:
         options.append(("grpc.ssl_target_name_override", security.target_name(endpoints)))
@@ -209,23 +217,27 @@ def connect(
         )
     except OSError as exc:  # a TLS file went away after the config was checked
         raise EtcdRefused(
-            f"cluster.etcd_tls: cannot read {exc.filename!r} ({exc.strerror}). Fix: point "
-            "cluster.etcd_tls.ca / cert / key at readable PEM files"
+            f"cannot read {exc.filename!r} ({exc.strerror}). Fix: point {names['ca']}, "
+            f"{names['cert']} and {names['key']} at readable PEM files"
         ) from exc
     except grpc.RpcError as exc:  # the authentication the client makes when it is built
-        raise _refusal(endpoints, security, exc, timeout_s) from exc
+        raise _refusal(endpoints, security, exc, timeout_s, names) from exc
     try:
         client.status()
     except etcd_errors() as exc:
         client.close()
-        raise _refusal(endpoints, security, exc, timeout_s) from exc
+        raise _refusal(endpoints, security, exc, timeout_s, names) from exc
     if security.user:
-        _reauthenticate_on_refusal(client, security)
+        _reauthenticate_on_refusal(client, security, names)
     return client
 
 
 def _refusal(
-    endpoints: list[str], security: EtcdSecurity, exc: BaseException, timeout_s: float
+    endpoints: list[str],
+    security: EtcdSecurity,
+    exc: BaseException,
+    timeout_s: float,
+    names: Mapping[str, str],
 ) -> EtcdUnavailable:
     """The error for a failed first call: a refused user (by the gRPC status code), a TLS
     problem found by a handshake of our own (gRPC says only UNAVAILABLE), or no answer."""
@@ -235,31 +247,36 @@ def _refusal(
     if code == grpc.StatusCode.INVALID_ARGUMENT and security.user:
         return EtcdRefused(
             f"etcd refused user {security.user!r}: wrong password or no such user. "
-            f"Fix: {PASSWORD_FIX}"
+            f"Fix: {password_fix(names)}"
         )
     if code == grpc.StatusCode.FAILED_PRECONDITION and security.user:
         return EtcdRefused(
-            f"cluster.etcd_user={security.user!r}, but etcd has authentication off. Fix: unset "
-            "cluster.etcd_user, or enable auth in etcd (etcdctl auth enable)"
+            f"{names['user']}={security.user!r}, but etcd has authentication off. Fix: unset "
+            f"{names['user']}, or enable auth in etcd (etcdctl auth enable)"
         )
     if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
         return EtcdRefused(
             f"etcd refused this node ({code.name}). Fix: etcd has auth enabled: set "
-            f"cluster.etcd_user and its password (cluster.etcd_password_file or "
-            f"${ETCD_PASSWORD_ENV}), or a client certificate (cluster.etcd_tls.cert/key) "
-            "whose common name is an etcd user"
+            f"{names['user']} and its password ({names['password_file']} or "
+            f"${ETCD_PASSWORD_ENV}), or a client certificate ({names['cert']} and "
+            f"{names['key']}) whose common name is an etcd user"
         )
-    why = tls_problem(endpoints, security, timeout_s)
+    why = tls_problem(endpoints, security, timeout_s, names)
     if why:
         return EtcdRefused(why)
     name = code.name if code is not None else exc.__class__.__name__
     return EtcdUnavailable(
         f"no etcd endpoint answered ({', '.join(endpoints)}: {name}). "
-        "Fix: check cluster.etcd_endpoints and that etcd is running"
+        f"Fix: check {names['endpoints']} and that etcd is running"
     )
 
 
-def tls_problem(endpoints: list[str], security: EtcdSecurity, timeout_s: float) -> str:
+def tls_problem(
+    endpoints: list[str],
+    security: EtcdSecurity,
+    timeout_s: float,
+    names: Mapping[str, str] = OUR_NAMES,
+) -> str:
     """Why a TLS connection to the first endpoint that accepts TCP fails, or "" (none accepts,
     or TLS works). gRPC reports a failed handshake only as UNAVAILABLE, so this shakes hands
     itself with the same settings and tells the cases apart by the exception's type and phase:
@@ -272,28 +289,32 @@ def tls_problem(endpoints: list[str], security: EtcdSecurity, timeout_s: float) 
         except OSError:
             continue
         with sock:
-            return _handshake_problem(sock, endpoint, endpoints, security)
+            return _handshake_problem(sock, endpoint, endpoints, security, names)
     return ""
 
 
 def _handshake_problem(
-    sock: socket.socket, endpoint: str, endpoints: list[str], security: EtcdSecurity
+    sock: socket.socket,
+    endpoint: str,
+    endpoints: list[str],
+    security: EtcdSecurity,
+    names: Mapping[str, str],
 ) -> str:
+    ca, cert, key = names["ca"], names["cert"], names["key"]
     if not security.tls:
         if not _speaks_tls(sock):
             return ""  # plain unreachable, or not etcd
         return (
-            f"etcd at {endpoint} speaks TLS, and cluster.etcd_tls.ca is not set. Fix: set "
-            "cluster.etcd_tls.ca to the CA of its certificates (and cluster.etcd_tls.cert / key "
-            "if it asks for client certificates)"
+            f"etcd at {endpoint} speaks TLS, and {ca} is not set. Fix: set {ca} to the CA of "
+            f"its certificates (and {cert} and {key} if it asks for client certificates)"
         )
     name = security.target_name(endpoints)
     try:
         ctx = security.ssl_context()
     except (ssl.SSLError, OSError) as exc:
         return (
-            f"cluster.etcd_tls: the files cannot be loaded ({exc}). Fix: point "
-            "cluster.etcd_tls.ca at the CA's PEM certificate and cert / key at this node's "
+            f"the TLS files cannot be loaded ({exc}). Fix: point {ca} at the CA's PEM "
+            f"certificate and {cert} and {key} at this node's "
             "PEM certificate and its matching private key"
         )
     try:
@@ -303,21 +324,21 @@ def _handshake_problem(
     except ssl.SSLCertVerificationError as exc:
         return (
             f"etcd's certificate at {endpoint} is not trusted for {name!r} ({exc.verify_message})."
-            " Fix: set cluster.etcd_tls.ca to the CA that signed the etcd members' certificates, "
-            "and cluster.etcd_tls.server_name to a name every member's certificate carries"
+            f" Fix: set {ca} to the CA that signed the etcd members' certificates, and "
+            f"{names['server_name']} to a name every member's certificate carries"
         )
     except ssl.SSLError as exc:
         if not security.cert:
             return (
                 f"etcd at {endpoint} refused the TLS connection ({exc.reason}): it requires a "
                 "client certificate, and this node showed none (or it serves no TLS on this "
-                "port). Fix: set cluster.etcd_tls.cert and cluster.etcd_tls.key to this node's "
+                f"port). Fix: set {cert} and {key} to this node's "
                 "certificate, signed by a CA etcd trusts (its --trusted-ca-file)"
             )
         return (
             f"etcd at {endpoint} refused this node's client certificate ({exc.reason}; or it "
-            "serves no TLS on this port). Fix: use a cluster.etcd_tls.cert signed by a CA etcd "
-            "trusts (its --trusted-ca-file), not expired, with its cluster.etcd_tls.key"
+            f"serves no TLS on this port). Fix: use a {cert} signed by a CA etcd "
+            f"trusts (its --trusted-ca-file), not expired, with its {key}"
         )
     except OSError:
         return ""
@@ -339,7 +360,9 @@ def _speaks_tls(sock: socket.socket) -> bool:
         return False
 
 
-def _reauthenticate_on_refusal(client: Any, security: EtcdSecurity) -> None:
+def _reauthenticate_on_refusal(
+    client: Any, security: EtcdSecurity, names: Mapping[str, str]
+) -> None:
     """Make ``client`` authenticate again when etcd refuses its token.
 
     The etcd3 client authenticates once, when it is built, and etcd forgets a simple token after
@@ -404,7 +427,7 @@ def _reauthenticate_on_refusal(client: Any, security: EtcdSecurity) -> None:
                             "etcd no longer accepts user %r (changed password, or removed). "
                             "Fix: %s",
                             security.user,
-                            PASSWORD_FIX,
+                            password_fix(names),
                         )
                     raise
                 kwargs.update(credentials=client.call_credentials, metadata=client.metadata)
