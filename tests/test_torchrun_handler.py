@@ -1,9 +1,10 @@
 """torchrun's ``--rdzv-backend=etcd-v3`` (``launcher/torchrun/backend.py``) against a real etcd.
 
-The backend's compare-and-set (a stale token loses), the store the handler gives the agents, and
-three real torchrun agents running a gloo job: one node is killed mid-run (its agent and its
-worker, as a machine failure kills both), and torch's own DynamicRendezvousHandler re-forms the
-round over etcd v3 with the other two, which finish the job.
+The backend's compare-and-set (a stale token loses), the store the handler gives the agents, the
+settings refused by name, etcd's absence waited out within ``etcd_grace_s`` and named past it,
+and three real torchrun agents running a gloo job through an etcd restart and then the loss of a
+node. torch's own contract for backends and its handler's flows are in
+``tests/test_torchrun_contract.py``.
 """
 
 from __future__ import annotations
@@ -20,15 +21,19 @@ from collections.abc import Callable
 from datetime import timedelta
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch.distributed as dist
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 
+from launcher.rendezvous.embedded_etcd import EmbeddedEtcd
+from launcher.rendezvous.etcd import connect
 from launcher.torchrun.backend import create_backend
 
 TORCHRUN = Path(sys.executable).parent / "torchrun"
-STEPS = 60
+STEPS = 200  # at most 20 a second (a 0.05 s sleep each): an etcd outage and a node lost fit in
+OUTAGE_S = 5.0  # etcd away: longer than the 3.6 s restart that ended torch's own etcd handling
 
 # A job of STEPS all-reduces. Rank 0 keeps the step in a file, so that workers started again
 # after a membership change go on from it, and logs each step with the world size.
@@ -96,6 +101,9 @@ def test_a_stale_token_loses_and_the_winner_is_returned(etcd_endpoint: str, job_
     results = [backend.set_state(b"mine", newer), rival.set_state(b"theirs", newer)]
     assert [r[2] for r in results] == [True, False]
     assert results[1][:2] == (b"mine", results[0][1])
+    # etcd's client URL serves as well as host:port (README: the endpoint forms).
+    via_url, _ = create_backend(params(f"http://{etcd_endpoint}", job_id))
+    assert via_url.get_state() == (b"mine", results[0][1])
 
 
 def test_the_store_waits_for_keys_and_a_new_rendezvous_clears_it(
@@ -127,7 +135,10 @@ def test_the_store_waits_for_keys_and_a_new_rendezvous_clears_it(
         ({"state_ttl": "5"}, None, "state_ttl=5"),
         ({"etcd_timeout": "soon"}, None, "etcd_timeout='soon'"),
         ({"key_prefix": "/"}, None, "key_prefix is empty"),
+        ({"etcd_grace_s": "0"}, None, "etcd_grace_s='0' is not a positive number"),
         ({}, "", "--rdzv-endpoint is empty"),
+        ({}, "grpc://127.0.0.1:2379", "grpc:// is not etcd's"),
+        ({}, "https://127.0.0.1:2379", "asks for TLS, and --rdzv-conf ca is not set"),
     ],
 )
 def test_settings_that_cannot_work_are_refused_by_name(
@@ -171,10 +182,9 @@ def kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
-@pytest.mark.timeout(120)
-def test_torchrun_agents_lose_a_node_and_finish_over_etcd_v3(
-    tmp_path: Path, etcd_endpoint: str, etcd_client, job_id: str
-) -> None:
+def start_agents(tmp_path: Path, endpoint: str, job_id: str, nodes: int, steps: int) -> list:
+    """``nodes`` torchrun agents (``--nnodes=2:nodes``) of one job over etcd-v3, each in its own
+    process group as a node; the workers write into ``tmp_path/run``."""
     registered = {e.name for e in entry_points(group="torchrun.handlers")}
     assert "etcd-v3" in registered, "entry point missing: pip install -e . (pyproject.toml)"
     script = tmp_path / "train.py"
@@ -184,21 +194,21 @@ def test_torchrun_agents_lose_a_node_and_finish_over_etcd_v3(
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", None)  # the agent needs none set
     agents = []
-    for i in range(3):
+    for i in range(nodes):
         log = open(tmp_path / f"agent{i}.log", "w")  # noqa: SIM115 - closed with the agent
         command = [
             str(TORCHRUN),
-            "--nnodes=2:3",
+            f"--nnodes=2:{nodes}",
             "--nproc-per-node=1",
             "--max-restarts=3",
             "--local-addr=127.0.0.1",
             "--rdzv-backend=etcd-v3",
-            f"--rdzv-endpoint={etcd_endpoint}",
+            f"--rdzv-endpoint={endpoint}",
             f"--rdzv-id={job_id}",
             f"--rdzv-conf={RDZV_CONF}",
             str(script),
             str(run),
-            str(STEPS),
+            str(steps),
         ]
         # Its own process group, as a node; torchrun starts each worker in a session of its own.
         agents.append(
@@ -207,41 +217,123 @@ def test_torchrun_agents_lose_a_node_and_finish_over_etcd_v3(
             )
         )
         log.close()
-    started = time.monotonic()
-    try:
-        wait_until(
-            "training with all 3 nodes",
-            lambda: any(w == 3 and s >= 5 for s, w in progress(run)),
-            agents,
-            tmp_path,
-            60,
-        )
-        # The victim: the node of rank 0, whose worker hosts the round's TCPStore (the hardest
-        # loss: every survivor has to find the next round's store elsewhere).
-        victim = next(
-            w["agent"] for w in workers(run).values() if (w["world"], w["rank"]) == (3, 0)
-        )
-        killed_at = progress(run)[-1][0]
-        for pid in [victim] + [p for p, w in workers(run).items() if w["agent"] == victim]:
-            kill_group(pid)
-        survivors = [a for a in agents if a.pid != victim]
-        assert len(survivors) == 2
-        deadline = time.monotonic() + 60
-        for agent in survivors:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                agent.wait(timeout=max(1.0, deadline - time.monotonic()))
-        logs = "\n".join((tmp_path / f"agent{i}.log").read_text() for i in range(3))
-        assert all(a.poll() is not None for a in survivors), "not done in 60 s\n" + logs[-6000:]
-        assert [a.returncode for a in survivors] == [0, 0], logs[-6000:]
-        steps = progress(run)
-        assert steps[-1] == (STEPS, 2), logs[-6000:]
-        assert killed_at < STEPS  # the node died mid-run
-        assert any(w == 2 for s, w in steps if s > killed_at)
-        # The rendezvous went through etcd v3, under the documented key.
-        assert etcd_client.get(f"/torchrun/{job_id}/state")[0] is not None
-        print(f"job done in {time.monotonic() - started:.1f} s; node lost at step {killed_at}")
-    finally:
-        for pid in [a.pid for a in agents] + list(workers(run)):
-            kill_group(pid)
-        for agent in agents:
-            agent.wait(timeout=10)
+    return agents
+
+
+def agent_logs(tmp_path: Path) -> str:
+    return "\n".join(p.read_text() for p in sorted(tmp_path.glob("agent*.log")))
+
+
+@pytest.mark.timeout(180)
+def test_torchrun_agents_ride_out_an_etcd_restart_then_lose_a_node_and_finish(
+    tmp_path: Path,
+) -> None:
+    """One 3-node job over etcd-v3, two faults in turn.
+
+    - etcd killed for OUTAGE_S (torch's own etcd handling ended every agent after a 3.6 s
+      restart): training goes on meanwhile, no worker is restarted, and nothing fails.
+    - The node of rank 0 killed (its agent and its worker, as a machine failure kills both),
+      whose worker hosts the round's TCPStore, the hardest loss: torch's own
+      DynamicRendezvousHandler re-forms the round over etcd v3 with the other two, which finish.
+    """
+    with EmbeddedEtcd(tmp_path / "etcd", tmp_path / "etcd.log") as etcd:
+        agents = start_agents(tmp_path, etcd.endpoint, "two-faults", nodes=3, steps=STEPS)
+        run = tmp_path / "run"
+        started = time.monotonic()
+        try:
+            wait_until(
+                "training with all 3 nodes",
+                lambda: any(w == 3 and s >= 5 for s, w in progress(run)),
+                agents,
+                tmp_path,
+                60,
+            )
+            etcd.stop_member(0, kill=True)
+            down_at = progress(run)[-1][0]
+            time.sleep(OUTAGE_S)  # the fault's length, not a wait for an event
+            up_at = progress(run)[-1][0]
+            etcd.start_member(0)
+            assert up_at > down_at, agent_logs(tmp_path)[-6000:]  # trained while etcd was away
+            wait_until(
+                "training on after etcd came back",
+                lambda: progress(run)[-1][0] >= up_at + 10,
+                agents,
+                tmp_path,
+                30,
+            )
+            assert {w["world"] for w in workers(run).values()} == {3}  # nothing restarted
+            assert len(workers(run)) == 3
+
+            victim = next(
+                w["agent"] for w in workers(run).values() if (w["world"], w["rank"]) == (3, 0)
+            )
+            killed_at = progress(run)[-1][0]
+            for pid in [victim] + [p for p, w in workers(run).items() if w["agent"] == victim]:
+                kill_group(pid)
+            survivors = [a for a in agents if a.pid != victim]
+            deadline = time.monotonic() + 60
+            for agent in survivors:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    agent.wait(timeout=max(1.0, deadline - time.monotonic()))
+            logs = agent_logs(tmp_path)[-6000:]
+            assert all(a.poll() is not None for a in survivors), "not done in 60 s\n" + logs
+            assert [a.returncode for a in survivors] == [0, 0], logs
+            steps = progress(run)
+            assert steps[-1] == (STEPS, 2), logs
+            assert killed_at < STEPS  # the node died mid-run
+            assert any(w == 2 for s, w in steps if s > killed_at)
+            # The rendezvous went through etcd v3, under the documented key.
+            assert connect([etcd.endpoint]).get("/torchrun/two-faults/state")[0] is not None
+            print(
+                f"job done in {time.monotonic() - started:.1f} s; trained steps {down_at}-{up_at}"
+                f" while etcd was away; node lost at step {killed_at}"
+            )
+        finally:
+            for pid in [a.pid for a in agents] + list(workers(run)):
+                kill_group(pid)
+            for agent in agents:
+                agent.wait(timeout=10)
+
+
+def test_etcd_away_within_the_grace_is_waited_out_and_longer_is_named(tmp_path: Path) -> None:
+    """Every call waits for etcd within ``etcd_grace_s``; past it, the error says how long it
+    waited and which setting bounds it, in torchrun's words (the first connection too)."""
+    with EmbeddedEtcd(tmp_path / "etcd", tmp_path / "etcd.log") as etcd:
+        backend, store = create_backend(params(etcd.endpoint, "grace", etcd_grace_s=30))
+        backend.set_state(b"before")
+        read: dict[str, Any] = {}
+
+        def reader() -> None:
+            began = time.monotonic()
+            read["found"] = backend.get_state()
+            read["waited"] = time.monotonic() - began
+
+        etcd.stop_member(0, kill=True)
+        waiting = threading.Thread(target=reader)
+        waiting.start()
+        time.sleep(OUTAGE_S)  # the fault's length; etcd is started from this thread, its parent
+        etcd.start_member(0)
+        waiting.join(timeout=30)
+        assert read["found"] is not None and read["found"][0] == b"before"
+        assert read["waited"] >= OUTAGE_S - 0.5  # it waited for etcd, which was away that long
+        store.set("k", "v")
+        assert store.get("k") == b"v"
+
+        short, short_store = create_backend(params(etcd.endpoint, "grace", etcd_grace_s=1.5))
+        etcd.stop_member(0, kill=True)
+        began = time.monotonic()
+        with pytest.raises(
+            RendezvousConnectionError,
+            match=r"did not answer a read of the state for 1\.\d s .*Fix: bring etcd back "
+            r"\(--rdzv-endpoint\).*raise --rdzv-conf etcd_grace_s \(now 1\.5\)",
+        ):
+            short.get_state()
+        assert time.monotonic() - began < 10
+        with pytest.raises(dist.DistNetworkError, match="store key 'k' for 1\\.\\d s"):
+            short_store.set("k", "v")
+        with pytest.raises(
+            RendezvousConnectionError,
+            match=r"no etcd endpoint answered .*Fix: check --rdzv-endpoint and that etcd is "
+            r"running \(tried for 1\.\d s, --rdzv-conf etcd_grace_s=1\.5\)",
+        ):
+            create_backend(params(etcd.endpoint, "grace", etcd_grace_s=1.5))

@@ -13,19 +13,22 @@ job its own ``--rdzv-id``. The settings are :func:`create_rdzv_handler`'s.
 
 from __future__ import annotations
 
+import base64
+import binascii
+import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
     RendezvousHandler,
     RendezvousParameters,
+    RendezvousStateError,
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousBackend,
@@ -37,24 +40,30 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from launcher.rendezvous.credentials import (
     CLUSTER_NAMES,
     ETCD_PASSWORD_ENV,
+    TORCHRUN_NAMES,
     credential_problems,
     rdzv_conf_name,
     read_password,
-    torchrun_glossary,
 )
 from launcher.rendezvous.etcd import (
     EtcdRefused,
     EtcdSecurity,
     EtcdUnavailable,
     connect,
+    denied,
     etcd_errors,
 )
+
+log = logging.getLogger("launcher.torchrun")
+T = TypeVar("T")
 
 NAME = "etcd-v3"
 DEFAULT_PORT = 2379
 DEFAULT_KEY_PREFIX = "/torchrun"
 MIN_STATE_TTL_S = 60
 SHARED_STORE_OPT_OUT = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+DEFAULT_GRACE_S = 60.0  # as our agents' rendezvous.etcd_grace_s
+RETRY_PAUSE_S = (0.1, 1.0)  # the first pause between tries while etcd is away, and the longest
 
 
 def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
@@ -69,6 +78,9 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
 
     ``key_prefix``   etcd prefix of all runs (default ``/torchrun``)
     ``etcd_timeout`` seconds one etcd request may take (default 5)
+    ``etcd_grace_s`` seconds etcd may be away (a restart, a lost leader, a partition) before a
+                     call gives up and the agent fails (default 60): every call to etcd is tried
+                     again until then
     ``read_timeout`` seconds a store read waits for its key (default 60, as torch's ``c10d``)
     ``state_ttl``    the keys' lease, in seconds: 0 (never expire) or at least 60 (default 7200,
                      as torch's ``etcd-v2``); a stale run: ``etcdctl del --prefix /torchrun/JOB/``
@@ -96,42 +108,101 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
 def create_backend(params: RendezvousParameters) -> tuple[EtcdV3Backend, EtcdV3Store]:
     """The backend and the store of one run, as torch's ``etcd_rendezvous_backend`` returns
     them; both share one etcd client."""
-    endpoints = _endpoints(params.endpoint)
+    security = _security(params)
+    endpoints = _endpoints(params.endpoint, security.tls)
     if not params.run_id or "/" in params.run_id:
         raise ValueError(
             f"etcd-v3 rendezvous: --rdzv-id={params.run_id!r} must be non-empty and without '/' "
-            "(it is one segment of the etcd keys)"
+            "(it is one segment of the etcd keys). Fix: e.g. --rdzv-id=resnet50-run1"
         )
     key_prefix = str(params.get("key_prefix", DEFAULT_KEY_PREFIX)).rstrip("/")
     if not key_prefix:
-        raise ValueError("etcd-v3 rendezvous: rdzv_conf key_prefix is empty. Fix: e.g. /torchrun")
+        raise ValueError(
+            f"etcd-v3 rendezvous: {rdzv_conf_name('key_prefix')} is empty. Fix: e.g. /torchrun"
+        )
     etcd_timeout = _seconds(params, "etcd_timeout", 5.0)
     read_timeout = _seconds(params, "read_timeout", 60.0)
+    grace_s = _seconds(params, "etcd_grace_s", DEFAULT_GRACE_S)
     state_ttl = _seconds(params, "state_ttl", 7200, allow_zero=True)
     if 0 < state_ttl < MIN_STATE_TTL_S:
         raise ValueError(
-            f"etcd-v3 rendezvous: rdzv_conf state_ttl={state_ttl:g} is too short for a round. "
-            f"Fix: 0 (never expire) or at least {MIN_STATE_TTL_S}"
+            f"etcd-v3 rendezvous: {rdzv_conf_name('state_ttl')}={state_ttl:g} is too short for "
+            f"a round. Fix: 0 (never expire) or at least {MIN_STATE_TTL_S}"
         )
 
-    client = _connect(endpoints, etcd_timeout, _security(params))
+    patience = Patience(grace_s)
+    client = _connect(endpoints, etcd_timeout, security, patience)
     run = f"{key_prefix}/{params.run_id}"
     lease = _Lease(client, int(state_ttl))
-    store = EtcdV3Store(client, f"{run}/store/", lease, timedelta(seconds=read_timeout))
-    return EtcdV3Backend(client, f"{run}/state", store.prefix, lease), store
+    store = EtcdV3Store(client, f"{run}/store/", lease, timedelta(seconds=read_timeout), patience)
+    return EtcdV3Backend(client, f"{run}/state", store.prefix, lease, patience), store
+
+
+class Patience:
+    """Calls to etcd that outlast an outage shorter than ``grace_s`` (``etcd_grace_s``).
+
+    torch's handler treats any backend error as fatal to the agent (its monitor loop does not
+    catch it), so without this a 4 s etcd restart ended every torchrun agent of the job. A call
+    that fails for want of etcd is tried again, after pauses growing from 0.1 to 1 s, until
+    ``grace_s`` has passed since it began; then it raises ``kind`` with the time it waited and
+    the setting that bounds it. A refusal (no permission) is a fact about the settings, not an
+    outage: raised at once. A write tried again after etcd applied it but before it answered
+    finds its own result: the state's compare-and-set sees the new revision and returns the
+    state written (torch reads it as the current state, which it is)."""
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+
+    def call(self, what: str, attempt: Callable[[], T], kind: type[Exception]) -> T:
+        began = time.monotonic()
+        pause, longest = RETRY_PAUSE_S
+        warned = False
+        while True:
+            try:
+                return attempt()
+            except etcd_errors() as exc:
+                waited = time.monotonic() - began
+                if denied(exc):
+                    raise kind(
+                        f"etcd-v3 rendezvous: etcd refused {what} ({exc!r}). Fix: give the etcd "
+                        f"user of {rdzv_conf_name('user')} read and write on the run's prefix "
+                        f"({rdzv_conf_name('key_prefix')})"
+                    ) from exc
+                if waited >= self.grace_s:
+                    raise kind(
+                        f"etcd-v3 rendezvous: etcd did not answer {what} for {waited:.1f} s "
+                        f"({exc!r}). Fix: bring etcd back (--rdzv-endpoint); to ride out longer "
+                        f"outages, raise {rdzv_conf_name('etcd_grace_s')} (now {self.grace_s:g})"
+                    ) from exc
+                if not warned:
+                    log.warning(
+                        "etcd-v3 rendezvous: etcd did not answer %s (%r); trying again for up "
+                        "to %g s (%s)",
+                        what,
+                        exc,
+                        self.grace_s,
+                        rdzv_conf_name("etcd_grace_s"),
+                    )
+                    warned = True
+                time.sleep(min(pause, self.grace_s - waited))
+                pause = min(2 * pause, longest)
 
 
 class EtcdV3Backend(RendezvousBackend):
-    """torch's rendezvous state (opaque bytes) in one etcd key; the fencing token is the key's
-    mod revision: ``set_state`` is one transaction that writes only if the mod revision is still
-    the token's (or, without a token, only if the key does not exist), and otherwise reads the
-    current state."""
+    """torch's rendezvous state (opaque bytes) in one etcd key, base64-encoded as torch's own
+    backends store it; the fencing token is the key's mod revision: ``set_state`` is one
+    transaction that writes only if the mod revision is still the token's (or, without a token,
+    only if the key does not exist), and otherwise reads the current state. A key that does not
+    decode raises ``RendezvousStateError`` (torch's contract), naming the key to delete."""
 
-    def __init__(self, client: Any, key: str, store_prefix: str, lease: _Lease) -> None:
+    def __init__(
+        self, client: Any, key: str, store_prefix: str, lease: _Lease, patience: Patience
+    ) -> None:
         self._client = client
         self._key = key
         self._store_prefix = store_prefix
         self._lease = lease
+        self._patience = patience
 
     @property
     def name(self) -> str:
@@ -142,9 +213,19 @@ class EtcdV3Backend(RendezvousBackend):
         return self._key
 
     def get_state(self) -> tuple[bytes, Token] | None:
-        with _connection_errors():
-            value, meta = self._client.get(self._key)
-        return None if value is None else (value, meta.mod_revision)
+        value, meta = self._patience.call(
+            "a read of the state", lambda: self._client.get(self._key), RendezvousConnectionError
+        )
+        return None if value is None else (self._decode(value), meta.mod_revision)
+
+    def _decode(self, value: bytes) -> bytes:
+        try:
+            return base64.b64decode(value, validate=True)
+        except binascii.Error as exc:
+            raise RendezvousStateError(
+                f"etcd-v3 rendezvous: the state at {self._key} is corrupt (not base64: {exc}). "
+                f"Fix: etcdctl del {self._key}, or give the job another --rdzv-id"
+            ) from exc
 
     def set_state(
         self, state: bytes, token: Token | None = None
@@ -159,21 +240,25 @@ class EtcdV3Backend(RendezvousBackend):
         else:
             compare = [t.mod(self._key) == token]
             clear = []
-        with _connection_errors():
-            written, responses = self._lease.call(
+        encoded = base64.b64encode(state)
+        written, responses = self._patience.call(
+            "a write of the state",
+            lambda: self._lease.call(
                 lambda lease_id: self._client.transaction(
                     compare=compare,
-                    success=[t.put(self._key, state, lease=lease_id), *clear],
+                    success=[t.put(self._key, encoded, lease=lease_id), *clear],
                     failure=[t.get(self._key)],
                 )
-            )
+            ),
+            RendezvousConnectionError,
+        )
         if written:  # every write of one transaction has the transaction's revision
             return state, responses[0].response_put.header.revision, True
         kvs = responses[0]
         if not kvs:
             return None
         value, meta = kvs[0]
-        return value, meta.mod_revision, False
+        return self._decode(value), meta.mod_revision, False
 
 
 class EtcdV3Store(dist.Store):
@@ -189,16 +274,27 @@ class EtcdV3Store(dist.Store):
     for a key watch it from the revision they read at, so they never miss a write in between.
     """
 
-    def __init__(self, client: Any, prefix: str, lease: _Lease, timeout: timedelta) -> None:
+    def __init__(
+        self, client: Any, prefix: str, lease: _Lease, timeout: timedelta, patience: Patience
+    ) -> None:
         super().__init__()  # the pybind trampoline needs it
         self._client = client
         self.prefix = prefix
         self._lease = lease
+        self._patience = patience
         self.set_timeout(timeout)
 
+    def _call(self, what: str, attempt: Callable[[], T]) -> T:
+        """``attempt`` within the grace; a ``DistNetworkError`` past it, as c10d's stores raise."""
+        return self._patience.call(what, attempt, dist.DistNetworkError)
+
     def set(self, key: str, value: bytes | str) -> None:
-        with _connection_errors(dist.DistNetworkError):
-            self._lease.call(lambda lease: self._client.put(self._k(key), value, lease=lease))
+        self._call(
+            f"a write of store key {key!r}",
+            lambda: self._lease.call(
+                lambda lease: self._client.put(self._k(key), value, lease=lease)
+            ),
+        )
 
     def get(self, key: str) -> bytes:
         return self._wait([key], self.timeout)[0]
@@ -207,28 +303,40 @@ class EtcdV3Store(dist.Store):
         self._wait(keys, self.timeout if timeout is None else timeout)
 
     def check(self, keys: Sequence[str]) -> bool:
-        with _connection_errors(dist.DistNetworkError):
-            return all(self._client.get(self._k(key))[0] is not None for key in keys)
+        return all(
+            self._call(
+                f"a read of store key {key!r}", lambda key=key: self._client.get(self._k(key))
+            )[0]
+            is not None
+            for key in keys
+        )
 
     def add(self, key: str, amount: int) -> int:
         """Add ``amount`` to the decimal integer at ``key`` (0 if absent): a compare-and-set on
         the key's mod revision, repeated while another writer comes first."""
         k, t = self._k(key), self._client.transactions
         deadline = time.monotonic() + self.timeout.total_seconds()
-        with _connection_errors(dist.DistNetworkError):
-            while True:
-                value, meta = self._client.get(k)
-                new = (0 if value is None else int(value)) + amount
-                seen = t.version(k) == 0 if value is None else t.mod(k) == meta.mod_revision
-                written, _ = self._lease.call(
-                    lambda lease, new=new, seen=seen: self._client.transaction(
+        what = f"an add to store key {key!r}"
+        while True:
+            value, meta = self._call(what, lambda: self._client.get(k))
+            new = (0 if value is None else int(value)) + amount
+            seen = t.version(k) == 0 if value is None else t.mod(k) == meta.mod_revision
+            written, _ = self._call(
+                what,
+                lambda new=new, seen=seen: self._lease.call(
+                    lambda lease: self._client.transaction(
                         compare=[seen], success=[t.put(k, str(new), lease=lease)], failure=[]
                     )
+                ),
+            )
+            if written:
+                return new
+            if time.monotonic() > deadline:
+                raise dist.DistStoreError(
+                    f"etcd-v3 store: an add to {key!r} lost to other writers for "
+                    f"{self.timeout.total_seconds():g} s. Fix: raise "
+                    f"{rdzv_conf_name('read_timeout')} (now {self.timeout.total_seconds():g})"
                 )
-                if written:
-                    return new
-                if time.monotonic() > deadline:
-                    raise dist.DistStoreError(f"etcd-v3 store: add to {key!r} kept losing races")
 
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
         """c10d's semantics: ``desired`` is written if the value is ``expected`` (an empty
@@ -238,20 +346,23 @@ class EtcdV3Store(dist.Store):
         expected_b = expected.encode() if isinstance(expected, str) else expected
         desired_b = desired.encode() if isinstance(desired, str) else desired
         seen = t.version(k) == 0 if not expected_b else t.value(k) == expected_b
-        with _connection_errors(dist.DistNetworkError):
-            written, responses = self._lease.call(
+        written, responses = self._call(
+            f"a compare-and-set of store key {key!r}",
+            lambda: self._lease.call(
                 lambda lease: self._client.transaction(
                     compare=[seen], success=[t.put(k, desired_b, lease=lease)], failure=[t.get(k)]
                 )
-            )
+            ),
+        )
         if written:
             return desired_b
         kvs = responses[0]
         return kvs[0][0] if kvs else expected_b
 
     def delete_key(self, key: str) -> bool:
-        with _connection_errors(dist.DistNetworkError):
-            return bool(self._client.delete(self._k(key)))
+        return bool(
+            self._call(f"a delete of store key {key!r}", lambda: self._client.delete(self._k(key)))
+        )
 
     def _k(self, key: str) -> str:
         return self.prefix + key
@@ -259,25 +370,28 @@ class EtcdV3Store(dist.Store):
     def _wait(self, keys: Sequence[str], timeout: timedelta) -> list[bytes]:
         deadline = time.monotonic() + timeout.total_seconds()
         values = []
-        with _connection_errors(dist.DistNetworkError):
-            for key in keys:
-                while True:
-                    found = self._client.get_response(self._k(key))
-                    if found.kvs:
-                        values.append(found.kvs[0].value)
-                        break
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise dist.DistStoreError(
-                            f"etcd-v3 store: key {key!r} not set within {timeout.total_seconds():g}"
-                            " s (rdzv_conf read_timeout)"
-                        )
-                    try:  # any answer (the put, a compaction, an error) means: read again
-                        self._client.watch_once_response(
-                            self._k(key), timeout=left, start_revision=found.header.revision + 1
-                        )
-                    except etcd_errors():
-                        pass  # timed out: the loop reads once more, then gives up
+        for key in keys:
+            while True:
+                found = self._call(
+                    f"a read of store key {key!r}",
+                    lambda key=key: self._client.get_response(self._k(key)),
+                )
+                if found.kvs:
+                    values.append(found.kvs[0].value)
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise dist.DistStoreError(
+                        f"etcd-v3 store: key {key!r} not set within {timeout.total_seconds():g}"
+                        " s: a peer's agent died, or is slow. Fix: if every node's agent is "
+                        f"alive, raise {rdzv_conf_name('read_timeout')}"
+                    )
+                try:  # any answer (the put, a compaction, an error) means: read again
+                    self._client.watch_once_response(
+                        self._k(key), timeout=left, start_revision=found.header.revision + 1
+                    )
+                except etcd_errors():
+                    pass  # timed out, or etcd away: the loop reads again (within the grace)
         return values
 
 
@@ -315,16 +429,37 @@ class _Lease:
             return self._id
 
 
-def _endpoints(endpoint: str) -> list[str]:
-    """``--rdzv-endpoint``: one etcd member or several, comma-separated; port 2379 by default."""
+def _endpoints(endpoint: str, tls: bool) -> list[str]:
+    """``--rdzv-endpoint``: one etcd member or several, comma-separated, as ``host:port`` (port
+    2379 by default) or as etcd's client URLs (``http://host:port``, ``https://`` with TLS)."""
     parts = [part.strip() for part in (endpoint or "").split(",") if part.strip()]
     if not parts:
         raise ValueError(
             "etcd-v3 rendezvous: --rdzv-endpoint is empty. Fix: host:port of an etcd member, or "
             "several, comma-separated"
         )
-    addresses = [parse_rendezvous_endpoint(part, DEFAULT_PORT) for part in parts]
-    return [f"{host}:{port}" for host, port in addresses]
+    addresses = []
+    for part in parts:
+        scheme, _, rest = part.rpartition("://")
+        if scheme not in ("", "http", "https"):
+            raise ValueError(
+                f"etcd-v3 rendezvous: --rdzv-endpoint={endpoint}: {scheme}:// is not etcd's. "
+                "Fix: host:port, or http://host:port (https:// for TLS)"
+            )
+        if scheme == "https" and not tls:
+            raise ValueError(
+                f"etcd-v3 rendezvous: --rdzv-endpoint={endpoint} asks for TLS, and "
+                f"{rdzv_conf_name('ca')} is not set. Fix: set {rdzv_conf_name('ca')} to the CA "
+                "of etcd's certificates"
+            )
+        if scheme == "http" and tls:
+            raise ValueError(
+                f"etcd-v3 rendezvous: --rdzv-endpoint={endpoint} is plaintext, and "
+                f"{rdzv_conf_name('ca')} asks for TLS. Fix: write https:// (or host:port)"
+            )
+        host, port = parse_rendezvous_endpoint(rest.rstrip("/"), DEFAULT_PORT)
+        addresses.append(f"{host}:{port}")
+    return addresses
 
 
 def _seconds(
@@ -337,7 +472,10 @@ def _seconds(
         value = float("nan")
     if not (value >= 0 if allow_zero else value > 0) or value == float("inf"):
         need = "a number of seconds, 0 or more" if allow_zero else "a positive number of seconds"
-        raise ValueError(f"etcd-v3 rendezvous: rdzv_conf {name}={raw!r} is not {need}")
+        raise ValueError(
+            f"etcd-v3 rendezvous: {rdzv_conf_name(name)}={raw!r} is not {need}. Fix: e.g. "
+            f"{rdzv_conf_name(name)}={default:g}"
+        )
     return value
 
 
@@ -351,8 +489,9 @@ def _security(params: RendezvousParameters) -> EtcdSecurity:
     conf = {name: str(params.get(name, "") or "") for name in CLUSTER_NAMES}
     if params.get("password") is not None:
         raise ValueError(
-            "etcd-v3 rendezvous: rdzv_conf password would show in the process list. Fix: put "
-            f"it in a file named by rdzv_conf password_file, or in ${ETCD_PASSWORD_ENV}"
+            f"etcd-v3 rendezvous: {rdzv_conf_name('password')} would show in the process list. "
+            f"Fix: put it in a file named by {rdzv_conf_name('password_file')}, or in "
+            f"${ETCD_PASSWORD_ENV}"
         )
     problems = credential_problems(**conf, name=rdzv_conf_name)
     if problems:
@@ -360,8 +499,8 @@ def _security(params: RendezvousParameters) -> EtcdSecurity:
     password = read_password(conf["password_file"]) if conf["user"] else ""
     if conf["user"] and not password:
         raise ValueError(
-            f"etcd-v3 rendezvous: rdzv_conf password_file={conf['password_file']!r} is empty. "
-            "Fix: write the etcd user's password into it"
+            f"etcd-v3 rendezvous: {rdzv_conf_name('password_file')}={conf['password_file']!r} "
+            "is empty. Fix: write the etcd user's password into it"
         )
     return EtcdSecurity(
         ca=conf["ca"],
@@ -373,39 +512,46 @@ def _security(params: RendezvousParameters) -> EtcdSecurity:
     )
 
 
-def _connect(endpoints: list[str], timeout_s: float, security: EtcdSecurity) -> Any:
-    """``launcher.rendezvous.etcd.connect``, leaving the environment as it was: connect sets the
-    protobuf mode that the etcd client needs before its import, and torchrun's workers inherit the
-    agent's environment, where it would slow every protobuf user down."""
+def _connect(
+    endpoints: list[str], timeout_s: float, security: EtcdSecurity, patience: Patience
+) -> Any:
+    """``launcher.rendezvous.etcd.connect``, its errors in torchrun's words, tried again while no
+    member answers (within ``etcd_grace_s``: etcd may be restarting as the job starts), and
+    leaving the environment as it was: connect sets the protobuf mode that the etcd client needs
+    before its import, and torchrun's workers inherit the agent's environment, where it would
+    slow every protobuf user down."""
     before = os.environ.get(_PROTOBUF_MODE)
+    began = time.monotonic()
+    pause, longest = RETRY_PAUSE_S
     try:
-        client = connect(endpoints, timeout_s=timeout_s, security=security)
-        etcd_errors()  # imports what the error handling needs while the mode is set
-    except EtcdUnavailable as exc:
-        raise RendezvousConnectionError(
-            f"etcd-v3 rendezvous: {exc}. Fix: --rdzv-endpoint must name etcd members "
-            f"(host:port[,host:port...]); rdzv_conf etcd_timeout is {timeout_s:g} s"
-        ) from exc
-    except EtcdRefused as exc:
-        raise RendezvousConnectionError(
-            f"etcd-v3 rendezvous: {exc} (under torchrun, {torchrun_glossary()})"
-        ) from exc
+        while True:
+            try:
+                client = connect(endpoints, timeout_s, security, TORCHRUN_NAMES)
+                etcd_errors()  # imports what the error handling needs while the mode is set
+                return client
+            except EtcdRefused as exc:  # answered, and refused: no wait changes that
+                raise RendezvousConnectionError(f"etcd-v3 rendezvous: {exc}") from exc
+            except EtcdUnavailable as exc:
+                waited = time.monotonic() - began
+                if waited >= patience.grace_s:
+                    raise RendezvousConnectionError(
+                        f"etcd-v3 rendezvous: {exc} (tried for {waited:.1f} s, "
+                        f"{rdzv_conf_name('etcd_grace_s')}={patience.grace_s:g})"
+                    ) from exc
+                if pause == RETRY_PAUSE_S[0]:
+                    log.warning(
+                        "etcd-v3 rendezvous: %s; trying again for up to %g s (%s)",
+                        exc,
+                        patience.grace_s,
+                        rdzv_conf_name("etcd_grace_s"),
+                    )
+                time.sleep(min(pause, patience.grace_s - waited))
+                pause = min(2 * pause, longest)
     finally:
         if before is None:
             os.environ.pop(_PROTOBUF_MODE, None)
         else:
             os.environ[_PROTOBUF_MODE] = before
-    return client
-
-
-@contextmanager
-def _connection_errors(kind: type[Exception] = RendezvousConnectionError) -> Iterator[None]:
-    """etcd failures as torch expects them: ``RendezvousConnectionError`` from the backend, a
-    ``DistNetworkError`` from the store."""
-    try:
-        yield
-    except etcd_errors() as exc:
-        raise kind(f"etcd-v3 rendezvous: etcd request failed: {exc!r}") from exc
 
 
 def _prefix_end(prefix: str) -> bytes:
