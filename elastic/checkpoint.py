@@ -408,13 +408,21 @@ class CheckpointManager:
 
     def _discard(self, path: str) -> None:
         """Remove what a failed save left (rank 0), and the folders that abandoned saves left
-        before it: never committed, no load takes them, and their space may be what this save
-        lacked. Left to the next prune, which only a save that commits runs, they kept a full
-        store full for good (found by CI: a save abandoned by a round change wrote into the
-        space just freed, and every later save failed)."""
-        for older in [p for p in self._uncommitted() if p < path] + [path]:
-            with contextlib.suppress(Exception):  # the store may be what failed
-                self.fs.rm(older, recursive=True)
+        before it (:meth:`_remove_abandoned`): their space may be what this save lacked. Left
+        to the next prune, which only a save that commits runs, they kept a full store full for
+        good (found by CI: a save abandoned by a round change wrote into the space just freed,
+        and every later save failed)."""
+        self._remove_abandoned(before=path)
+        with contextlib.suppress(Exception):  # the store may be what failed
+            self.fs.rm(path, recursive=True)
+
+    def _remove_abandoned(self, before: str) -> None:
+        """Remove the folders older than ``before`` that were never committed (saves abandoned
+        by a round change, or failed): no load takes them."""
+        for path in self._uncommitted():
+            if path < before:
+                with contextlib.suppress(Exception):  # the store may be what failed
+                    self.fs.rm(path, recursive=True)
 
     def _uncommitted(self) -> list[str]:
         """Checkpoint folders without a manifest (saves abandoned or failed), newest first."""
@@ -423,16 +431,15 @@ class CheckpointManager:
         return []
 
     def _prune(self, step: int) -> None:
-        """Keep the newest ``keep`` committed checkpoints; remove older folders that were never
-        committed (saves abandoned by a round change), which no load would take."""
+        """Keep the newest ``keep`` committed checkpoints, and remove the abandoned folders
+        older than ``step``'s."""
         committed = 0
         for path in self._candidates():
             if self.fs.exists(f"{path}/{MANIFEST}"):
                 committed += 1
                 if committed > self.keep:
                     self.fs.rm(path, recursive=True)
-            elif path < folder(self.root, step):
-                self.fs.rm(path, recursive=True)
+        self._remove_abandoned(before=folder(self.root, step))
 
     # --- loading -------------------------------------------------------------------------------
 
