@@ -20,10 +20,13 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from elastic import config
@@ -144,8 +147,64 @@ def _why(code: int, otherwise: str) -> str:
     return otherwise
 
 
+@dataclass(frozen=True)
+class Ended:
+    """One job this process launched, as a sweep's summary lists it."""
+
+    job_id: str
+    run_dir: str
+    overrides: tuple[str, ...]
+    code: int
+    swept: bool  # one job of a --multirun sweep
+
+
+_ENDED: list[Ended] = []  # in launch order: Hydra's basic launcher runs a sweep's jobs in turn
+_SWEEP_BEGAN: dict[str, str] = {}  # "at": when a sweep's first job began, its jobs' id prefix
+
+
+def of_sweep(dcfg: DictConfig, num: int, began: str) -> DictConfig:
+    """Job ``num`` of a sweep gets its own job id and run directory: ``<job_id>-<num>`` (or
+    ``<the sweep's start>-<num>``) and ``<run_dir>/<num>`` if a run directory was given, so that
+    no job resumes from another's checkpoints or shares its event log."""
+    job = dcfg.copy()
+    job.job_id = f"{dcfg.job_id or began}-{num}"
+    if dcfg.run_dir:
+        job.run_dir = str(Path(dcfg.run_dir) / str(num))
+    return job
+
+
+def outcome(ended: list[Ended]) -> int:
+    """The process's exit code: a single job's own, or for a sweep 0 when every job ended 0
+    and 1 otherwise, after a line per job."""
+    if not any(e.swept for e in ended):
+        return ended[-1].code if ended else 1
+    failed = [e for e in ended if e.code]
+    shared = set.intersection(*(set(e.overrides) for e in ended))
+    print(f"\nsweep: {len(ended)} job(s), {len(failed)} failed")
+    for e in ended:
+        status = "ok" if e.code == 0 else f"exit {e.code}"
+        swept = " ".join(o for o in e.overrides if o not in shared) or "-"
+        print(f"  {e.job_id:24} {status:8} {swept}  ({e.run_dir})")
+    return 1 if failed else 0
+
+
 @hydra.main(version_base=None, config_path="pkg://conf", config_name="config")
-def main(dcfg: DictConfig) -> None:
+def _job(dcfg: DictConfig) -> int:
+    """One job: the whole launch, or one of a ``--multirun`` sweep, which Hydra runs in turn
+    and which must not end the process (a ``sys.exit`` here ended the sweep after its first)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    hydra_cfg = HydraConfig.get()
+    swept = hydra_cfg.mode == RunMode.MULTIRUN
+    if swept:
+        began = _SWEEP_BEGAN.setdefault("at", time.strftime("%Y%m%d-%H%M%S"))
+        dcfg = of_sweep(dcfg, hydra_cfg.job.num, began)
     cfg = finalize(OmegaConf.to_object(dcfg))  # type: ignore[arg-type]
-    sys.exit(launch(cfg))
+    code = launch(cfg)
+    _ENDED.append(Ended(cfg.job_id, cfg.run_dir, tuple(hydra_cfg.overrides.task), code, swept))
+    return code
+
+
+def main() -> None:
+    """``python -m launcher [--multirun] [overrides]``; exits with :func:`outcome`."""
+    _job()
+    sys.exit(outcome(_ENDED))
