@@ -172,9 +172,11 @@ def _run(command: list[str], what: str, timeout_s: float = PIP_TIMEOUT_S) -> Non
 
 
 def _pip(*args: str) -> list[str]:
-    # Each try gives up after 15 s without an answer, and one retry: an unreachable registry
-    # fails in well under a minute instead of pip's default retries at the machine's timeout.
-    return [sys.executable, "-m", "pip", *args, "--no-deps", "--timeout", "15", "--retries", "1"]
+    # Each try gives up after 15 s without an answer, and five retries 0.25 s to 4 s apart: a
+    # registry whose name did not resolve for a moment (seen here: "Temporary failure in name
+    # resolution", then pip found no version at all) is tried again, and an unreachable one
+    # still fails in about a minute instead of pip's default retries at the machine's timeout.
+    return [sys.executable, "-m", "pip", *args, "--no-deps", "--timeout", "15", "--retries", "5"]
 
 
 def tracked_bytes(repo: Path = REPO) -> int:
