@@ -87,7 +87,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -105,6 +104,8 @@ import psutil  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from torchrun_peer import answers, free_port  # noqa: E402
 
 from launcher.rendezvous.embedded_etcd import EmbeddedEtcd  # noqa: E402
 
@@ -248,18 +249,6 @@ class Run:
         """Failed world-2 attempts: the restarts beyond the one the kill forced."""
         found = [s.restarts for s in self.survivors.values() if s.restarts is not None]
         return max(0, max(found) - 1) if found else None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def answers(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.5)
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def workers(run: Path) -> dict[int, dict]:

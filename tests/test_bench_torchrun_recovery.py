@@ -3,10 +3,13 @@ steps, and which node each backend's run kills."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
-from .conftest import load_bench
+from .conftest import REPO, load_bench
 
+sys.path.insert(0, str(REPO / "bench"))  # the bench imports torchrun_peer as its neighbour
 bench = load_bench("torchrun_recovery")
 
 
