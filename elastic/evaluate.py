@@ -33,6 +33,17 @@ TOP_K = 5
 # Communicator.all_reduce, which an abort ends at once: a peer frozen in the middle of an
 # evaluation must not hold the others until it thaws.
 AllReduce = Callable[[torch.Tensor, str], None]
+# The logits (samples, classes) and targets (samples,) of a batch on the device: a classifier's
+# are its output and the batch's labels (:func:`classify`), a language model's one per token.
+Predict = Callable[[torch.nn.Module, tuple[torch.Tensor, ...]], tuple[torch.Tensor, torch.Tensor]]
+
+
+def classify(
+    model: torch.nn.Module, batch: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A classifier's logits and labels for a batch of ``(images, labels)``."""
+    images, targets = batch
+    return model(images), targets
 
 
 @dataclass(frozen=True)
@@ -103,7 +114,7 @@ def average_bn_stats(model: torch.nn.Module, world_size: int, *, all_reduce: All
 
 def evaluate(
     model: torch.nn.Module,
-    dataset: Dataset[tuple[torch.Tensor, int]],
+    dataset: Dataset[Any],
     rank: int,
     world_size: int,
     device: torch.device,
@@ -111,14 +122,16 @@ def evaluate(
     *,
     all_reduce: AllReduce,
     autocast: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
-    channels_last: bool = False,
+    predict: Predict = classify,
+    move: Callable[[Any], tuple[torch.Tensor, ...]] | None = None,
     loader_workers: int = 0,
     stop: Callable[[], bool] = lambda: False,
 ) -> EvalResult:
     """Evaluate ``model`` (the module itself, not its DDP wrapper) on ``dataset``; a collective.
 
     This rank runs its :func:`shard` in eval mode without gradients and sums the cross-entropy
-    (no label smoothing: the number is comparable across recipes) and the top-1 and top-5 hits;
+    of ``predict``'s logits (no label smoothing: the number is comparable across recipes) and
+    the top-1 and top-5 hits (``move``: how a batch reaches the device, see :class:`Prefetcher`);
     one all-reduce adds up ``[loss, top-1, top-5, count]`` in float64 (exact counts far beyond
     ImageNet's size). Call :func:`average_bn_stats` first. ``stop`` is asked before every batch:
     when the agent has moved this rank to another round, the evaluation ends at once with
@@ -139,11 +152,11 @@ def evaluate(
     model.eval()
     try:
         with torch.no_grad():
-            for images, targets in Prefetcher(loader, device, channels_last):
+            for batch in Prefetcher(loader, device, move):
                 if stop():  # the agent moved this rank to another round: its peers are gone
                     raise RoundAborted("the evaluation's round was left")
                 with autocast():
-                    logits = model(images)
+                    logits, targets = predict(model, batch)
                 logits = logits.float()
                 k = min(TOP_K, logits.shape[1])
                 hits = logits.topk(k, dim=1).indices.eq(targets[:, None])

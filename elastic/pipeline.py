@@ -156,17 +156,16 @@ class DeviceDecoder:
 
 
 class Prefetcher:
-    """Batches of ``(images, targets)`` on ``device``, the next one copied while this one trains.
+    """A loader's batches on ``device``, the next one moved while this one trains.
 
-    On CUDA, batch k+1 is copied on a side stream (``non_blocking`` from the loader's pinned
-    memory) as soon as batch k is handed out, so the copy overlaps batch k's forward and backward.
-    Before batch k+1 is handed out, the current stream waits for its copy (an event on the GPU, not
-    a host sync), and ``record_stream`` tells the caching allocator that the current stream uses
-    its memory, so that the memory is not reused before that work is done even though it was
-    allocated on the side stream. Images are converted to channels_last on the way when asked (on
-    the side stream too). With a ``decoder`` (``data.decode=device``) the loader's batches are
-    encoded and the side stream decodes them instead of copying pixels. On the CPU it moves,
-    decodes and converts synchronously.
+    ``move`` puts a loader batch on the device as a tuple of tensors (a job's
+    :meth:`~elastic.job.Job.to_device`; :func:`image_mover` for images); by default each tensor
+    is copied. On CUDA, batch k+1 is moved on a side stream (``non_blocking`` from the loader's
+    pinned memory) as soon as batch k is handed out, so the copy overlaps batch k's forward and
+    backward. Before batch k+1 is handed out, the current stream waits for its copy (an event on
+    the GPU, not a host sync), and ``record_stream`` tells the caching allocator that the current
+    stream uses its memory, so that the memory is not reused before that work is done even though
+    it was allocated on the side stream. On the CPU it moves synchronously.
 
     The order and contents are the loader's. It holds two batches at most: the one handed out, and
     the one being copied (so the source is read at most one batch ahead of the consumer).
@@ -176,16 +175,14 @@ class Prefetcher:
         self,
         batches: Iterable[Any],
         device: torch.device,
-        channels_last: bool = False,
-        decoder: DeviceDecoder | None = None,
+        move: Callable[[Any], tuple[torch.Tensor, ...]] | None = None,
     ) -> None:
         self.batches = batches
         self.device = device
-        self.decoder = decoder
-        self.memory_format = torch.channels_last if channels_last else torch.preserve_format
+        self.move = move or (lambda batch: tuple(t.to(device, non_blocking=True) for t in batch))
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    def __iter__(self) -> Iterator[Batch]:
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
         source = iter(self.batches)
         ahead = self._start_copy(next(source, None))
         while ahead is not None:
@@ -193,17 +190,13 @@ class Prefetcher:
             ahead = self._start_copy(next(source, None))
             yield batch
 
-    def _start_copy(self, batch: Any) -> Batch | None:
+    def _start_copy(self, batch: Any) -> tuple[torch.Tensor, ...] | None:
         if batch is None:
             return None
         with torch.cuda.stream(self._stream) if self._stream else contextlib.nullcontext():
-            images, targets = self.decoder(batch) if self.decoder else batch
-            return (
-                images.to(self.device, non_blocking=True, memory_format=self.memory_format),
-                targets.to(self.device, non_blocking=True),
-            )
+            return self.move(batch)
 
-    def _handed_out(self, batch: Batch) -> Batch:
+    def _handed_out(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """``batch``, safe to use on the current stream."""
         if self._stream is not None:
             current = torch.cuda.current_stream(self.device)
@@ -211,3 +204,21 @@ class Prefetcher:
             for tensor in batch:
                 tensor.record_stream(current)
         return batch
+
+
+def image_mover(
+    device: torch.device, channels_last: bool = False, decoder: DeviceDecoder | None = None
+) -> Callable[[Any], Batch]:
+    """How a :class:`Prefetcher` moves a batch of ``(images, targets)``: copied, or decoded on
+    the device by ``decoder`` (``data.decode=device``), the images converted to channels_last on
+    the way when asked."""
+    memory_format = torch.channels_last if channels_last else torch.preserve_format
+
+    def move(batch: Any) -> Batch:
+        images, targets = decoder(batch) if decoder else batch
+        return (
+            images.to(device, non_blocking=True, memory_format=memory_format),
+            targets.to(device, non_blocking=True),
+        )
+
+    return move

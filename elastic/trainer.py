@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import Dataset
 
 from elastic import config
 from elastic import event_types as ev
@@ -51,13 +51,13 @@ from elastic.control import (
     WorkerEnv,
 )
 from elastic.curves import Curves
-from elastic.data import SeededImageFolder, ValImageFolder
-from elastic.evaluate import average_bn_stats, due_evaluation, evaluate, use_last_batch_stats
+from elastic.evaluate import due_evaluation
 from elastic.events import EventLog, Rotation
 from elastic.final_save import retry_in, unsaved_steps
+from elastic.job import Batch, EvalContext, Job
+from elastic.job_target import build_job
 from elastic.lr_policy import LRPolicy
 from elastic.manifest import newest_manifest
-from elastic.model import build_model
 from elastic.nonfinite import (
     BufferBackup,
     NonFiniteSteps,
@@ -65,9 +65,9 @@ from elastic.nonfinite import (
     first_producer,
     gradients_finite,
 )
-from elastic.optim import build_optimizer, step_settings
-from elastic.pipeline import DeviceDecoder, Prefetcher, loader_workers, make_loader
-from elastic.precision import MixedPrecision, dtype_of, resolve_channels_last, resolve_precision
+from elastic.optim import step_settings
+from elastic.pipeline import Prefetcher, loader_workers, make_loader
+from elastic.precision import MixedPrecision, dtype_of, resolve_precision
 from elastic.replicas import checksum, judge
 from elastic.sampler import ElasticSampler, StepPlan
 from elastic.state import Progress, TrainState, sync_state
@@ -187,16 +187,14 @@ class Worker:
     device: torch.device
     comm: Communicator
     link: AgentLink
-    dataset: SeededImageFolder
-    val: ValImageFolder | None  # None: data.val_dir=""
+    job: Job[Any]
+    dataset: Dataset[Any]  # the job's training set
     sampler: ElasticSampler
     policy: LRPolicy
     total: int  # samples the whole run trains
     state: TrainState
     precision: MixedPrecision
-    channels_last: bool
     loader_workers: int  # per training worker (data.loader_workers resolved)
-    decoder: DeviceDecoder | None  # data.decode=device; None: the loader decodes
     saver: BackgroundSaver
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     progress: Progress | None = None  # None until this process holds a state
@@ -210,7 +208,8 @@ class Worker:
 
 
 def main() -> int:
-    """Build what does not depend on the round (data, model, optimizer), then loop: wait for the
+    """Build what does not depend on the round (the job's data, model and optimizer), then loop:
+    wait for the
     agent's assignment, train in that round until the job is trained or the round breaks, and
     when it breaks wait for the next assignment with everything still in memory."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -235,18 +234,14 @@ def main() -> int:
     )
     link = AgentLink(Channel.from_environ(), comm)
     precision = MixedPrecision(resolve_precision(cfg.trainer.precision, device), device)
-    channels_last = resolve_channels_last(cfg.trainer.channels_last, device)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed input sizes: pick the fastest kernels once
 
-    dataset = SeededImageFolder(cfg.data, cfg.trainer.seed)
-    torch.manual_seed(cfg.trainer.seed)
-    model = build_model(cfg.model, dataset.num_classes).to(device)
-    if channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    if cfg.model.bn_stats == config.BNStats.last_batch:
-        use_last_batch_stats(model)
-    state = TrainState(model, build_optimizer(model, cfg.optim))
+    job = build_job(cfg, device)
+    dataset = job.train_data()
+    torch.manual_seed(cfg.trainer.seed)  # every rank builds the same model
+    model = job.build_model()
+    state = TrainState(model, job.build_optimizer(model))
     total = round(cfg.trainer.epochs * len(dataset))
     w = Worker(
         cfg=cfg,
@@ -255,25 +250,21 @@ def main() -> int:
         device=device,
         comm=comm,
         link=link,
+        job=job,
         dataset=dataset,
-        val=ValImageFolder(cfg.data) if cfg.data.val_dir else None,
         sampler=ElasticSampler(len(dataset), cfg.data.batch_size, cfg.trainer.seed),
         policy=LRPolicy.from_config(cfg.optim, cfg.data.batch_size, len(dataset), total),
         total=total,
         state=state,
         precision=precision,
-        channels_last=channels_last,
         # env.threads is this worker's share of the node's cores, as its agent divided them.
         loader_workers=loader_workers(
             cfg.data.loader_workers, env.local_world_size, env.threads * env.local_world_size
         ),
-        decoder=(
-            DeviceDecoder(cfg.data.crop_size, device)
-            if cfg.data.decode is config.Decode.device
-            else None
-        ),
         saver=BackgroundSaver(events),
-        tensors=state.tensors() | precision.tensors(),
+        tensors=state.tensors()
+        | precision.tensors()
+        | {f"job.{name}": t for name, t in job.state().items()},
     )
     w.nonfinite = NonFiniteSteps(cfg.health.nonfinite_rollback)
     w.buffers = BufferBackup(model)
@@ -518,13 +509,11 @@ def train_steps(
     global_batch = progress.global_batch
     remaining = w.total - progress.samples_seen
     batches = w.sampler.batches(progress.sampler, rank, world, remaining, global_batch)
-    decoder = w.decoder
-    collate = decoder.collate if decoder else None
-    loader = make_loader(w.dataset, batches, w.loader_workers, w.device, collate)
+    loader = make_loader(w.dataset, batches, w.loader_workers, w.device, w.job.collate())
     t_log, samples_log = time.perf_counter(), progress.samples_seen
     t_saved, step_saved = t_log, progress.step  # for the step time the next save reports
     watch, computed = straggler_watch(cfg.health, world), []
-    for images, targets in Prefetcher(loader, w.device, w.channels_last, decoder):
+    for batch in Prefetcher(loader, w.device, w.job.to_device):
         if w.comm.aborted or w.link.switch_due(progress.step):
             raise RoundAborted("a new round was announced")
         if w.flip_bit.is_set():
@@ -545,7 +534,7 @@ def train_steps(
         w.state.apply({"lr": lr, **step_settings(cfg.optim, progress.samples_seen, len(w.dataset))})
         w.link.status.update(phase="step", step=progress.step + 1)
         poison = poisoned(w, rank, progress.step + 1)
-        loss, taken, finite = train_step(w, ddp, images, targets, plan, world, poison)
+        loss, taken, finite = train_step(w, ddp, batch, plan, world, poison)
         progress = progress.after(plan, w.sampler.advance(progress.sampler, plan), world, lr)
         w.progress = progress
         # After the step is recorded: an abort in these collectives loses nothing.
@@ -711,26 +700,23 @@ def maybe_evaluate(w: Worker, a: Assignment, progress: Progress) -> Progress:
         cfg.trainer.eval_every_epochs,
         w.total,
     )
-    if w.val is None or due is None:
+    if due is None or not w.job.has_validation():
         return progress
     w.link.status["phase"] = "evaluate"
     if a.rank == 0:
         w.events.emit(ev.EVALUATION_STARTED, evaluation=due, step=progress.step)
     t0 = time.perf_counter()
-    average_bn_stats(w.state.model, a.world_size, all_reduce=w.comm.all_reduce)
-    result = evaluate(
-        w.state.model,
-        w.val,
+    ctx = EvalContext(
         a.rank,
         a.world_size,
         w.device,
         cfg.data.batch_size,
+        w.loader_workers,
         all_reduce=w.comm.all_reduce,
         autocast=w.precision.autocast,
-        channels_last=w.channels_last,
-        loader_workers=w.loader_workers,
         stop=lambda: w.comm.aborted,
     )
+    result = w.job.evaluate(w.state.model, ctx)
     if a.rank == 0:
         w.events.emit(
             ev.EVALUATED,
@@ -751,13 +737,13 @@ def maybe_evaluate(w: Worker, a: Assignment, progress: Progress) -> Progress:
 def train_step(
     w: Worker,
     ddp: DistributedDataParallel,
-    images: torch.Tensor,
-    targets: torch.Tensor,
+    batch: Batch,
     plan: StepPlan,
     world: int,
     poison: bool = False,
 ) -> tuple[float, bool, bool]:
-    """One optimizer step on this rank's share of the global batch; returns its mean loss,
+    """One optimizer step on this rank's share of the global batch, the job's loss of each
+    sample (:meth:`elastic.job.Job.loss`) weighted and back-propagated; returns its mean loss,
     whether the optimizer stepped, and whether the averaged gradients were finite. A step with
     inf/nan gradients is skipped on every rank alike: by fp16's loss scaler
     (:class:`elastic.precision.MixedPrecision`), else by :mod:`elastic.nonfinite`. ``poison``
@@ -777,14 +763,12 @@ def train_step(
     w.buffers.save()
     w.comm.begin_step()
     total = 0.0
-    parts = zip(
-        images.tensor_split(n), targets.tensor_split(n), weight.tensor_split(n), strict=True
-    )
-    smoothing = w.cfg.optim.label_smoothing
-    for i, (x, y, wt) in enumerate(parts):
+    micro = zip(*(t.tensor_split(n) for t in batch), strict=True)  # (part of each tensor)
+    parts = zip(micro, weight.tensor_split(n), strict=True)
+    for i, (part, wt) in enumerate(parts):
         with ddp.no_sync() if i < n - 1 else contextlib.nullcontext():
             with w.precision.autocast():
-                per_sample = F.cross_entropy(ddp(x), y, reduction="none", label_smoothing=smoothing)
+                per_sample = w.job.loss(ddp, part)
             if poison:
                 per_sample = per_sample * float("nan")
             w.precision.backward((per_sample * wt).sum())

@@ -2,9 +2,10 @@
 
 It composes the configuration from ``conf/`` and the command-line overrides, fills in the
 defaults that depend on the moment (job id, run directory, checkpoint URL), checks every value
-and the places the job needs (:mod:`launcher.health.preflight`: etcd, the checkpoint URL, the data)
-before anything starts, prepares the data, writes the resolved ``config.yaml`` that all agents and
-workers of the job read, and then either simulates ``cluster.nodes`` nodes on this machine
+(the job's class and settings too) and the places the job needs
+(:mod:`launcher.health.preflight`: etcd, the checkpoint URL, the data) before anything starts,
+prepares the job's data, writes the resolved ``config.yaml`` that all agents and workers of the
+job read, and then either simulates ``cluster.nodes`` nodes on this machine
 (``cluster=local``) or runs this node's agent (``cluster=bare_metal``). When the job ends it draws
 the run's ``curves.png`` (:mod:`launcher.curves_png`) and prints the summary. The events it
 follows for the progress display also make the job's alerts (:mod:`launcher.notify`): on bare
@@ -34,7 +35,7 @@ from elastic import event_types as ev
 from elastic.config import ClusterMode, Config, ConfigError
 from elastic.control import EXIT_UNSAVED
 from elastic.events import EventFollower, read_events
-from elastic.synthetic import ensure_synthetic
+from elastic.job_target import prepare_job
 from launcher import alerts
 from launcher.compose import finalize, validate_launch
 from launcher.curves_png import CURVES_PNG, draw
@@ -58,14 +59,7 @@ def launch(cfg: Config) -> int:
         return 2
     run_dir = Path(cfg.run_dir)
     started = time.time()
-    if cfg.data.synthetic:
-        log.info("preparing the synthetic ImageFolder at %s", cfg.data.root)
-        if ensure_synthetic(cfg.data):
-            log.info(
-                "generated %d classes x %d JPEGs",
-                cfg.data.generate.classes,
-                cfg.data.generate.images_per_class,
-            )
+    prepare_job(cfg)  # the job's data, generated once (the ImageNet job's synthetic ImageFolder)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.yaml"
     config.save(cfg, config_path)

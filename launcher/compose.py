@@ -22,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from elastic import config
 from elastic.config import ClusterMode, Config
+from elastic.job_target import job_problems
 from launcher.rendezvous.credentials import etcd_security_problems
 
 # conf/config.yaml starts from this schema: types and defaults come from elastic/config/.
@@ -49,10 +50,12 @@ def finalize(cfg: Config) -> Config:
 
 
 def validate_launch(cfg: Config) -> None:
-    """:func:`elastic.config.validate` with the rules only the launcher applies: the etcd
-    credentials (:func:`launcher.rendezvous.credentials.etcd_security_problems`), which a
-    worker never reads. Raises :class:`~elastic.config.ConfigError` listing every problem."""
-    config.validate(cfg, lambda c: etcd_security_problems(c.cluster))
+    """:func:`elastic.config.validate` with the rules only the launcher applies: the job class
+    and its ``job.*`` settings (:func:`elastic.job_target.job_problems`, which imports the job's
+    module), and the etcd credentials
+    (:func:`launcher.rendezvous.credentials.etcd_security_problems`), which a worker never
+    reads. Raises :class:`~elastic.config.ConfigError` listing every problem."""
+    config.validate(cfg, job_problems, lambda c: etcd_security_problems(c.cluster))
 
 
 def compose(overrides: list[str], need_job: bool = False) -> Config:

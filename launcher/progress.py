@@ -154,7 +154,7 @@ def accuracy(e: dict[str, Any]) -> str:
     """An ``evaluated`` event's figures, as the progress line and the summary print them."""
     return (
         f"top-1 {100 * e['top1']:.2f} %, top-5 {100 * e['top5']:.2f} %, loss {e['loss']:.4f} "
-        f"({e['count']} images, {e['seconds']:.1f} s)"
+        f"({e['count']} evaluated, {e['seconds']:.1f} s)"
     )
 
 

@@ -91,10 +91,15 @@ def restarts(events: list[dict]) -> list[dict]:
 
 def assert_invariants(run_dir: Path, epochs: int) -> list[dict]:
     """Every sample trained exactly once, replicas bit-identical, the LR as the policy says."""
+    return assert_job_invariants(run_dir, SAMPLES_PER_EPOCH, epochs)
+
+
+def assert_job_invariants(run_dir: Path, samples_per_epoch: int, epochs: int) -> list[dict]:
+    """:func:`assert_invariants` for a job of ``samples_per_epoch``."""
     events = read_events(run_dir)
     cfg = config.load(run_dir / "config.yaml")
-    assert lr_violations(events, cfg, SAMPLES_PER_EPOCH) == []
-    assert sample_violations(events, SAMPLES_PER_EPOCH, epochs * SAMPLES_PER_EPOCH) == []
+    assert lr_violations(events, cfg, samples_per_epoch) == []
+    assert sample_violations(events, samples_per_epoch, epochs * samples_per_epoch) == []
     assert replica_violations(events) == []
     assert history_violations(events) == []
     assert contract_violations(events) == []

@@ -53,7 +53,7 @@ from elastic.events import EventLog, read_events
 from elastic.manifest import MANIFEST, folder
 from elastic.model import build_model
 from elastic.optim import build_optimizer
-from elastic.pipeline import Prefetcher, make_loader
+from elastic.pipeline import Prefetcher, image_mover, make_loader
 from elastic.precision import MixedPrecision, resolve_channels_last, resolve_precision
 from elastic.state import TrainState, sync_state
 from launcher.agent.slots import local_slots
@@ -530,7 +530,7 @@ def _nccl_main(tmp: Path, found: Findings) -> None:
         keys = [list(range(i, i + BATCH)) for i in range(0, 3 * BATCH, BATCH)]
         loader = make_loader(dataset, keys, 0, device)
         losses, batches = [], []
-        for images, labels in Prefetcher(loader, device, channels_last):
+        for images, labels in Prefetcher(loader, device, image_mover(device, channels_last)):
             batches.append(
                 images.is_cuda and images.is_contiguous(memory_format=torch.channels_last)
             )

@@ -19,6 +19,7 @@ from elastic.pipeline import (
     Batch,
     DeviceDecoder,
     Prefetcher,
+    image_mover,
     loader_workers,
     make_loader,
 )
@@ -58,7 +59,7 @@ def encoded(data_cfg: DataConfig) -> SeededImageFolder:
 
 def decoded_on(device: torch.device, encoded: SeededImageFolder, workers: int) -> list[Batch]:
     loader = make_loader(encoded, keys(encoded), workers, device, DeviceDecoder.collate)
-    return list(Prefetcher(loader, device, decoder=DeviceDecoder(16, device)))
+    return list(Prefetcher(loader, device, image_mover(device, decoder=DeviceDecoder(16, device))))
 
 
 def assert_same_crops(got: list[Batch], want: list[Batch], mean_levels: float = 1) -> None:
@@ -129,7 +130,7 @@ def test_prefetcher_converts_images_to_channels_last_when_asked(
     dataset: SeededImageFolder,
 ) -> None:
     loader = make_loader(dataset, keys(dataset), workers=0, device=CPU)
-    got = list(Prefetcher(loader, CPU, channels_last=True))
+    got = list(Prefetcher(loader, CPU, image_mover(CPU, channels_last=True)))
     assert_same(got, plain(dataset))
     for images, _ in got:
         assert images.is_contiguous(memory_format=torch.channels_last)
@@ -183,7 +184,7 @@ def test_prefetcher_copies_on_a_side_stream_on_cuda(dataset: SeededImageFolder) 
     device = torch.device("cuda", torch.cuda.current_device())
     loader = make_loader(dataset, keys(dataset), workers=2, device=device)
     assert loader.pin_memory
-    prefetcher = Prefetcher(loader, device, channels_last=True)
+    prefetcher = Prefetcher(loader, device, image_mover(device, channels_last=True))
     got = []
     busy = torch.randn(4096, 4096, device=device)
     for images, targets in prefetcher:

@@ -7,6 +7,7 @@ the run directory's ``config.yaml``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from elastic.config.cluster import ClusterConfig, RendezvousConfig
 from elastic.config.model_data import DataConfig, ModelConfig
@@ -15,9 +16,15 @@ from elastic.config.optim import OptimConfig
 from elastic.config.resilience import ChaosConfig, CheckpointConfig, HealthConfig
 from elastic.config.trainer import CommConfig, TrainerConfig
 
+# The default job (conf/job/imagenet.yaml): a torchvision classifier on an ImageFolder.
+IMAGENET_JOB = "elastic.jobs.imagenet.ImageNetJob"
+
 
 @dataclass
 class Config:
+    # What to train: the job class (elastic/job.py's contract) as _target_, and its own settings
+    # beside it, checked against the class's Settings (elastic/job_target.py).
+    job: dict[str, Any] = field(default_factory=lambda: {"_target_": IMAGENET_JOB})
     job_id: str = ""  # local: a timestamp when empty; bare_metal: required, the same on every node
     run_dir: str = ""  # "" = runs/<job_id>
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -13,7 +13,9 @@ job without one builds the model (on the meta device) to size it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import email.utils
+import hashlib
 import http.client
 import importlib.metadata
 import json
@@ -156,23 +158,19 @@ def checkpoint_bytes(cfg: Config, size_model: bool = True) -> int | None:
 
 
 def model_bytes(cfg: Config) -> int:
-    """The size of a checkpoint of ``model.name``: its parameters and buffers plus the SGD
-    momentum, counted on the meta device so nothing is allocated; learned once per model, class
-    count and torch and torchvision versions (:mod:`elastic.cache`)."""
-    classes = cfg.data.generate.classes if cfg.data.synthetic else 1000
-    train = Path(cfg.data.root) / cfg.data.train_dir
-    if not cfg.data.synthetic and train.is_dir():
-        classes = sum(1 for p in train.iterdir() if p.is_dir()) or classes
+    """The size of a checkpoint of the job's model: its parameters and buffers plus the SGD
+    momentum, counted on the meta device so nothing is allocated; learned once per job, its
+    settings and model, and torch and torchvision versions (:mod:`elastic.cache`)."""
 
     def learn() -> int:
         # Imported here: torch and torchvision take seconds, which only a node sizing a model
         # no cache knows yet pays.
         import torch
 
-        from elastic.model import build_model
+        from elastic.job_target import build_job
 
         with torch.device("meta"):
-            model = build_model(cfg.model, classes)
+            model = build_job(cfg, torch.device("meta")).build_model()
         params = sum(p.numel() * p.element_size() for p in model.parameters())
         buffers = sum(b.numel() * b.element_size() for b in model.buffers())
         return 2 * params + buffers
@@ -180,7 +178,15 @@ def model_bytes(cfg: Config) -> int:
     versions = "-".join(
         f"{package}-{importlib.metadata.version(package)}" for package in ("torch", "torchvision")
     )
-    name = f"model-bytes-{cfg.model.name}-{classes}-classes-{versions}"
+    # What the model depends on: the job and its settings, the model and data groups (the
+    # ImageNet job's class count); a change to any of them is another model.
+    what = json.dumps(
+        [cfg.job, dataclasses.asdict(cfg.model), dataclasses.asdict(cfg.data)],
+        sort_keys=True,
+        default=str,
+    )
+    digest = hashlib.sha256(what.encode()).hexdigest()[:16]
+    name = f"model-bytes-{digest}-{versions}"
     return cached(name, lambda found: isinstance(found, int) and found > 0, learn)
 
 
@@ -273,7 +279,7 @@ def _checkpoint_disk_unsized(cfg: Config, existing: Path, free: int) -> CheckRes
     need = cfg.health.min_checkpoint_free_gb * GB
     unknown = (
         "the size of one checkpoint is not known before the first one is written (the agent "
-        f"sizes model.name={cfg.model.name} on the meta device before joining)"
+        "sizes the job's model on the meta device before joining)"
     )
     if free < need:
         return CheckResult(
@@ -516,8 +522,8 @@ def run_checks(
 
     ``slots`` and ``device`` are what the agent will start
     (:func:`launcher.agent.slots.local_slots`).
-    ``size_model``: before the job's first checkpoint, size one by building ``model.name`` on the
-    meta device. The agent does, to know the disk it needs; the doctor passes False, checks free
+    ``size_model``: before the job's first checkpoint, size one by building the job's model on
+    the meta device. The agent does, to know the disk it needs; the doctor passes False, checks free
     space against ``health.min_checkpoint_free_gb`` alone, and so loads no torch on a CPU node.
     """
     started = time.monotonic()

@@ -1,0 +1,102 @@
+"""A second job, to prove the contract is not shaped by images: a small transformer language
+model (:mod:`.tiny_lm`) learning next tokens of generated sequences (:mod:`.tokens`), its loss
+each sequence's mean cross-entropy, its evaluation the next token's top-1/top-5 on held-out
+sequences. ``job=lm``; its settings are ``job.*`` (conf/job/lm.yaml).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from elastic.config import Config, bounded, problem
+from elastic.job import Batch, EvalContext, Job
+
+if TYPE_CHECKING:
+    import torch
+
+    from elastic.evaluate import EvalResult
+    from elastic.jobs.tokens import TokenSequences
+
+
+@dataclass
+class LanguageModelSettings:
+    vocab: int = bounded(64, ge=4, fix="set job.vocab to 4 or more")
+    # Tokens a sequence trains on (each with the one after it as its target).
+    context: int = bounded(32, ge=2, fix="set job.context to 2 or more")
+    sequences: int = bounded(2048, ge=1, fix="set job.sequences (an epoch's) to 1 or more")
+    # Held out for evaluation (every trainer.eval_every_epochs); 0: none.
+    val_sequences: int = bounded(256, ge=0, fix="set job.val_sequences to 0 (none) or more")
+    dim: int = bounded(64, ge=8, fix="set job.dim to 8 or more")
+    heads: int = bounded(4, ge=1, fix="set job.heads to 1 or more")
+    layers: int = bounded(2, ge=1, fix="set job.layers to 1 or more")
+    grammar_seed: int = 0  # which generated language
+
+
+class LanguageModelJob(Job[LanguageModelSettings]):
+    Settings = LanguageModelSettings
+
+    @classmethod
+    def problems(cls, cfg: Config, settings: LanguageModelSettings) -> list[str]:
+        if settings.dim % settings.heads:
+            return [
+                problem(
+                    "job.dim",
+                    settings.dim,
+                    f"must split evenly into job.heads={settings.heads} attention heads",
+                    "set job.dim to a multiple of job.heads",
+                )
+            ]
+        return []
+
+    def _sequences(self, count: int, first: int) -> TokenSequences:
+        from elastic.jobs.tokens import TokenSequences
+
+        s = self.settings
+        # context + 1 tokens: each position's target is the token after it.
+        return TokenSequences(s.vocab, s.context + 1, count, s.grammar_seed, first)
+
+    def train_data(self) -> TokenSequences:
+        return self._sequences(self.settings.sequences, 0)
+
+    def build_model(self) -> torch.nn.Module:
+        from elastic.jobs.tiny_lm import TinyLM
+
+        s = self.settings
+        return TinyLM(s.vocab, s.context, s.dim, s.heads, s.layers).to(self.device)
+
+    def loss(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        logits, targets = next_tokens(model, batch)
+        per_token = F.cross_entropy(logits, targets, reduction="none")
+        return per_token.view(len(batch[0]), -1).mean(1)
+
+    def has_validation(self) -> bool:
+        return self.settings.val_sequences > 0
+
+    def evaluate(self, model: torch.nn.Module, ctx: EvalContext) -> EvalResult:
+        from elastic.evaluate import evaluate
+
+        s = self.settings
+        return evaluate(
+            model,
+            self._sequences(s.val_sequences, s.sequences),
+            ctx.rank,
+            ctx.world_size,
+            ctx.device,
+            ctx.batch_size,
+            all_reduce=ctx.all_reduce,
+            autocast=ctx.autocast,
+            predict=next_tokens,
+            loader_workers=ctx.loader_workers,
+            stop=ctx.stop,
+        )
+
+
+def next_tokens(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every position's logits and the token that follows it, flattened: ``(tokens, vocab)``
+    and ``(tokens,)``."""
+    (tokens,) = batch
+    logits: Any = model(tokens[:, :-1])
+    return logits.flatten(0, 1), tokens[:, 1:].flatten()

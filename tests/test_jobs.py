@@ -1,0 +1,154 @@
+"""Jobs other than the ImageNet classifier: the contract's checks (a wrong ``job._target_`` or
+``job.*`` refused, naming what is missing), the language model job's data and loss, and the
+language model trained through a SIGKILLed node with every invariant checked."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import default_collate
+
+from chaos.injectors import kill_node, node_with_rank
+from chaos.report import recovery
+from elastic.config import ConfigError
+from elastic.job import Job
+from elastic.job_target import build_job, job_class, job_problems, job_settings
+from elastic.jobs.lm import LanguageModelJob
+from elastic.jobs.tokens import TokenSequences
+from launcher.compose import compose
+
+from .conftest import launch, output
+from .test_e2e import RECORD, assert_job_invariants, wait_event, wait_exit
+
+CPU = torch.device("cpu")
+
+
+class Partial(Job):
+    """Half a job: no model, no loss."""
+
+    def train_data(self):  # type: ignore[no-untyped-def]
+        return []
+
+
+def refusal(target: str) -> str:
+    with pytest.raises(ConfigError) as caught:
+        job_class(target)
+    return str(caught.value)
+
+
+def test_a_wrong_target_is_refused_naming_what_is_missing() -> None:
+    assert "no module named 'no_such_pkg'" in refusal("no_such_pkg.jobs.MyJob")
+    assert "module 'elastic.jobs.lm' has no 'Missing'" in refusal("elastic.jobs.lm.Missing")
+    assert "is not a class deriving elastic.job.Job" in refusal("elastic.config.Config")
+    assert "is not a module.Class path" in refusal("MyJob")
+    partial = refusal(f"{__name__}.Partial")
+    assert "Partial does not implement build_model, loss of elastic.job.Job" in partial
+    assert "Fix: define build_model(), loss() in Partial" in partial
+    assert job_class("elastic.jobs.lm.LanguageModelJob") is LanguageModelJob
+
+
+def test_job_settings_are_typed_bounded_and_checked_with_the_other_keys() -> None:
+    cls = LanguageModelJob
+    assert job_settings(cls, {"_target_": "x", "layers": 3}).layers == 3
+    with pytest.raises(ConfigError, match=r"job.layers='three': is not of the type"):
+        job_settings(cls, {"layers": "three"})
+    with pytest.raises(ConfigError, match=r"job.depth=3: LanguageModelJob has no such setting"):
+        job_settings(cls, {"depth": 3})
+    cfg = compose(["job=lm", "job.layers=0", "job.dim=30"])
+    assert list(job_problems(cfg)) == [
+        "job.layers=0: must be at least 1. Fix: set job.layers to 1 or more.",
+        "job.dim=30: must split evenly into job.heads=4 attention heads. Fix: set job.dim to a "
+        "multiple of job.heads.",
+    ]
+    assert list(job_problems(compose([]))) == []  # the default, job=imagenet
+
+
+def test_a_launch_with_a_wrong_target_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "launcher", "job._target_=my_pkg.jobs.MyJob", f"run_dir={run_dir}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "job._target_='my_pkg.jobs.MyJob': no module named 'my_pkg'" in proc.stderr
+    assert not run_dir.exists()  # no config written, no node started
+
+
+def test_token_sequences_are_the_same_for_a_key_and_follow_their_grammar() -> None:
+    data = TokenSequences(vocab=16, length=9, count=50, grammar_seed=1)
+    (a,) = data[(0, 7)]
+    assert a.shape == (9,) and a.dtype == torch.int64 and int(a.max()) < 16
+    assert torch.equal(a, data[(3, 7)][0]) and torch.equal(a, data[7][0])  # any epoch, any rank
+    assert not torch.equal(a, data[(0, 8)][0])
+    held_out = TokenSequences(vocab=16, length=9, count=5, grammar_seed=1, first=50)
+    assert not any(torch.equal(held_out[i][0], data[i][0]) for i in range(5))
+    # A learnable language: most next tokens are one of a few successors of the token before.
+    pairs = torch.cat([torch.stack([s[:-1], s[1:]], 1) for (s,) in (data[i] for i in range(50))])
+    successors = {int(t): set() for t in pairs[:, 0]}
+    for t, n in pairs.tolist():
+        successors[t].add(n)
+    assert sum(len(s) for s in successors.values()) < 0.5 * 16 * len(successors)
+    with pytest.raises(IndexError):
+        data[(0, 50)]
+
+
+def test_the_language_model_gives_one_loss_per_sequence_and_learns() -> None:
+    cfg = compose(["job=lm", "job.sequences=64", "job.dim=32", "optim.lr=1.0"])
+    job = build_job(cfg, CPU)
+    torch.manual_seed(0)
+    model = job.build_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    data = job.train_data()
+    batch = tuple(default_collate([data[(0, i)] for i in range(64)]))
+    first = job.loss(model, batch)
+    assert first.shape == (64,)
+    for _ in range(30):
+        optimizer.zero_grad()
+        job.loss(model, batch).mean().backward()
+        optimizer.step()
+    assert job.loss(model, batch).mean() < first.mean() - 1.0
+
+
+def test_the_language_model_trains_through_a_killed_node_with_every_invariant(
+    tmp_path: Path,
+) -> None:
+    """job=lm, 3 nodes; the node of rank 0 SIGKILLed mid-epoch: the survivors recover in place
+    with the LR rescaled, and every sequence is trained exactly once, replicas alike."""
+    run_dir = tmp_path / "run"
+    sequences = 720  # 30 steps an epoch at 3 x 8
+    proc = launch(
+        run_dir,
+        "job=lm",
+        f"job.sequences={sequences}",
+        "job.val_sequences=48",
+        "job.dim=128",
+        "cluster.nodes=3",
+        "trainer.epochs=2",
+        "trainer.eval_every_epochs=1",
+        RECORD,
+    )
+    wait_event(run_dir, proc, lambda e: e["event"] == "checkpoint_saved" and e["step"] >= 10)
+    assert proc.poll() is None, output(run_dir)
+    fault = kill_node(run_dir, node_with_rank(run_dir, 0))
+    assert wait_exit(proc, run_dir) == 0, output(run_dir)[-3000:]
+
+    events = assert_job_invariants(run_dir, sequences, epochs=2)
+    after = [e for e in events if e["ts"] > fault]
+    recovered = next(e for e in after if e["event"] == "recovered")
+    assert recovered["in_place"] and recovered["world_size"] == 2
+    assert next(e for e in after if e["event"] == "lr_changed")["world_size"] == 2
+    done = next(e for e in after if e["event"] == "training_done")
+    assert done["samples_seen"] == 2 * sequences
+    evaluated = [e for e in events if e["event"] == "evaluated"]
+    assert [e["evaluation"] for e in evaluated] == [1, 2]
+    assert all(e["count"] == 48 * 32 for e in evaluated)  # every held-out token, once
+    rec = recovery(events, fault)
+    assert rec.stall_s is not None and rec.redone_steps <= 1
+    print(f"lm: stall {rec.stall_s:.2f} s, {rec.redone_steps} step(s) redone")
