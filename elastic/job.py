@@ -18,7 +18,8 @@ The contract keeps what the runtime's guarantees rest on:
 - :meth:`Job.loss` returns one loss per sample: the runtime weights them so that DDP's average is
   the mean over the global batch, whatever the world size and however the last step falls short.
 - State other than the model's and the optimizer's (:meth:`Job.state`) is a dict of tensors the
-  job updates in place: it is checkpointed, and broadcast to a rank that joins.
+  job updates in place (in :meth:`Job.after_step`): it is checkpointed, restored with the rest on
+  a rollback or a resume, and broadcast to a rank that joins.
 """
 
 from __future__ import annotations
@@ -119,6 +120,10 @@ class Job(ABC, Generic[S]):
         """The loss of each sample of ``batch`` (shape ``(len(batch[0]),)``), from ``model``'s
         forward (DDP's wrapper: call it, do not reach into it). Runs under the precision's
         autocast; the runtime weights, sums and back-propagates."""
+
+    def after_step(self, model: torch.nn.Module) -> None:
+        """After each optimizer step taken, on every rank alike: update :meth:`state` (an
+        average of the weights, a counter). ``model`` is the module, not DDP's wrapper."""
 
     def collate(self) -> Callable[[list[Any]], Any] | None:
         """How the loader makes a batch of samples; None: stacked (PyTorch's default)."""

@@ -1,4 +1,5 @@
-"""The worker: one process per GPU (or CPU slot), started once by its node's agent.
+"""The worker: one process per GPU (or CPU slot), started once by its node's agent, the runtime
+around a job (:mod:`elastic.job`: what to train, named by ``job._target_``).
 
 A worker outlives rounds, so that a broken round costs at most the step in flight: the survivors
 keep their state in memory and carry on from it. Read it top to bottom: :func:`main` builds what
@@ -776,7 +777,9 @@ def train_step(
     scaled = w.precision.scaler.is_enabled()  # then the scaler judges the gradients
     finite = scaled or gradients_finite(w.params)
     taken = finite and w.precision.step(w.state.optimizer)
-    if not taken:
+    if taken:
+        w.job.after_step(w.state.model)
+    else:
         w.buffers.restore()  # a skipped step leaves no trace, batch-norm statistics included
     w.comm.end_step()
     return total / plan.real, taken, finite

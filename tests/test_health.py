@@ -237,7 +237,7 @@ def test_before_the_first_checkpoint_the_doctor_checks_the_floor_only(
     row = check_checkpoint_disk(cfg, size_model=False)
     assert row.status is Status.PASS and "needs 1.00 GB" in row.message
     assert "not known before the first one" in row.message
-    assert "model.name=resnet18 on the meta device" in row.message
+    assert "sizes the job's model on the meta device" in row.message
     full = check_checkpoint_disk(
         with_checkpoint_url(cfg.checkpoint.url, min_checkpoint_free_gb=float(1 << 30)),
         size_model=False,

@@ -1,15 +1,20 @@
 """Jobs other than the ImageNet classifier: the contract's checks (a wrong ``job._target_`` or
-``job.*`` refused, naming what is missing), the language model job's data and loss, and the
-language model trained through a SIGKILLed node with every invariant checked."""
+``job.*`` refused, naming what is missing), the language model job's data and loss, the
+language model trained through a SIGKILLed node with every invariant checked, and a user's job
+(the README's example) launched from a package of its own, through a kill and a resume."""
 
 from __future__ import annotations
 
+import re
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 from torch.utils.data import default_collate
 
 from chaos.injectors import kill_node, node_with_rank
@@ -21,10 +26,11 @@ from elastic.jobs.lm import LanguageModelJob
 from elastic.jobs.tokens import TokenSequences
 from launcher.compose import compose
 
-from .conftest import launch, output
+from .conftest import REPO, launch, output
 from .test_e2e import RECORD, assert_job_invariants, wait_event, wait_exit
 
 CPU = torch.device("cpu")
+EXAMPLE = REPO / "examples" / "own_job" / "my_jobs.py"
 
 
 class Partial(Job):
@@ -152,3 +158,46 @@ def test_the_language_model_trains_through_a_killed_node_with_every_invariant(
     rec = recovery(events, fault)
     assert rec.stall_s is not None and rec.redone_steps <= 1
     print(f"lm: stall {rec.stall_s:.2f} s, {rec.redone_steps} step(s) redone")
+
+
+def test_the_readme_shows_the_example_job_as_it_is() -> None:
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    assert EXAMPLE.read_text() in blocks
+
+
+def test_a_users_job_from_its_own_package_survives_a_kill_and_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's example job, copied into a folder of its own as a user's package and named
+    by ``job._target_``: a node SIGKILLed, the invariants hold, the job's own state (an average
+    of the weights) is in its checkpoints, and a second launch resumes from the last one and
+    trains one more epoch."""
+    package = tmp_path / "user_code"
+    package.mkdir()
+    shutil.copy(EXAMPLE, package / "my_jobs.py")
+    monkeypatch.setenv("PYTHONPATH", str(package))  # here, and on every node
+    run_dir = tmp_path / "run"
+    samples = 1440  # 60 steps an epoch at 3 x 8
+    job = ["job._target_=my_jobs.WaveJob", f"+job.samples={samples}", "+job.hidden=32", RECORD]
+    proc = launch(run_dir, *job, "cluster.nodes=3", "trainer.epochs=2", job_id="wave")
+    wait_event(run_dir, proc, lambda e: e["event"] == "checkpoint_saved" and e["step"] >= 10)
+    assert proc.poll() is None, output(run_dir)
+    fault = kill_node(run_dir, node_with_rank(run_dir, 2))
+    assert wait_exit(proc, run_dir) == 0, output(run_dir)[-3000:]
+    events = assert_job_invariants(run_dir, samples, epochs=2)
+    recovered = next(e for e in events if e["ts"] > fault and e["event"] == "recovered")
+    assert recovered["in_place"] and recovered["world_size"] == 2
+    newest = max(e["step"] for e in events if e["event"] == "checkpoint_saved")
+    saved = FileSystemReader(str(run_dir / "checkpoints" / f"step_{newest:09d}")).read_metadata()
+    assert {"state.job.ema.0.weight", "state.job.ema.4.bias"} <= set(saved.state_dict_metadata)
+
+    relaunched = time.time()
+    restart = launch(run_dir, *job, "cluster.nodes=2", "trainer.epochs=3", job_id="wave")
+    started = wait_event(
+        run_dir, restart, lambda e: e["event"] == "training_started", since=relaunched
+    )
+    assert started["resumed_from"] == newest and started["samples_seen"] == 2 * samples
+    assert wait_exit(restart, run_dir) == 0, output(run_dir)[-3000:]
+    events = assert_job_invariants(run_dir, samples, epochs=3)
+    done = [e for e in events if e["event"] == "training_done"]
+    assert done[-1]["samples_seen"] == 3 * samples
