@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     import torch
     from torch.utils.data import Dataset
 
-    from elastic.evaluate import AllReduce, EvalResult
+    from elastic.evaluate import AllReduce, EvalResult, Predict
 
 Batch: TypeAlias = "tuple[torch.Tensor, ...]"
 
@@ -67,6 +67,33 @@ class EvalContext:
     all_reduce: AllReduce
     autocast: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
     stop: Callable[[], bool] = lambda: False
+
+    def evaluate(
+        self,
+        model: torch.nn.Module,
+        dataset: Dataset[Any],
+        predict: Predict | None = None,
+        move: Callable[[Any], Batch] | None = None,
+    ) -> EvalResult:
+        """The mean loss and top-1/top-5 accuracy of ``predict``'s logits (by default a
+        classifier's: ``model(batch[0])`` against ``batch[1]``) over ``dataset``, each rank
+        its share, summed over the round (:func:`elastic.evaluate.evaluate`)."""
+        from elastic.evaluate import classify, evaluate
+
+        return evaluate(
+            model,
+            dataset,
+            self.rank,
+            self.world_size,
+            self.device,
+            self.batch_size,
+            all_reduce=self.all_reduce,
+            autocast=self.autocast,
+            predict=predict or classify,
+            move=move,
+            loader_workers=self.loader_workers,
+            stop=self.stop,
+        )
 
 
 class Job(ABC, Generic[S]):

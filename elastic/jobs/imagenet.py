@@ -107,22 +107,10 @@ class ImageNetJob(Job[NoSettings]):
 
     def evaluate(self, model: torch.nn.Module, ctx: EvalContext) -> EvalResult:
         from elastic.data import ValImageFolder
-        from elastic.evaluate import average_bn_stats, evaluate
+        from elastic.evaluate import average_bn_stats
         from elastic.pipeline import image_mover
 
         if self._val is None:
             self._val = ValImageFolder(self.cfg.data)
         average_bn_stats(model, ctx.world_size, all_reduce=ctx.all_reduce)
-        return evaluate(
-            model,
-            self._val,
-            ctx.rank,
-            ctx.world_size,
-            ctx.device,
-            ctx.batch_size,
-            all_reduce=ctx.all_reduce,
-            autocast=ctx.autocast,
-            move=image_mover(ctx.device, self.channels_last),
-            loader_workers=ctx.loader_workers,
-            stop=ctx.stop,
-        )
+        return ctx.evaluate(model, self._val, move=image_mover(ctx.device, self.channels_last))

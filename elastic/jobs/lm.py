@@ -76,21 +76,9 @@ class LanguageModelJob(Job[LanguageModelSettings]):
         return self.settings.val_sequences > 0
 
     def evaluate(self, model: torch.nn.Module, ctx: EvalContext) -> EvalResult:
-        from elastic.evaluate import evaluate
-
         s = self.settings
-        return evaluate(
-            model,
-            self._sequences(s.val_sequences, s.sequences),
-            ctx.rank,
-            ctx.world_size,
-            ctx.device,
-            ctx.batch_size,
-            all_reduce=ctx.all_reduce,
-            autocast=ctx.autocast,
-            predict=next_tokens,
-            loader_workers=ctx.loader_workers,
-            stop=ctx.stop,
+        return ctx.evaluate(
+            model, self._sequences(s.val_sequences, s.sequences), predict=next_tokens
         )
 
 
