@@ -14,7 +14,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 from elastic.config import Bound, Config, ConfigError, validate
-from launcher.compose import UsageError, finalize
+from launcher.compose import UsageError, finalize, validate_launch
 from launcher.compose import compose as compose_launch
 
 from .conftest import REPO
@@ -121,8 +121,9 @@ def test_health_presets_compose() -> None:
     ],
 )
 def test_bad_values_name_the_key_and_the_fix(overrides: list[str], key: str) -> None:
+    """As a launch checks them: the ImageNet job's data and model rules too."""
     with pytest.raises(ConfigError) as err:
-        validate(composed(*overrides))
+        validate_launch(composed(*overrides))
     assert f"{key}=" in str(err.value) and "Fix:" in str(err.value)
 
 
@@ -340,3 +341,11 @@ def test_configs_ship_in_the_wheel(tmp_path: Path) -> None:
 def test_gloo_on_cuda_is_accepted_as_a_test_aid() -> None:
     for dtype in ("fp32", "bf16", "fp16"):
         validate(composed("cluster.device=cuda", "comm.backend=gloo", f"comm.grad_dtype={dtype}"))
+
+
+def test_the_imagenet_jobs_data_and_model_rules_do_not_stop_another_job() -> None:
+    imagenet = ["data=imagenet", "data.root=/nonexistent/imagenet", "model.name=resnet9000"]
+    validate(composed(*imagenet))  # the rules every job shares
+    with pytest.raises(ConfigError, match=r"(?s)data.root=.*model.name="):
+        validate_launch(composed(*imagenet))
+    validate_launch(composed(*imagenet, "job=lm"))

@@ -2,8 +2,11 @@
 
 First every range declared with :func:`~elastic.config.schema.bounded`, then each section's
 rules (:mod:`elastic.config.job_rules`, :mod:`elastic.config.training_rules`) in the order of
-the sections, then the rules a caller adds (the launcher adds the etcd credentials, which are
-its alone). One launch attempt shows everything to fix, each with the key, the value and the fix.
+the sections, then the rules a caller adds (the launcher adds the job's, which import its class,
+and the etcd credentials, which are its alone). The ``data`` and ``model`` rules are the
+ImageNet job's (:meth:`elastic.jobs.imagenet.ImageNetJob.problems`): another job's launch does
+not check a data set and a model it does not read. One launch attempt shows everything to fix,
+each with the key, the value and the fix.
 """
 
 from __future__ import annotations
@@ -20,12 +23,7 @@ from elastic.config.job_rules import (
     rendezvous_problems,
 )
 from elastic.config.schema import ConfigError, bound_problems
-from elastic.config.training_rules import (
-    comm_problems,
-    data_problems,
-    model_problems,
-    optim_problems,
-)
+from elastic.config.training_rules import comm_problems, optim_problems
 
 Rule = Callable[[Config], Iterable[str]]
 
@@ -34,13 +32,11 @@ RULES: tuple[Rule, ...] = (
     cluster_problems,
     job_id_problems,
     rendezvous_problems,
-    data_problems,
     optim_problems,
     comm_problems,
     checkpoint_problems,
     chaos_problems,
     notify_problems,
-    model_problems,
 )
 
 

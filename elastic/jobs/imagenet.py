@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from elastic.config import BNStats, Config, Decode
+from elastic.config.training_rules import data_problems, model_problems
 from elastic.job import Batch, EvalContext, Job, NoSettings
 
 if TYPE_CHECKING:
@@ -50,6 +51,11 @@ class ImageNetJob(Job[NoSettings]):
         )
         self._move = image_mover(device, self.channels_last, self.decoder)
         self._val: ValImageFolder | None = None
+
+    @classmethod
+    def problems(cls, cfg: Config, settings: NoSettings) -> list[str]:
+        """The data set's folders (or the generated digits' counts) and ``model.name``."""
+        return [*data_problems(cfg), *model_problems(cfg)]
 
     @classmethod
     def prepare(cls, cfg: Config, settings: NoSettings) -> None:
