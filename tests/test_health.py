@@ -420,3 +420,13 @@ def test_gpu_path_on_a_real_gpu() -> None:
     print("\n".join(f"{r.name:18} {r.status.value:5} {r.message}" for r in rows))
     assert not [r for r in rows if r.status is Status.FAIL], rows
     assert {"gpu_count", "gpu_matmul", "gpu_memory"} <= {r.name for r in rows}
+
+
+def test_a_job_whose_class_does_not_import_on_this_node_fails_its_check() -> None:
+    assert health.check_job(Config()).status is Status.PASS  # job=imagenet
+    cfg = Config(job={"_target_": "users_pkg.jobs.MyJob"})
+    found = health.check_job(cfg)
+    assert found.status is Status.FAIL
+    assert "on this node, job._target_='users_pkg.jobs.MyJob': no module named" in found.message
+    report = health.run_checks(cfg, "node0", [], 1, "cpu")  # sizes nothing it cannot build
+    assert report.results[0] == found and not report.ok

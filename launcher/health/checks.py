@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from elastic.cache import cached
-from elastic.config import Config, HealthConfig
+from elastic.config import Config, ConfigError, HealthConfig
+from elastic.job_target import job_class
 from elastic.manifest import committed, manifest_bytes, newest_manifest
 from launcher.health.gpu import gpu_checks
 from launcher.health.report import CheckResult, HealthReport, Status
@@ -506,6 +507,20 @@ def _utc(ts: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ts))
 
 
+# --- the job ----------------------------------------------------------------------------------
+
+
+def check_job(cfg: Config) -> CheckResult:
+    """The job's class (``job._target_``) imports on this node and is a whole Job. The
+    launcher checked it where it ran; a node without the job's package (not installed, not on
+    PYTHONPATH) would start workers that fail at once, again and again."""
+    try:
+        cls = job_class(cfg.job.get("_target_", ""))
+    except ConfigError as exc:
+        return CheckResult("job", Status.FAIL, f"on this node, {exc}")
+    return CheckResult("job", Status.PASS, f"{cls.__module__}.{cls.__qualname__} imports")
+
+
 # --- all together -----------------------------------------------------------------------------
 
 
@@ -535,11 +550,14 @@ def run_checks(
         tls_results = [CheckResult("etcd_certs", Status.FAIL, str(exc))]
     else:
         tls_results = check_etcd_certificates(h, security)
+    job = check_job(cfg)
     results = [
+        job,
         check_open_files(h),
         check_stack(h),
         check_shm(h, required=device == "cuda" or cfg.data.loader_workers > 0),
-        check_checkpoint_disk(cfg, size_model),
+        # A job that does not import here cannot be sized: the floor alone, as the doctor's.
+        check_checkpoint_disk(cfg, size_model and job.status is Status.PASS),
         *check_etcd_and_clock(h, endpoints, security),
         *tls_results,
         *gpu_checks(cfg, slots, device),
