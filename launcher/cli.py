@@ -3,7 +3,7 @@
 It composes the configuration from ``conf/`` and the command-line overrides, fills in the
 defaults that depend on the moment (job id, run directory, checkpoint URL), checks every value
 (the job's class and settings too) and the places the job needs
-(:mod:`launcher.health.preflight`: etcd, the checkpoint URL, the data) before anything starts,
+(:mod:`launcher.health.preflight`: etcd, the checkpoint URL) before anything starts,
 prepares the job's data, writes the resolved ``config.yaml`` that all agents and workers of the
 job read, and then either simulates ``cluster.nodes`` nodes on this machine
 (``cluster=local``) or runs this node's agent (``cluster=bare_metal``). When the job ends it draws

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,7 +34,8 @@ NO_SCIKIT_LEARN = problem(
 
 
 def data_problems(cfg: Config) -> Iterator[str]:
-    """A real ImageFolder's splits must be directories; generated digits must fit the data set."""
+    """A real ImageFolder's splits must be directories this user can read; generated digits must
+    fit the data set."""
     d = cfg.data
     if not d.synthetic:
         train = Path(d.root) / d.train_dir
@@ -44,6 +46,13 @@ def data_problems(cfg: Config) -> Iterator[str]:
                 f"{train} is not a directory",
                 "point data.root at an ImageFolder whose train split is "
                 "<data.root>/<data.train_dir>/<class>/<image>, or use data=synthetic",
+            )
+        elif not os.access(train, os.R_OK | os.X_OK):
+            yield problem(
+                "data.root",
+                d.root,
+                f"{train} cannot be read by this user",
+                "grant read access to the data set, or point data.root at a readable copy",
             )
         if d.val_dir and not (Path(d.root) / d.val_dir).is_dir():
             yield problem(

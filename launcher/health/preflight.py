@@ -1,7 +1,8 @@
 """What the launcher checks before any agent starts: the places the job will need.
 
 :func:`launcher.compose.validate_launch` checks the values; this checks the world they point
-at: the etcd endpoints answer, the checkpoint URL can be written, the data root can be read. A
+at: the etcd endpoints answer, the checkpoint URL can be written (the job's data is its own rules',
+:meth:`elastic.job.Job.problems`). A
 launch that fails here has started nothing and created nothing, and each problem names the key,
 the value and the fix, like a config error. The agents still check their own node before they join
 (:mod:`launcher.health.checks`); this only spares every node of a job from finding the same shared
@@ -10,9 +11,6 @@ fault one by one, and the operator from waiting for it.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 from elastic.config import Config, problem
 from launcher.health.checks import local_path, writable_dir_problem
 from launcher.rendezvous.etcd import EtcdRefused, EtcdUnavailable, connect, etcd_security
@@ -20,7 +18,7 @@ from launcher.rendezvous.etcd import EtcdRefused, EtcdUnavailable, connect, etcd
 
 def preflight(cfg: Config) -> list[str]:
     """Every problem found, each as ``key=value: why. Fix: ...``; empty when the launch may go."""
-    return [p for p in (_etcd(cfg), _checkpoint_url(cfg), _data_root(cfg)) if p]
+    return [p for p in (_etcd(cfg), _checkpoint_url(cfg)) if p]
 
 
 def _etcd(cfg: Config) -> str:
@@ -62,17 +60,3 @@ def _checkpoint_url(cfg: Config) -> str:
         "point checkpoint.url at a writable directory (file:///shared/ckpt or an fsspec URL such "
         "as s3://bucket/job)",
     )
-
-
-def _data_root(cfg: Config) -> str:
-    if cfg.data.synthetic:
-        return ""
-    root = Path(cfg.data.root) / cfg.data.train_dir
-    if root.is_dir() and not os.access(root, os.R_OK | os.X_OK):
-        return problem(
-            "data.root",
-            cfg.data.root,
-            f"{root} cannot be read by this user",
-            "grant read access to the data set, or point data.root at a readable copy",
-        )
-    return ""
