@@ -39,6 +39,7 @@ def _step(e: Mapping[str, Any]) -> list[Scalar]:
     ]
     if e.get("loss_scale") is not None:  # fp16
         figures.append(("train/loss_scale", e["loss_scale"]))
+    figures += [(f"train/{name}", value) for name, value in e.get("metrics", {}).items()]
     return [(tag, float(value), e["step"]) for tag, value in figures]
 
 

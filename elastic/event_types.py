@@ -193,8 +193,9 @@ TRAINING_STARTED = _declare(
 STEP = _declare(
     "step",
     "worker",
-    "step samples step_samples global_batch epoch loss lr world_size samples_per_s loss_scale",
-    "a step trained (every trainer.log_every steps)",
+    "step samples step_samples global_batch epoch loss lr world_size samples_per_s loss_scale "
+    "metrics",
+    "a step trained (every trainer.log_every steps); metrics: the job's (elastic.job.Loss)",
 )
 STEP_SKIPPED = _declare(
     "step_skipped", "worker", "step scale", "fp16: a step with inf/nan gradients was skipped"

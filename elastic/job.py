@@ -29,7 +29,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, NamedTuple, TypeAlias, TypeVar
 
 from elastic.config import Config
 
@@ -42,6 +42,16 @@ if TYPE_CHECKING:
     from elastic.evaluate import AllReduce, EvalResult, Predict
 
 Batch: TypeAlias = "tuple[torch.Tensor, ...]"
+
+
+class Loss(NamedTuple):
+    """What :meth:`Job.loss` may return instead of the bare per-sample losses: those, and
+    metrics of the step, each a tensor of one value per sample (token accuracy, a loss term).
+    The runtime averages each over the step's samples as it does the loss; rank 0 logs them in
+    its ``step`` event and to TensorBoard (``train/<name>``)."""
+
+    per_sample: torch.Tensor
+    metrics: dict[str, torch.Tensor]
 
 
 @dataclass
@@ -143,10 +153,11 @@ class Job(ABC, Generic[S]):
         return build_optimizer(model, self.cfg.optim)
 
     @abstractmethod
-    def loss(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    def loss(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor | Loss:
         """The loss of each sample of ``batch`` (shape ``(len(batch[0]),)``), from ``model``'s
-        forward (DDP's wrapper: call it, do not reach into it). Runs under the precision's
-        autocast; the runtime weights, sums and back-propagates."""
+        forward (DDP's wrapper: call it, do not reach into it), or a :class:`Loss` with the
+        step's metrics besides. Runs under the precision's autocast; the runtime weights, sums
+        and back-propagates."""
 
     def after_step(self, model: torch.nn.Module) -> None:
         """After each optimizer step taken, on every rank alike: update :meth:`state` (an

@@ -55,7 +55,7 @@ from elastic.curves import Curves
 from elastic.evaluate import due_evaluation
 from elastic.events import EventLog, Rotation
 from elastic.final_save import retry_in, unsaved_steps
-from elastic.job import Batch, EvalContext, Job
+from elastic.job import Batch, EvalContext, Job, Loss
 from elastic.job_target import build_job
 from elastic.lr_policy import LRPolicy
 from elastic.manifest import newest_manifest
@@ -535,7 +535,7 @@ def train_steps(
         w.state.apply({"lr": lr, **step_settings(cfg.optim, progress.samples_seen, len(w.dataset))})
         w.link.status.update(phase="step", step=progress.step + 1)
         poison = poisoned(w, rank, progress.step + 1)
-        loss, taken, finite = train_step(w, ddp, batch, plan, world, poison)
+        loss, metrics, taken, finite = train_step(w, ddp, batch, plan, world, poison)
         progress = progress.after(plan, w.sampler.advance(progress.sampler, plan), world, lr)
         w.progress = progress
         # After the step is recorded: an abort in these collectives loses nothing.
@@ -583,6 +583,7 @@ def train_steps(
                 world_size=world,
                 samples_per_s=(progress.samples_seen - samples_log) / (now - t_log),
                 **({"loss_scale": w.precision.scaler.get_scale()} if scaled else {}),
+                **({"metrics": metrics} if metrics else {}),
             )
             t_log, samples_log = now, progress.samples_seen
         progress = maybe_evaluate(w, a, progress)  # before the save, which records it
@@ -742,10 +743,11 @@ def train_step(
     plan: StepPlan,
     world: int,
     poison: bool = False,
-) -> tuple[float, bool, bool]:
+) -> tuple[float, dict[str, float], bool, bool]:
     """One optimizer step on this rank's share of the global batch, the job's loss of each
     sample (:meth:`elastic.job.Job.loss`) weighted and back-propagated; returns its mean loss,
-    whether the optimizer stepped, and whether the averaged gradients were finite. A step with
+    the mean of each of the job's metrics over the same samples, whether the optimizer stepped,
+    and whether the averaged gradients were finite. A step with
     inf/nan gradients is skipped on every rank alike: by fp16's loss scaler
     (:class:`elastic.precision.MixedPrecision`), else by :mod:`elastic.nonfinite`. ``poison``
     (chaos.nan_steps) makes this rank's loss NaN.
@@ -764,16 +766,20 @@ def train_step(
     w.buffers.save()
     w.comm.begin_step()
     total = 0.0
+    sums: dict[str, torch.Tensor] = {}  # each metric's sum over the real samples
     micro = zip(*(t.tensor_split(n) for t in batch), strict=True)  # (part of each tensor)
     parts = zip(micro, weight.tensor_split(n), strict=True)
     for i, (part, wt) in enumerate(parts):
         with ddp.no_sync() if i < n - 1 else contextlib.nullcontext():
             with w.precision.autocast():
-                per_sample = w.job.loss(ddp, part)
+                per_sample, metrics = per_sample_loss(w.job.loss(ddp, part))
             if poison:
                 per_sample = per_sample * float("nan")
             w.precision.backward((per_sample * wt).sum())
-        total += (per_sample.detach().float() * (wt > 0)).sum().item()
+        real = wt > 0
+        total += (per_sample.detach().float() * real).sum().item()
+        for name, values in metrics.items():
+            sums[name] = sums.get(name, 0) + (values.detach().float() * real).sum()
     scaled = w.precision.scaler.is_enabled()  # then the scaler judges the gradients
     finite = scaled or gradients_finite(w.params)
     taken = finite and w.precision.step(w.state.optimizer)
@@ -782,7 +788,13 @@ def train_step(
     else:
         w.buffers.restore()  # a skipped step leaves no trace, batch-norm statistics included
     w.comm.end_step()
-    return total / plan.real, taken, finite
+    means = torch.stack(list(sums.values())).div(plan.real).tolist() if sums else []
+    return total / plan.real, dict(zip(sums, means, strict=True)), taken, finite
+
+
+def per_sample_loss(out: torch.Tensor | Loss) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A job's :meth:`~elastic.job.Job.loss`, bare or with its metrics."""
+    return (out, {}) if isinstance(out, torch.Tensor) else (out.per_sample, out.metrics)
 
 
 def poisoned(w: Worker, rank: int, step: int) -> bool:

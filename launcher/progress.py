@@ -32,8 +32,9 @@ ENDED = (0, None, EXIT_UNSAVED)
 def describe(e: dict[str, Any]) -> str | None:
     """One human line for an event worth showing, or None."""
     if ev.STEP.matches(e):
+        metrics = "".join(f"{name} {v:.4g} | " for name, v in e.get("metrics", {}).items())
         return (
-            f"step {e['step']:>6} | epoch {e['epoch']} | loss {e['loss']:.4f} | "
+            f"step {e['step']:>6} | epoch {e['epoch']} | loss {e['loss']:.4f} | {metrics}"
             f"{e['samples_per_s']:7.1f} samples/s | world {e['world_size']} | "
             f"lr {e['lr']:.5f}"
         )

@@ -50,6 +50,7 @@ def test_a_step_gives_loss_lr_pace_and_world_size_at_its_step() -> None:
         ("train/world_size", 2.0, 7),
     ]
     assert ("train/loss_scale", 1024.0, 7) in scalars({**STEP, "loss_scale": 1024.0})
+    assert ("train/accuracy", 0.5, 7) in scalars({**STEP, "metrics": {"accuracy": 0.5}})
 
 
 def test_recoveries_checkpoints_evaluations_and_faults_have_their_figures() -> None:
@@ -89,6 +90,8 @@ def test_the_scalars_read_only_fields_their_events_declare() -> None:
     for name in curves.SCALARS:
         kind = ev.declared(name)
         event = {field: 1 for field in kind.fields | ev.COMMON} | {"event": name}
+        if "metrics" in event:  # a job's metrics (elastic.job.Loss): a name for each figure
+            event["metrics"] = {"accuracy": 1}
         for tag, value, step in scalars(event):
             assert isinstance(tag, str) and isinstance(value, float) and step == 1
 

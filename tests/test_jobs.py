@@ -105,7 +105,7 @@ def test_token_sequences_are_the_same_for_a_key_and_follow_their_grammar() -> No
         data[(0, 50)]
 
 
-def test_the_language_model_gives_one_loss_per_sequence_and_learns() -> None:
+def test_the_language_model_gives_one_loss_and_accuracy_per_sequence_and_learns() -> None:
     cfg = compose(["job=lm", "job.sequences=64", "job.dim=32", "optim.lr=1.0"])
     job = build_job(cfg, CPU)
     torch.manual_seed(0)
@@ -114,12 +114,14 @@ def test_the_language_model_gives_one_loss_per_sequence_and_learns() -> None:
     data = job.train_data()
     batch = tuple(default_collate([data[(0, i)] for i in range(64)]))
     first = job.loss(model, batch)
-    assert first.shape == (64,)
+    assert first.per_sample.shape == first.metrics["accuracy"].shape == (64,)
     for _ in range(30):
         optimizer.zero_grad()
-        job.loss(model, batch).mean().backward()
+        job.loss(model, batch).per_sample.mean().backward()
         optimizer.step()
-    assert job.loss(model, batch).mean() < first.mean() - 1.0
+    learned = job.loss(model, batch)
+    assert learned.per_sample.mean() < first.per_sample.mean() - 1.0
+    assert learned.metrics["accuracy"].mean() > first.metrics["accuracy"].mean() + 0.1
 
 
 def test_the_language_model_trains_through_a_killed_node_with_every_invariant(
@@ -152,6 +154,8 @@ def test_the_language_model_trains_through_a_killed_node_with_every_invariant(
     assert next(e for e in after if e["event"] == "lr_changed")["world_size"] == 2
     done = next(e for e in after if e["event"] == "training_done")
     assert done["samples_seen"] == 2 * sequences
+    steps = [e for e in events if e["event"] == "step"]
+    assert all(0 <= e["metrics"]["accuracy"] <= 1 for e in steps)  # the job's metric, each step
     evaluated = [e for e in events if e["event"] == "evaluated"]
     assert [e["evaluation"] for e in evaluated] == [1, 2]
     assert all(e["count"] == 48 * 32 for e in evaluated)  # every held-out token, once

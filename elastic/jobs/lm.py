@@ -1,7 +1,8 @@
 """A second job, to prove the contract is not shaped by images: a small transformer language
 model (:mod:`.tiny_lm`) learning next tokens of generated sequences (:mod:`.tokens`), its loss
-each sequence's mean cross-entropy, its evaluation the next token's top-1/top-5 on held-out
-sequences. ``job=lm``; its settings are ``job.*`` (conf/job/lm.yaml).
+each sequence's mean cross-entropy (its next-token accuracy a metric of each step), its
+evaluation the next token's top-1/top-5 on held-out sequences. ``job=lm``; its settings are
+``job.*`` (conf/job/lm.yaml).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from elastic.config import Config, bounded, problem
-from elastic.job import Batch, EvalContext, Job
+from elastic.job import Batch, EvalContext, Job, Loss
 
 if TYPE_CHECKING:
     import torch
@@ -65,12 +66,18 @@ class LanguageModelJob(Job[LanguageModelSettings]):
         s = self.settings
         return TinyLM(s.vocab, s.context, s.dim, s.heads, s.layers).to(self.device)
 
-    def loss(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    def loss(self, model: torch.nn.Module, batch: Batch) -> Loss:
+        """Each sequence's mean next-token cross-entropy, and its next-token accuracy."""
         import torch.nn.functional as F
 
         logits, targets = next_tokens(model, batch)
         per_token = F.cross_entropy(logits, targets, reduction="none")
-        return per_token.view(len(batch[0]), -1).mean(1)
+        hits = logits.detach().argmax(1).eq(targets).float()
+        sequences = len(batch[0])
+        return Loss(
+            per_token.view(sequences, -1).mean(1),
+            {"accuracy": hits.view(sequences, -1).mean(1)},
+        )
 
     def has_validation(self) -> bool:
         return self.settings.val_sequences > 0
