@@ -13,8 +13,9 @@ The contract keeps what the runtime's guarantees rest on:
 - The data set is indexed by ``(epoch, index)`` keys from the sampler, and a key must give the
   same sample wherever and whenever it is read (seed any randomness from the key): a sample
   redone after a recovery is then the same sample, and every one is trained exactly once.
-- A sample is a tuple of tensors, and a batch the same tuple stacked (the first dimension is the
-  sample); the runtime splits a batch into micro-batches along it.
+- A batch, as :meth:`Job.to_device` hands it to :meth:`Job.loss`, is a tuple of tensors whose
+  first dimension is the sample (by default a sample is a tuple of tensors, and the loader
+  stacks them); the runtime splits a batch into micro-batches along it.
 - :meth:`Job.loss` returns one loss per sample: the runtime weights them so that DDP's average is
   the mean over the global batch, whatever the world size and however the last step falls short.
 - State other than the model's and the optimizer's (:meth:`Job.state`) is a dict of tensors the
