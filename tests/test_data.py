@@ -13,9 +13,10 @@ import torch
 from PIL import Image
 from sklearn.datasets import load_digits
 
-from elastic.config import ConfigError, DataConfig, DataSource, SyntheticDataConfig, validate
+from elastic.config import ConfigError, DataConfig, DataSource, SyntheticDataConfig
 from elastic.data import SeededImageFolder, ValImageFolder, eval_transform, val_root
 from elastic.synthetic import SPEC_FILE, ensure_synthetic
+from launcher.compose import validate_launch
 
 from .test_config import composed
 
@@ -178,7 +179,7 @@ def test_switching_the_source_regenerates_the_cache(tmp_path: Path) -> None:
 
 def test_the_digits_preset_is_valid_and_crops_at_least_half_a_digit() -> None:
     cfg = composed("data=digits")
-    validate(cfg)
+    validate_launch(cfg)
     assert cfg.data.generate.source == DataSource.digits
     assert "/digits-10x100+74-20px-seed0" in cfg.data.root
     assert cfg.data.min_crop_scale == 0.5
@@ -201,13 +202,14 @@ def test_digits_the_data_set_cannot_give_are_refused_with_the_fix(
     overrides: list[str], key: str, fix: str
 ) -> None:
     with pytest.raises(ConfigError) as err:
-        validate(composed("data=digits", *overrides))
+        validate_launch(composed("data=digits", *overrides))
     assert f"{key}=" in str(err.value) and fix in str(err.value)
 
 
 def test_174_of_a_digit_pass_and_without_validation_only_the_training_split_counts() -> None:
-    validate(composed("data=digits", "data.generate.images_per_class=74"))
-    validate(composed("data=digits", "data.generate.images_per_class=174", 'data.val_dir=""'))
+    validate_launch(composed("data=digits", "data.generate.images_per_class=74"))
+    no_val = 'data.val_dir=""'
+    validate_launch(composed("data=digits", "data.generate.images_per_class=174", no_val))
 
 
 def test_the_digits_without_scikit_learn_name_the_extra_to_install(
@@ -216,7 +218,7 @@ def test_the_digits_without_scikit_learn_name_the_extra_to_install(
     for module in ("sklearn", "sklearn.datasets"):
         monkeypatch.setitem(sys.modules, module, None)  # import fails: not installed
     with pytest.raises(ConfigError) as err:
-        validate(composed("data=digits"))
+        validate_launch(composed("data=digits"))
     assert "data.generate.source='digits'" in str(err.value)
     assert "pip install '.[digits]'" in str(err.value)
     with pytest.raises(ImportError, match=r"pip install '\.\[digits\]'"):
