@@ -88,11 +88,16 @@ def job_settings(cls: type[Job[Any]], section: dict[str, Any]) -> Any:
         raise ConfigError(problem(f"job.{name}", given.get(name), why, fix)) from exc
 
 
+def resolve(cfg: Config) -> tuple[type[Job[Any]], Any]:
+    """The job class ``cfg`` names and its settings; :class:`ConfigError` otherwise."""
+    cls = job_class(cfg.job.get("_target_", ""))
+    return cls, job_settings(cls, cfg.job)
+
+
 def job_problems(cfg: Config) -> Iterator[str]:
     """Every problem of the ``job`` section: a rule of :func:`elastic.config.validate`."""
     try:
-        cls = job_class(cfg.job.get("_target_", ""))
-        settings = job_settings(cls, cfg.job)
+        cls, settings = resolve(cfg)
     except ConfigError as exc:
         yield str(exc)
         return
@@ -102,11 +107,11 @@ def job_problems(cfg: Config) -> Iterator[str]:
 
 def build_job(cfg: Config, device: torch.device) -> Job[Any]:
     """A worker's job, from the configuration the launcher checked."""
-    cls = job_class(cfg.job["_target_"])
-    return cls(cfg, job_settings(cls, cfg.job), device)
+    cls, settings = resolve(cfg)
+    return cls(cfg, settings, device)
 
 
 def prepare_job(cfg: Config) -> None:
     """The job's :meth:`~elastic.job.Job.prepare`: the launcher's, once, before any node starts."""
-    cls = job_class(cfg.job["_target_"])
-    cls.prepare(cfg, job_settings(cls, cfg.job))
+    cls, settings = resolve(cfg)
+    cls.prepare(cfg, settings)

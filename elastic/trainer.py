@@ -210,9 +210,8 @@ class Worker:
 
 def main() -> int:
     """Build what does not depend on the round (the job's data, model and optimizer), then loop:
-    wait for the
-    agent's assignment, train in that round until the job is trained or the round breaks, and
-    when it breaks wait for the next assignment with everything still in memory."""
+    wait for the agent's assignment, train in that round until the job is trained or the round
+    breaks, and when it breaks wait for the next assignment with everything still in memory."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     # The agent decides when this worker stops (it closes the control channel). A SIGTERM sent
     # to the whole node (a scheduler's preemption, systemd) must reach the agent's planned leave
@@ -747,10 +746,9 @@ def train_step(
     """One optimizer step on this rank's share of the global batch, the job's loss of each
     sample (:meth:`elastic.job.Job.loss`) weighted and back-propagated; returns its mean loss,
     the mean of each of the job's metrics over the same samples, whether the optimizer stepped,
-    and whether the averaged gradients were finite. A step with
-    inf/nan gradients is skipped on every rank alike: by fp16's loss scaler
-    (:class:`elastic.precision.MixedPrecision`), else by :mod:`elastic.nonfinite`. ``poison``
-    (chaos.nan_steps) makes this rank's loss NaN.
+    and whether the averaged gradients were finite. A step with inf/nan gradients is skipped on
+    every rank alike: by fp16's loss scaler (:class:`elastic.precision.MixedPrecision`), else by
+    :mod:`elastic.nonfinite`. ``poison`` (chaos.nan_steps) makes this rank's loss NaN.
 
     The share is split into micro-batches of at most ``data.batch_size`` (more than one only under
     ``keep_global_batch`` on a smaller world); gradients accumulate locally and are all-reduced

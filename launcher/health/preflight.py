@@ -1,8 +1,8 @@
 """What the launcher checks before any agent starts: the places the job will need.
 
 :func:`launcher.compose.validate_launch` checks the values; this checks the world they point
-at: the etcd endpoints answer, the checkpoint URL can be written (the job's data is its own rules',
-:meth:`elastic.job.Job.problems`). A
+at: the etcd endpoints answer, the checkpoint URL can be written. The job's own places (the
+ImageNet job's data root) are its rules' (:meth:`elastic.job.Job.problems`). A
 launch that fails here has started nothing and created nothing, and each problem names the key,
 the value and the fix, like a config error. The agents still check their own node before they join
 (:mod:`launcher.health.checks`); this only spares every node of a job from finding the same shared
