@@ -23,6 +23,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
@@ -66,6 +67,13 @@ while step.item() < total:
             f.write(f"{step.item()} {world}\\n")
     time.sleep(0.05)
 dist.destroy_process_group()
+"""
+
+# Loaded by every agent and worker (PYTHONPATH): SIGUSR1 prints every thread's stack to the log,
+# so that a job that does not finish says where each process waits.
+DUMP_ON_SIGNAL = """
+import faulthandler, signal
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 """
 
 # Fast re-forming: a node whose heartbeat (every second) is 2 s old is dead; a round with the
@@ -192,7 +200,10 @@ def start_agents(tmp_path: Path, endpoint: str, job_id: str, nodes: int, steps: 
     script.write_text(TRAIN)
     run = tmp_path / "run"
     run.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    (tmp_path / "diag").mkdir()
+    (tmp_path / "diag" / "sitecustomize.py").write_text(DUMP_ON_SIGNAL)
+    path = os.pathsep.join(filter(None, [str(tmp_path / "diag"), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
     env.pop("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", None)  # the agent needs none set
     agents = []
     for i in range(nodes):
@@ -223,6 +234,23 @@ def start_agents(tmp_path: Path, endpoint: str, job_id: str, nodes: int, steps: 
 
 def agent_logs(tmp_path: Path) -> str:
     return "\n".join(p.read_text() for p in sorted(tmp_path.glob("agent*.log")))
+
+
+def stacks(agents: list, tmp_path: Path) -> str:
+    """Every live agent's and worker's Python stacks (SIGUSR1, DUMP_ON_SIGNAL), with the tails of
+    the logs they go to: what a job that did not finish was waiting on."""
+    live = [a for a in agents if a.poll() is None]
+    for agent in live:
+        for proc in [psutil.Process(agent.pid), *psutil.Process(agent.pid).children(True)]:
+            with contextlib.suppress(psutil.Error):
+                proc.send_signal(signal.SIGUSR1)
+    logs = [tmp_path / f"agent{agents.index(a)}.log" for a in live]
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not all(
+        "most recent call first" in p.read_text() for p in logs
+    ):
+        time.sleep(0.1)
+    return "\n".join(f"== {p.name}\n{p.read_text()[-8000:]}" for p in logs)
 
 
 @pytest.mark.timeout(180)
@@ -276,8 +304,12 @@ def test_torchrun_agents_ride_out_an_etcd_restart_then_lose_a_node_and_finish(
             for agent in survivors:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     agent.wait(timeout=max(1.0, deadline - time.monotonic()))
+            if not all(a.poll() is not None for a in survivors):
+                pytest.fail(
+                    f"not done in 60 s; steps {progress(run)[-3:]}, workers {workers(run)}; the "
+                    f"survivors' stacks:\n{stacks(agents, tmp_path)}"
+                )
             logs = agent_logs(tmp_path)[-6000:]
-            assert all(a.poll() is not None for a in survivors), "not done in 60 s\n" + logs
             assert [a.returncode for a in survivors] == [0, 0], logs
             steps = progress(run)
             assert steps[-1] == (STEPS, 2), logs
