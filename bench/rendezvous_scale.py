@@ -303,7 +303,7 @@ def ours_process(
             rnd = nodes[node_id].view.round
             if rnd is not None and rnd.number > last[0]:
                 last[0] = rnd.number
-                seen.put((node_id, rnd.number, len(rnd.members)))
+                seen.put((node_id, rnd.number, rnd.size))
 
         return on_change
 
@@ -337,14 +337,15 @@ def ours_process(
             conn.send("joined")
         elif command == "evict":
             rdzv = nodes[ids[0]]
-            member = rdzv.view.round.member(arg[0]) if rdzv.view.round else None
+            whole = rdzv.whole_round(rdzv.view.round) if rdzv.view.round else None
+            member = whole.member(arg[0]) if whole else None
             conn.send(bool(member) and rdzv.evict(member, "bench: its process was killed"))
         elif command == "stats":
             load = [r.load for r in nodes.values()]
             conn.send(
                 (
                     sum(x.watch_events for x in load),
-                    sum(x.watch_bytes for x in load),
+                    sum(x.watch_bytes + x.read_bytes for x in load),
                     [r for s in sinks.values() for r in s.reasons],
                     crashed,
                     sum(s.late for s in sinks.values()),

@@ -93,7 +93,8 @@ ROUND_FORMED = _declare(
 ROUND_JOINED = _declare(
     "round_joined",
     "agent",
-    "round world_size first_rank members etcd_requests watch_events watch_bytes",
+    "round world_size first_rank nodes etcd_requests keepalives watch_events watch_bytes "
+    "read_bytes",
     "the node's workers were sent into a round (with what the node cost etcd since its last)",
 )
 BELOW_MIN_NODES = _declare(

@@ -91,12 +91,10 @@ def gather(
     quarantine = {n: json.loads(v) for n, (v, _) in under(job.quarantine).items()}
     stragglers = {n: json.loads(v) for n, (v, _) in under(job.stragglers).items()}
     raw_round = keys.get(job.round)
-
-    def round_parts(parts_id: str, _count: int) -> list[bytes]:
-        parts = under(job.round_part_folder(parts_id))
-        return [parts[index][0] for index in sorted(parts)]
-
-    rnd = Round.from_json(raw_round[0], round_parts) if raw_round else None
+    rnd = None
+    if raw_round:
+        parts = under(job.round_part_folder(json.loads(raw_round[0])["parts"]))
+        rnd = Round.from_values(raw_round[0], {n: v for n, (v, _) in parts.items()}, whole=True)
     raw_leader = keys.get(job.leader)
     leader = json.loads(raw_leader[0])[0] if raw_leader else ""
     leads = raw_leader[0].decode() if raw_leader else ""

@@ -31,7 +31,6 @@ from launcher.agent.decisions import (
     assignments,
     away_for,
     evicts_now,
-    excluded_ranks,
     follow_round,
     join_timed_out,
     keeps_workers,
@@ -51,7 +50,7 @@ from launcher.agent.decisions import (
 )
 from launcher.agent.inbox import Inbox, RendezvousChanged, Signal, WorkerExited, WorkerPeerLost
 from launcher.local_cluster import FINISHED_GRACE_S, still_waiting
-from launcher.rendezvous.membership import JobView, NodeRecord, Round
+from launcher.rendezvous.membership import JobView, NodeRecord, Round, excluded_ranks
 
 from .test_round_plan import leaving, node
 
@@ -393,8 +392,8 @@ def test_ranks_follow_first_rank() -> None:
 def test_a_shrink_excludes_the_ranks_of_the_removed_node() -> None:
     nodes = [node("a", 1, slots=2), node("b", 2, slots=2), node("c", 3, slots=2)]
     previous = Round.build(7, nodes)  # a: 0-1, b: 2-3, c: 4-5
-    new = Round.build(8, [nodes[0], nodes[2]])  # b, from the middle, is gone
-    assert excluded_ranks(previous, new) == (2, 3)
+    new = Round.build(8, [nodes[0], nodes[2]], previous=previous)  # b, from the middle, is gone
+    assert excluded_ranks(previous, new) == (2, 3) == new.shrinks  # the leader's, in the head
     c = new.member("c")
     assert c is not None
     given = assignments(previous, new, c)
@@ -421,11 +420,13 @@ def test_a_round_that_adds_a_node_is_no_shrink() -> None:
 def test_a_round_that_skips_a_number_is_no_shrink() -> None:
     a, b, c = node("a", 1), node("b", 2), node("c", 3)
     previous = Round.build(7, [a, b, c])
-    new = Round.build(9, [a, c])
-    assert excluded_ranks(previous, new) == ()
+    assert excluded_ranks(previous, Round.build(9, [a, c])) == ()
+    # Round 8 shrinks round 7 in place, not the round 6 these workers are still in.
+    new = Round.build(8, [a, c], previous=previous)
     member = new.member("c")
-    assert member is not None
-    assert {(x.shrinks_round, x.excluded_ranks) for x in assignments(previous, new, member)} == {
+    assert member is not None and new.shrinks == (1,)
+    older = Round.build(6, [a, b, c])
+    assert {(x.shrinks_round, x.excluded_ranks) for x in assignments(older, new, member)} == {
         (0, ())
     }
 

@@ -11,13 +11,22 @@ import time
 import pytest
 
 from elastic.config import RendezvousConfig
-from launcher.rendezvous import membership
+from launcher.rendezvous import leader
 from launcher.rendezvous.etcd import connect, read_at_one_revision
 from launcher.rendezvous.keys import JobKeys
-from launcher.rendezvous.membership import NodeRecord
+from launcher.rendezvous.membership import JobView, NodeRecord
 from launcher.rendezvous.rendezvous import NodeIdInUse, Rendezvous
 
 from .conftest import FAST
+
+
+def ids(rdzv: Rendezvous, view: JobView) -> list[str]:
+    """The round's members, in rank order, as ``rdzv`` reads them whole: a node that does not
+    lead keeps only its own member key, and reads the others on demand."""
+    assert view.round is not None
+    whole = rdzv.whole_round(view.round)
+    assert whole is not None and whole.whole
+    return [m.node_id for m in whole.members]
 
 
 def round_number(n: int):  # type: ignore[no-untyped-def]
@@ -71,8 +80,9 @@ def test_first_round_waits_for_max_nodes_then_forms_at_once(make) -> None:
     make("c", max_nodes=3, cfg=slow)
     view = b.wait(round_number(1), timeout=10)
     assert view is not None and time.monotonic() - t0 < 5
-    assert [m.node_id for m in view.round.members] == ["a", "b", "c"]
-    assert [m.first_rank for m in view.round.members] == [0, 1, 2]
+    assert not view.round.whole and view.round.members == (view.round.member("b"),)
+    assert (view.round.size, view.round.member("b").first_rank) == (3, 1)
+    assert ids(b, view) == ["a", "b", "c"]
 
 
 def test_min_nodes_holds_the_round_back(make) -> None:
@@ -98,7 +108,7 @@ def test_a_late_node_enters_at_the_next_round(make) -> None:
     c = make("c", max_nodes=3)
     view = c.wait(round_number(first.round.number + 1), timeout=10)
     assert view is not None
-    assert [m.node_id for m in view.round.members] == ["a", "b", "c"]
+    assert ids(c, view) == ["a", "b", "c"]
 
 
 def test_done_names_its_round_to_the_others_and_to_a_newcomer_and_stops_new_rounds(
@@ -132,13 +142,16 @@ def test_round_replacement_is_fenced(make) -> None:
     assert latest is not None and latest.round.number == number
 
 
-def test_a_split_round_is_fenced_read_whole_and_its_stale_parts_deleted(
+def test_a_rounds_member_keys_are_fenced_read_one_each_and_their_stale_folders_deleted(
     make, etcd_client, job_id, monkeypatch
 ) -> None:
-    monkeypatch.setattr(membership, "ROUND_LIMIT_BYTES", 70)  # two members a part
+    """The leader writes one key per member, in batches of at most MEMBERS_PER_TXN, before the
+    fenced head; a losing proposal's keys and an older round's go; a node reads only its own
+    key with each round (O(1) bytes whatever the job's size) and all of them on demand."""
+    monkeypatch.setattr(leader, "MEMBERS_PER_TXN", 2)  # three members: two batches
     a, b, c = make("a"), make("b"), make("c")
     view = a.wait(lambda v: v.round is not None and v.round.world_size == 3, timeout=10)
-    assert view is not None and view.round is not None
+    assert view is not None and view.round is not None and view.round.whole  # a leads
     folders = JobKeys("/elastic", job_id).round_parts
 
     def parts() -> list[str]:
@@ -146,19 +159,25 @@ def test_a_split_round_is_fenced_read_whole_and_its_stale_parts_deleted(
 
     members = list(view.nodes.values())
     assert a.propose(view, members)
-    assert not b.propose(view, members)  # the same stale view loses, and its parts go
+    assert not b.propose(view, members)  # the same stale view loses, and its keys go
     number = view.round.number + 1
-    assert [p.split("/")[0] for p in parts()] == [f"{number:012d}-{a._registration:012d}"] * 2
+    folder = parts()[0].split("/")[0]
+    assert folder.startswith(f"{number:012d}-{a._registration:012d}-")
+    assert parts() == [f"{folder}/{n}" for n in ("a", "b", "c")]  # the older round's are gone
     d = make("d")  # no room for it: it reads the round from its first snapshot
-    for follower in (c, d):  # c from a watch event
+    for follower, me in ((c, "c"), (d, None)):  # c from a watch event
+        before = follower.load.read_bytes
         seen = follower.wait(round_number(number), timeout=10)
-        assert seen is not None and seen.round is not None
-        assert [m.node_id for m in seen.round.members] == ["a", "b", "c"]
+        assert seen is not None and seen.round is not None and not seen.round.whole
+        assert [m.node_id for m in seen.round.members] == ([me] if me else [])
+        assert seen.round.size == 3 and seen.round.parts_id == folder
+        assert follower.load.read_bytes - before < 100  # its own key at most
+        assert ids(follower, seen) == ["a", "b", "c"]  # on demand, checked against the digest
+        assert follower.whole_round(seen.round) is follower.whole_round(seen.round)  # kept
     d.leave()
-    monkeypatch.setattr(membership, "ROUND_LIMIT_BYTES", 1_400_000)
     c.leave()
     assert a.wait(lambda v: v.round is not None and v.round.world_size == 2, timeout=10)
-    assert parts() == [], "a round that fits one value again: the split one's parts are gone"
+    assert [p.split("/")[0] for p in parts()] == [parts()[0].split("/")[0]] * 2
 
 
 def test_report_failure_brings_a_new_round_with_the_new_incarnation(make) -> None:
@@ -167,7 +186,7 @@ def test_report_failure_brings_a_new_round_with_the_new_incarnation(make) -> Non
     assert a.wait(round_number(1), timeout=10)
     b.record.report_failure("test")
     view = a.wait(round_number(2), timeout=10)  # b left the round at once: not ready
-    assert view is not None and [m.node_id for m in view.round.members] == ["a"]
+    assert view is not None and ids(a, view) == ["a"]
     b.record.set_ready()
     view = a.wait(round_number(3), timeout=10)
     assert view is not None and view.round.member("b").incarnation == 1
@@ -182,7 +201,7 @@ def test_an_evicted_node_fences_itself_and_the_others_go_on(make) -> None:
     assert not a.evict(view.round.member("b"), "test")  # that registration is gone already
     assert b.fenced.wait(timeout=5)
     after = a.wait(lambda v: v.round.number > view.round.number, timeout=5)
-    assert after is not None and [m.node_id for m in after.round.members] == ["a"]
+    assert after is not None and ids(a, after) == ["a"]
 
 
 def eventually(check, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
@@ -228,7 +247,7 @@ NODE_PROCESS = textwrap.dedent("""
     import sys
     from elastic.config import RendezvousConfig
     from launcher.rendezvous.etcd import connect
-    from launcher.rendezvous.membership import NodeRecord
+    from launcher.rendezvous.membership import JobView, NodeRecord
     from launcher.rendezvous.rendezvous import Rendezvous
     endpoint, job = sys.argv[1], sys.argv[2]
     r = Rendezvous(connect([endpoint]), job_id=job, node=NodeRecord("doomed", "127.0.0.1", 1, 1),
@@ -263,7 +282,7 @@ def test_a_killed_node_is_dropped_when_its_lease_expires(make, etcd_endpoint, jo
         proc.kill()
         proc.wait()
     assert view is not None
-    assert [m.node_id for m in view.round.members] == ["a"]
+    assert ids(a, view) == ["a"]
     assert "doomed" not in view.nodes
     assert took < 2 + 0.3 + 3  # TTL + settle + generous slack
 

@@ -53,9 +53,13 @@ def job_keys() -> dict[str, tuple[bytes, int]]:
     """node0 and node1 in round 2 (node0 leads), node2 registered and waiting, node3 unfit and
     quarantined by its own strikes, node1 with a strike."""
     a, b, c = node("node0", 11), node("node1", 12), node("node2", 40)
-    rnd = Round(2, Round.build(2, [a, b]).members, "127.0.0.1", 1000, NOW - 65.0)
+    members = Round.build(2, [a, b]).members
+    rnd = Round(2, members, "127.0.0.1", 1000, NOW - 65.0, parts_id="000000000002-000000000011")
     keys = {f"{BASE}/nodes/{n.node_id}": (n.to_json().encode(), n.joined_rev) for n in (a, b, c)}
-    keys[f"{BASE}/round"] = (rnd.to_json().encode(), 0)
+    head, rows = rnd.to_values()
+    keys[f"{BASE}/round"] = (head.encode(), 0)
+    for node_id, row in rows.items():
+        keys[f"{BASE}/round_parts/{rnd.parts_id}/{node_id}"] = (row.encode(), 0)
     keys[f"{BASE}/leader"] = (leader_value("node0", 11).encode(), 0)
     record = progress_record(step_event(30), 480, "file:///ckpt", NOW - 1, 125.04)
     keys[f"{BASE}/progress"] = (json.dumps(record).encode(), 0)

@@ -325,7 +325,7 @@ class Agent:
                 round=rnd.number,
                 world_size=rnd.world_size,
                 first_rank=me.first_rank,
-                members=[m.node_id for m in rnd.members],
+                nodes=rnd.size,
                 **self.rdzv.load.take(),  # what this node cost etcd since its previous round
             )
             self.current = rnd

@@ -352,33 +352,11 @@ def follow_round(
     return Assign(rnd, member, tuple(assignments(current, rnd, member)))
 
 
-def excluded_ranks(previous: Round | None, new: Round) -> tuple[int, ...]:
-    """The ranks of ``previous`` that ``new`` drops, when ``new`` only removes nodes from it;
-    else ().
-
-    Only then may NCCL workers shrink their communicator in place: ``new`` must directly follow
-    ``previous``, and its members must be members of ``previous`` as the same registration and
-    incarnation (a restarted worker is not in the old communicator), with the same slots, in the
-    same order (the survivors' ranks close up in order).
-    """
-    if previous is None or new.number != previous.number + 1:
-        return ()
-    kept = {m.node_id for m in new.members}
-    survivors = [m for m in previous.members if m.node_id in kept]
-    same = [(m.node_id, m.joined_rev, m.incarnation, m.slots) for m in survivors] == [
-        (m.node_id, m.joined_rev, m.incarnation, m.slots) for m in new.members
-    ]
-    if not same:
-        return ()
-    return tuple(
-        m.first_rank + i for m in previous.members if m.node_id not in kept for i in range(m.slots)
-    )
-
-
 def assignments(previous: Round | None, new: Round, me: Member) -> list[Assignment]:
     """What each of this node's workers (``me.slots`` of them) is told about round ``new``, after
     round ``previous`` (None: on standby or fresh); local rank i gets global rank first_rank + i."""
-    excluded = excluded_ranks(previous, new)
+    # An in-place shrink (new.shrinks) applies to workers in the round it shrinks.
+    excluded = new.shrinks if previous is not None and previous.number + 1 == new.number else ()
     return [
         Assignment(
             round=new.number,
@@ -427,21 +405,17 @@ class Leave:
 def others_go_on(view: JobView, me: str, min_nodes: int) -> bool:
     """Whether the job can form a round without node ``me``: at least ``min_nodes`` other nodes
     are ready, not leaving and not quarantined (what :func:`plan_round` would place). A node
-    that does not lead follows only its own record: it counts the other members of the round,
-    which the leader keeps placeable."""
+    that does not lead follows only its own record and its own member key: it counts the other
+    members of the round, which the leader keeps placeable."""
     if view.done:
         return False
-    others = {
-        n.node_id
+    if not view.complete and view.round is not None:
+        return view.round.size - (view.round.member(me) is not None) >= min_nodes
+    others = [
+        n
         for n in view.nodes.values()
         if n.node_id != me and n.ready and not n.leaving_after and n.node_id not in view.quarantined
-    }
-    if not view.complete and view.round is not None:
-        others |= {
-            m.node_id
-            for m in view.round.members
-            if m.node_id != me and m.node_id not in view.nodes and m.node_id not in view.quarantined
-        }
+    ]
     return len(others) >= min_nodes
 
 

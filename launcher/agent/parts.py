@@ -99,7 +99,7 @@ def assemble(
             node.events,
             worker_pid=worker_pid,
         ),
-        peers=Peers(node.node_id, cfg.rendezvous, node.events, rdzv.evict),
+        peers=Peers(node.node_id, cfg.rendezvous, node.events, rdzv.evict, rdzv.whole_round),
         admission=Admission(
             cfg,
             node.node_id,

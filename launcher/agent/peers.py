@@ -57,8 +57,10 @@ class Peers:
         cfg: RendezvousConfig,
         events: EventLog,
         evict: Callable[[Member, str], object],
+        whole: Callable[[Round], Round | None],
     ) -> None:
         self._node_id, self._cfg, self._events, self._evict = node_id, cfg, events, evict
+        self._whole = whole  # a round with every member (a node keeps only its own)
         self.lost_round = 0  # the newest round in which a local worker saw a collective fail
         self._probing_since: float | None = None  # monotonic: when probing for lost_round began
         self._cut_off = False  # it could not reach the round's members when it last looked
@@ -68,7 +70,8 @@ class Peers:
         stands (the loop probes again in :data:`PROBE_AGAIN_S`), the reason to leave the round
         when every peer answers yet the collectives failed, or None when there is nothing to
         look at."""
-        found = decide.on_peer_lost(current, self.lost_round, view, self._node_id)
+        whole = self._whole(current) if current is not None else None
+        found = decide.on_peer_lost(whole, self.lost_round, view, self._node_id)
         if found is None:
             self._probing_since = None
             return None
@@ -100,8 +103,11 @@ class Peers:
         round (:func:`decisions.reaches_the_round`); said once while it does not."""
         if view.round is None:
             return True
-        reach = self.probe_all([m for m in view.round.members if m.node_id != self._node_id])
-        ok = decide.reaches_the_round(view.round, reach, self._node_id)
+        rnd = self._whole(view.round)
+        if rnd is None:  # etcd away, or the round replaced: look again at the next one
+            return False
+        reach = self.probe_all([m for m in rnd.members if m.node_id != self._node_id])
+        ok = decide.reaches_the_round(rnd, reach, self._node_id)
         cut = sorted(n for n, r in reach.items() if r is decide.Reach.UNREACHABLE)
         if not ok and not self._cut_off:
             self._events.emit(

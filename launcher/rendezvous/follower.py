@@ -44,6 +44,27 @@ def _done_in(value: bytes) -> int:
     return int(json.loads(value)["round"])
 
 
+def read_round(
+    client: Any,
+    keys: JobKeys,
+    head: bytes,
+    revision: int,
+    load: EtcdLoad,
+    node_id: str = "",
+    whole: bool = True,
+) -> Round:
+    """The round whose head is ``head``, with every member key (``whole``) or only
+    ``node_id``'s, read as of ``revision`` (0: the newest). :class:`RoundIncomplete` if the
+    member keys are not the ones the head names (a newer round deleted them meanwhile)."""
+    folder = keys.round_part_folder(json.loads(head)["parts"])
+    read = (folder, prefix_end(folder)) if whole else (folder + node_id, None)
+    load.requests += 1
+    _, found = read_at_one_revision(client, [read], revision)
+    rows = {kv.key.decode()[len(folder) :]: kv.value for kvs in found for kv in kvs}
+    load.read_bytes += sum(len(kv.key) + len(kv.value) for kvs in found for kv in kvs)
+    return Round.from_values(head, rows, whole)
+
+
 class JobFollower:
     """The view of the job one registration of a node follows, and the watches that keep it.
 
@@ -78,9 +99,10 @@ class JobFollower:
         self._written = (node, 0)  # this node's newest record written, and its revision
         self.watch_ids: list[int] = []  # empty: no watch (yet, or broken)
         self.following_all = False  # the watches cover every node (this node leads)
+        self._whole_rounds = False  # rounds are read with every member (this node leads)
         self._applied: dict[str, int] = {}  # by key: the mod revision of the newest event applied
         self._floor = 0  # the revision of the snapshot the watches started after
-        self.reread = False  # the watches missed something (a split round's parts): read again
+        self.reread = False  # the watches missed something (a round's member keys): read again
 
     def reset(self, node: NodeRecord) -> None:
         """Forget what an earlier registration saw; a fresh snapshot follows."""
@@ -142,7 +164,7 @@ class JobFollower:
                 rec = NodeRecord.from_json(kv.value, kv.create_revision)
                 nodes[rec.node_id] = rec
             elif key == self._keys.round:
-                rnd, round_rev = self._read_round(kv.value, revision), kv.mod_revision
+                rnd, round_rev = self._read_round(kv.value, revision, everyone), kv.mod_revision
             elif key == self._keys.leader:
                 leader = kv.value.decode()
             elif key == self._keys.done:
@@ -170,19 +192,11 @@ class JobFollower:
             self._changed()
         return revision
 
-    def _read_round(self, raw: bytes, revision: int) -> Round:
-        """The round from the ``round`` key's value, with its parts if it was split, read as of
-        ``revision`` (where the value was seen: its parts were written before it and are
-        deleted only by a later round)."""
-
-        def read_parts(parts_id: str, count: int) -> list[bytes]:
-            folder = self._keys.round_part_folder(parts_id)
-            self._load.requests += count
-            reads = [(f"{folder}{i:06d}", None) for i in range(count)]
-            _, found = read_at_one_revision(self._client, reads, revision)
-            return [kv.value for kvs in found for kv in kvs]
-
-        return Round.from_json(raw, read_parts)
+    def _read_round(self, raw: bytes, revision: int, whole: bool) -> Round:
+        """The round from its head, read as of ``revision`` (where the head was seen: its member
+        keys were written before it and are deleted only by a later round) with this node's own
+        member key, or with all of them when ``whole`` (the leader)."""
+        return read_round(self._client, self._keys, raw, revision, self._load, self._node_id, whole)
 
     def _on_watch(self, response: Any) -> None:
         """Runs on the etcd client's watch thread: apply each event to the view.
@@ -199,6 +213,16 @@ class JobFollower:
         changed = False
         self._load.watch_events += len(response.events)
         self._load.watch_bytes += sum(len(ev.key) + len(ev.value) for ev in response.events)
+        # A round's member keys are read before the view is locked: a read may wait on etcd.
+        rounds: dict[int, Round | Exception] = {}
+        for ev in response.events:
+            if ev.key.decode() == self._keys.round and type(ev).__name__ != "DeleteEvent":
+                try:
+                    rounds[ev.mod_revision] = self._read_round(
+                        ev.value, ev.mod_revision, self._whole_rounds
+                    )
+                except (*etcd_errors(), RoundIncomplete) as exc:
+                    rounds[ev.mod_revision] = exc
         with self._cond:
             view = self._view
             nodes, rnd, round_rev = dict(view.nodes), view.round, view.round_rev
@@ -221,14 +245,13 @@ class JobFollower:
                     after = nodes.get(node_id)
                     joined |= _membership({0: before}) != _membership({0: after})
                 elif key == self._keys.round and not deleted:
-                    try:
-                        rnd = self._read_round(ev.value, ev.mod_revision)
-                    except (*etcd_errors(), RoundIncomplete) as exc:
-                        log.info("cannot read the round's parts (%s); re-reading the job", exc)
+                    read = rounds[ev.mod_revision]
+                    if isinstance(read, Exception):
+                        log.info("cannot read round's member keys (%s); re-reading the job", read)
                         self.reread = True  # what follows this event comes with the re-read
                         self._wake.set()
                         break
-                    round_rev = ev.mod_revision
+                    rnd, round_rev = read, ev.mod_revision
                 elif key == self._keys.leader:
                     leader = "" if deleted else ev.value.decode()
                 elif key == self._keys.done and not deleted:
@@ -276,6 +299,7 @@ class JobFollower:
         ``done``, then every node's key and the quarantine as leader (``everyone``), else its own
         key's deletion (an eviction) and its own quarantine key."""
         self.cancel()
+        self._whole_rounds = everyone
         revision = self.snapshot(everyone)
         if not revision:
             return

@@ -19,7 +19,13 @@ from elastic.config import RendezvousConfig
 from launcher.rendezvous.etcd import EtcdLoad, prefix_end
 from launcher.rendezvous.keys import JobKeys
 from launcher.rendezvous.lease import Emit
-from launcher.rendezvous.membership import JobView, NodeRecord, Round, leader_value
+from launcher.rendezvous.membership import (
+    MEMBERS_PER_TXN,
+    JobView,
+    NodeRecord,
+    Round,
+    leader_value,
+)
 from launcher.rendezvous.round_plan import (
     draining,
     only_drops,
@@ -55,6 +61,7 @@ class Leadership:
         self._initial_settle = max(cfg.first_round_wait_s, cfg.settle_s)
         self._drain_seen: dict[str, float] = {}  # drained members: when the leader first saw them
         self._short = False  # the job waits for nodes, and this leader said so
+        self._proposals = 0  # made by this process: each writes its members' keys apart
 
     def claim(self, node_id: str, registration: int, lease: Any) -> None:
         """Take the ``leader`` key (under the node's lease, so it goes with the node) if nobody
@@ -81,6 +88,8 @@ class Leadership:
         Returns the monotonic time at which to look again (settle time still running), or None.
         """
         if not view.complete or not leads(view, node_id, registration):
+            return None
+        if view.round is not None and not view.round.whole:  # a complete view reads it whole
             return None
         if node_id not in view.nodes:
             return None
@@ -130,27 +139,33 @@ class Leadership:
         """
         keys = self._keys
         number = view.round.number + 1 if view.round else 1
-        new = Round.build(number, members, switch_step(view, members))
-        # A round too large for one value goes first into parts of its own (this proposal's
-        # folder: a rival's never mixes in); the round key then names them.
-        parts_id = f"{number:012d}-{registration:012d}"
-        head, parts = new.to_values(parts_id)
+        # The member keys go first, into this proposal's own folder (a rival's, or this
+        # leader's own stale proposal that loses, never touches it), a bounded batch per
+        # transaction; the fenced head then names the folder. Folders sort by round number.
+        self._proposals += 1
+        parts_id = f"{number:012d}-{registration:012d}-{self._proposals:06d}"
+        new = Round.build(number, members, switch_step(view, members), view.round, parts_id)
+        head, rows = new.to_values()
         folder = keys.round_part_folder(parts_id)
-        for i, part in enumerate(parts):
-            self._load.requests += 1
-            self._client.put(f"{folder}{i:06d}", part)
         t = self._client.transactions
+        batch = list(rows.items())
+        for i in range(0, len(batch), MEMBERS_PER_TXN):
+            self._load.requests += 1
+            self._client.transaction(
+                compare=[],
+                success=[t.put(folder + n, v) for n, v in batch[i : i + MEMBERS_PER_TXN]],
+                failure=[],
+            )
         fence = (
             (t.mod(keys.round) == view.round_rev) if view.round else (t.version(keys.round) == 0)
         )
-        # Won: the older rounds' parts go (every folder that sorts before this one). Lost: this
-        # proposal's own parts go.
-        older = folder if parts else prefix_end(keys.round_parts)
+        # Won: the older rounds' member keys go (every folder that sorts before this one).
+        # Lost: this proposal's own go.
         self._load.requests += 1
         ok, _ = self._client.transaction(
             compare=[fence],
-            success=[t.put(keys.round, head), t.delete(keys.round_parts, range_end=older)],
-            failure=[t.delete(folder, range_end=prefix_end(folder))] if parts else [],
+            success=[t.put(keys.round, head), t.delete(keys.round_parts, range_end=folder)],
+            failure=[t.delete(folder, range_end=prefix_end(folder))],
         )
         if ok:
             before = {m.node_id for m in view.round.members} if view.round else set()

@@ -153,7 +153,7 @@ class LeaseKeeper:
         on_back: Callable[[], None],
         on_expired: Callable[[], None],
         on_lost: Callable[[], None],
-        count_request: Callable[[], None],
+        count_keepalive: Callable[[], None],
     ) -> None:
         """``on_back``: etcd answers again after an outage; ``on_expired``: the server says the
         lease is gone; ``on_lost``: no answer past ``rendezvous.etcd_grace_s`` (after the
@@ -161,7 +161,7 @@ class LeaseKeeper:
         self._client, self._lease_id, self._cfg = client, lease_id, cfg
         self._node_id, self._emit = node_id, emit
         self._on_back, self._on_expired, self._on_lost = on_back, on_expired, on_lost
-        self._count_request = count_request
+        self._count_keepalive = count_keepalive
         self._last_refresh = time.monotonic()
         self._down_since: float | None = None  # monotonic; None while etcd answers
 
@@ -180,7 +180,7 @@ class LeaseKeeper:
         ttl: int | None = None
         error = ""
         try:
-            self._count_request()
+            self._count_keepalive()
             ttl = stream.refresh(timeout_s=self._cfg.lease_ttl_s / 2)
         except (*etcd_errors(), NoAnswer) as exc:
             error = exc.__class__.__name__

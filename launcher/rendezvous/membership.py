@@ -1,17 +1,17 @@
 """The job's membership as the rendezvous writes it and every process reads it: a node's record,
-a round and its members (with their compact value and its split form), the ``leader`` key's
-value, and a process's view of it all. Plain data, no I/O: the rendezvous (:mod:`launcher.
-rendezvous`), the decisions (:mod:`launcher.agent.decisions`,
-:mod:`launcher.rendezvous.round_plan`) and the status command share it.
+a round (its head and one key per member), the ``leader`` key's value, and a process's view of
+it all. Plain data, no I/O: the rendezvous (:mod:`launcher.rendezvous`), the decisions
+(:mod:`launcher.agent.decisions`, :mod:`launcher.rendezvous.round_plan`) and the status command
+share it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -50,23 +50,27 @@ class Member:
     port: int = 0  # the node's agent port (its store_port): what peers probe
 
 
-ROUND_LIMIT_BYTES = 1_400_000  # under etcd's default request limit (1.5 MiB) with room to spare
+MEMBERS_PER_TXN = 100  # member keys the leader writes per transaction (etcd's default
+# --max-txn-ops is 128)
 
 
 class RoundIncomplete(ValueError):
-    """A split round's parts are not all there: a newer round replaced it meanwhile (and its
-    parts were deleted), and that round's own event follows."""
+    """A round's member keys are not the ones its head names: a newer round replaced it (and its
+    members' keys were deleted) while they were read, and that round's own event follows."""
 
 
 @dataclass(frozen=True)
 class Round:
     """A closed membership: who trains, with which global ranks, and where the c10d store is.
 
-    Every node reads it, so its value is compact: each member is a list of its id,
-    registration, incarnation, host, agent port and slots (ranks follow from the order), about
-    50 bytes a member; 1024 nodes take about 50 KB. Past about 28,000 members the value would
-    exceed what one etcd request carries: the members are then split over part keys, each
-    under the limit, written before the ``round`` key that names them (:meth:`to_values`).
+    In etcd a round is a small head (``round``: its number, size, world size, store, step to
+    switch after, the ranks it drops from the round before, and a digest of its members) and one
+    key per member (``round_parts/<parts_id>/<node>``: its registration, incarnation, address,
+    slots and first rank). A node reads the head and its own member key, O(1) bytes a round
+    whatever the job's size; only the leader (and a node probing its peers) reads them all.
+
+    ``whole``: ``members`` lists every member in rank order; otherwise only the reader's own
+    (none if the round leaves it out), and ``size``/``ranks`` come from the head.
     """
 
     number: int
@@ -77,103 +81,149 @@ class Round:
     # The members of the previous round switch to this one after training this step (a planned
     # leave: nothing in flight is dropped); 0: at once.
     after_step: int = 0
+    # The ranks of round ``number - 1`` this one drops, when it only drops members of it (NCCL
+    # workers then shrink their communicator in place); () otherwise. Computed by the leader,
+    # who knows both rounds whole (:func:`excluded_ranks`).
+    shrinks: tuple[int, ...] = ()
+    whole: bool = True
+    size: int = 0  # members; from ``members`` when whole
+    ranks: int = 0  # the world size; from ``members`` when whole
+    parts_id: str = ""  # the folder of its member keys, once written
+    head: bytes = field(default=b"", compare=False, repr=False)  # the value it was read from
+
+    def __post_init__(self) -> None:
+        if self.whole:
+            object.__setattr__(self, "size", len(self.members))
+            object.__setattr__(self, "ranks", sum(m.slots for m in self.members))
 
     @property
     def world_size(self) -> int:
-        return sum(m.slots for m in self.members)
+        return self.ranks
 
     def member(self, node_id: str) -> Member | None:
         return next((m for m in self.members if m.node_id == node_id), None)
 
-    def to_json(self) -> str:
-        """The whole round as one value (:meth:`to_values` splits it where it must)."""
-        return self._head(self._rows(), None)
+    @property
+    def digest(self) -> str:
+        """A hash of the whole membership, which the head carries: a reader of every member key
+        checks that it has all of them, as written."""
+        return _digest(self._rows())
 
-    def to_values(self, parts_id: str, limit: int | None = None) -> tuple[str, list[str]]:
-        """The ``round`` key's value and, for a round larger than ``limit`` bytes (default
-        :data:`ROUND_LIMIT_BYTES`), its parts: consecutive runs of members, each value under
-        ``limit``, stored under ``round_parts/<parts_id>/<index>``. The head then names
-        ``parts_id`` and the count instead of carrying the members."""
-        limit = ROUND_LIMIT_BYTES if limit is None else limit
+    def _rows(self) -> dict[str, str]:
+        return {
+            m.node_id: json.dumps(
+                [m.joined_rev, m.incarnation, m.host, m.port, m.slots, m.first_rank],
+                separators=(",", ":"),
+            )
+            for m in self.members
+        }
+
+    def to_values(self) -> tuple[str, dict[str, str]]:
+        """The ``round`` key's value (the head, naming :attr:`parts_id`) and each member key's,
+        by node id."""
+        if not self.whole:
+            raise ValueError(f"round {self.number} is not whole: only its leader writes it")
         rows = self._rows()
-        whole = self._head(rows, None)
-        if len(whole) <= limit:
-            return whole, []
-        parts: list[str] = []
-        chunk: list[str] = []
-        size = 2  # the brackets
-        for row in (json.dumps(r, separators=(",", ":")) for r in rows):
-            if size + len(row) + 1 > limit:
-                if not chunk:
-                    raise ValueError(f"one member of round {self.number} exceeds {limit} bytes")
-                parts.append("[" + ",".join(chunk) + "]")
-                chunk, size = [], 2
-            chunk.append(row)
-            size += len(row) + 1
-        parts.append("[" + ",".join(chunk) + "]")
-        return self._head([], [parts_id, len(parts)]), parts
-
-    def _rows(self) -> list[list[Any]]:
-        return [
-            [m.node_id, m.joined_rev, m.incarnation, m.host, m.port, m.slots] for m in self.members
-        ]
-
-    def _head(self, rows: list[list[Any]], parts: list[Any] | None) -> str:
-        head: dict[str, Any] = {
+        head = {
             "number": self.number,
-            "members": rows,
+            "size": self.size,
+            "ranks": self.ranks,
             "store": [self.store_host, self.store_port],
             "formed_at": round(self.formed_at, 3),
             "after_step": self.after_step,
+            "shrinks": list(self.shrinks),
+            "parts": self.parts_id,
+            "digest": _digest(rows),
         }
-        if parts is not None:
-            head["parts"] = parts
-        return json.dumps(head, separators=(",", ":"))
+        return json.dumps(head, separators=(",", ":")), rows
 
     @classmethod
-    def from_json(
-        cls,
-        raw: bytes | str,
-        read_parts: Callable[[str, int], Sequence[bytes | str]] | None = None,
-    ) -> Round:
-        """The round from its value; a split round's members from ``read_parts(parts_id,
-        count)``, its part values in order (asked only for a split round, so that a whole one
-        is parsed once). :class:`RoundIncomplete` if they are not all there."""
-        data = json.loads(raw)
-        rows = data["members"]
-        if "parts" in data:
-            parts_id, count = data["parts"]
-            parts = read_parts(parts_id, count) if read_parts else []
-            if len(parts) != count:
-                raise RoundIncomplete(
-                    f"round {data['number']} has {count} parts, {len(parts)} found"
-                )
-            rows = [row for part in parts for row in json.loads(part)]
-        members, rank = [], 0
-        for node_id, joined_rev, incarnation, host, port, slots in rows:
-            members.append(Member(node_id, joined_rev, incarnation, host, slots, rank, port))
-            rank += slots
-        host, port = data["store"]
-        return cls(
-            data["number"], tuple(members), host, port, data["formed_at"], data["after_step"]
+    def from_values(cls, head: bytes | str, rows: Mapping[str, bytes | str], whole: bool) -> Round:
+        """A round from its head and member keys (by node id). ``whole``: ``rows`` are every
+        member key, checked against the head's size and digest (:class:`RoundIncomplete` if they
+        differ); else the reader's own (one, or none: the round leaves it out)."""
+        data = json.loads(head)
+        members = sorted(
+            (_member(node_id, row) for node_id, row in rows.items()), key=lambda m: m.first_rank
         )
+        rnd = cls(
+            data["number"],
+            tuple(members),
+            *data["store"],
+            data["formed_at"],
+            data["after_step"],
+            tuple(data["shrinks"]),
+            whole=whole or len(members) == data["size"],
+            size=data["size"],
+            ranks=data["ranks"],
+            parts_id=data["parts"],
+            head=head if isinstance(head, bytes) else head.encode(),
+        )
+        if rnd.whole and (rnd.size, rnd.digest) != (data["size"], data["digest"]):
+            raise RoundIncomplete(
+                f"round {data['number']} names {data['size']} members; {len(rows)} read, not "
+                "the ones it names"
+            )
+        return rnd
 
     @classmethod
-    def build(cls, number: int, nodes: list[NodeRecord], after_step: int = 0) -> Round:
+    def build(
+        cls,
+        number: int,
+        nodes: list[NodeRecord],
+        after_step: int = 0,
+        previous: Round | None = None,
+        parts_id: str = "",
+    ) -> Round:
+        """Round ``number`` of ``nodes`` (ranks in their order), after ``previous`` (whole)."""
         members, rank = [], 0
         for n in nodes:
             members.append(
                 Member(n.node_id, n.joined_rev, n.incarnation, n.host, n.slots, rank, n.store_port)
             )
             rank += n.slots
-        return cls(
+        rnd = cls(
             number,
             tuple(members),
             nodes[0].host,
             nodes[0].store_port,
             round(time.time(), 3),
             after_step,
+            parts_id=parts_id,
         )
+        return replace(rnd, shrinks=excluded_ranks(previous, rnd))
+
+
+def excluded_ranks(previous: Round | None, new: Round) -> tuple[int, ...]:
+    """The ranks of ``previous`` that ``new`` drops, when ``new`` only removes nodes from it;
+    else (). Both rounds whole.
+
+    Only then may NCCL workers shrink their communicator in place: ``new`` must directly follow
+    ``previous``, and its members must be members of ``previous`` as the same registration and
+    incarnation (a restarted worker is not in the old communicator), with the same slots, in the
+    same order (the survivors' ranks close up in order).
+    """
+    if previous is None or new.number != previous.number + 1:
+        return ()
+    kept = {m.node_id for m in new.members}
+    survivors = [m for m in previous.members if m.node_id in kept]
+    same = [(m.node_id, m.joined_rev, m.incarnation, m.slots) for m in survivors] == [
+        (m.node_id, m.joined_rev, m.incarnation, m.slots) for m in new.members
+    ]
+    if not same:
+        return ()
+    return tuple(
+        m.first_rank + i for m in previous.members if m.node_id not in kept for i in range(m.slots)
+    )
+
+
+def _digest(rows: Mapping[str, str]) -> str:
+    return hashlib.sha256(json.dumps(sorted(rows.items())).encode()).hexdigest()[:16]
+
+
+def _member(node_id: str, row: bytes | str) -> Member:
+    joined_rev, incarnation, host, port, slots, first_rank = json.loads(row)
+    return Member(node_id, joined_rev, incarnation, host, slots, first_rank, port)
 
 
 @dataclass(frozen=True)

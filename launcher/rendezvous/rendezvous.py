@@ -35,7 +35,7 @@ from launcher.rendezvous.etcd import (
     lease_gone,
 )
 from launcher.rendezvous.etcd_usage import NoSpace, out_of_space
-from launcher.rendezvous.follower import JobFollower
+from launcher.rendezvous.follower import JobFollower, read_round
 from launcher.rendezvous.keys import JobKeys
 from launcher.rendezvous.leader import Leadership, leads
 from launcher.rendezvous.lease import LeaseKeeper
@@ -43,6 +43,8 @@ from launcher.rendezvous.membership import (
     JobView,
     Member,
     NodeRecord,
+    Round,
+    RoundIncomplete,
     leader_value,
 )
 from launcher.rendezvous.record import OwnRecord
@@ -116,6 +118,7 @@ class Rendezvous:
         self.fenced = threading.Event()
         self.etcd_lost = threading.Event()
         self.load = EtcdLoad()
+        self._whole: Round | None = None  # the newest round read whole (:meth:`whole_round`)
         self._full: NoSpace | None = None  # etcd's NOSPACE, reported; until a progress put lands
         self._full_lock = threading.Lock()
         self.follower = JobFollower(
@@ -176,7 +179,7 @@ class Rendezvous:
             on_back=self._wake.set,  # the sync thread re-reads the job and re-opens the watch
             on_expired=lambda: self._fence_now("the lease expired (etcd says so)"),
             on_lost=self._etcd_gone,
-            count_request=self.load.count_request,
+            count_keepalive=self.load.count_keepalive,
         )
         self._threads = [
             threading.Thread(
@@ -265,6 +268,23 @@ class Rendezvous:
                 if not lease_gone(exc):
                     log.warning("could not revoke lease: %s", exc)
             self._lease = None
+
+    def whole_round(self, rnd: Round) -> Round | None:
+        """``rnd`` with every member, for a node that must look at its peers (a failed
+        collective, or a check before it says ready): read once per round (every member key,
+        O(nodes) bytes), then kept. None if etcd did not answer, or a newer round replaced it
+        meanwhile (its member keys are gone): the caller looks at the newer one."""
+        if rnd.whole:
+            return rnd
+        kept = self._whole
+        if kept is not None and (kept.number, kept.parts_id) == (rnd.number, rnd.parts_id):
+            return kept
+        try:
+            self._whole = read_round(self._client, self.keys, rnd.head, 0, self.load)
+        except (*etcd_errors(), RoundIncomplete) as exc:
+            log.info("cannot read round %d's members (%s)", rnd.number, exc)
+            return None
+        return self._whole
 
     def evict(self, member: Member | NodeRecord, reason: str) -> bool:
         """Delete a dead peer's key, if it is still the registration ``member`` names. False if
