@@ -1,6 +1,7 @@
-"""Rendezvous at scale: N simulated nodes running the agents' real rendezvous code against one
-real etcd, next to torch's c10d dynamic rendezvous (what torchrun uses) in the same run, twice:
-with torchrun's defaults and tuned as a careful user would.
+"""Rendezvous at scale: N nodes against one real etcd (the leader and two nodes that die running
+the agents' real rendezvous code, the others simulated as ``--clients`` says), next to torch's
+c10d dynamic rendezvous (what torchrun uses) in the same run, twice: with torchrun's defaults
+and tuned as a careful user would.
 
 The rows, each labelled in the table with what it ran with:
 
@@ -22,56 +23,64 @@ The rows, each labelled in the table with what it ran with:
   defaults) and ``keep_alive_interval=1, keep_alive_max_attempt=3``; each torch row's label is
   what its handlers report (``handler.settings``).
 
-Clients (``--clients``, the same for every row of a run). A simulated node is a set of threads;
-the nodes are spread over ``--procs`` host processes, and two of them live alone in processes
-of their own, so that they can die for real (SIGKILL).
+Clients (``--clients``; torch's rows run ``per-node`` unless ``per-process`` is asked):
 
-- ``per-node`` (the default): every simulated node has its own client, as every real agent
-  does: ours its own etcd client (a gRPC channel with its polling threads, its own watch
-  stream), torch's its own TCPStore client (a socket, made by torchrun's ``create_backend``).
-  This is the arrangement whose figures can be compared, but on a small machine it costs ours
-  far more CPU than torch's, so it saturates the cores first: on 2 cores a channel per node
-  starved the keep-alives from 512 nodes on, and leases of live nodes expired.
-- ``per-process``: the nodes of one process share one client: ours one etcd client, torch's one
-  TCPStore client for all rendezvous traffic (state syncs and keep-alives). This lets more nodes
-  fit on a small machine, but it is not neutral: gRPC multiplexes concurrent calls over its
-  channel, while a TCPStore client holds a lock for each call, so a process's torch handlers
-  wait for each other's calls, which a real deployment never does. Read torch's per-process
-  figures as a pessimistic bound. The store each torch handler hands to its workers stays its
-  own: a ``get`` that waits for a key holds a shared client for the whole wait, so rank 0's
-  ``set`` of that very key (the master address, after every round) would wait behind it until
-  the read timeout (60 s) failed the ``get``.
+- ``async`` (the default): the node that leads and the two lone nodes run the agents' real
+  code, each in a process of its own; the other N - 3 are simulated (:mod:`sim_nodes`), many to
+  a host process on one asyncio loop and one gRPC channel, each with its own lease, its own
+  registration and watches, and its own reads, doing with etcd what a real node that does not
+  lead does. A real node's client costs a 2-core machine more than etcd does for that node;
+  these cost about 1.3 ms of CPU a node to join and 0.5 of a core for 1,024 nodes' keep-alives.
+- ``per-node``: every simulated node runs the real code with its own client: ours its own etcd
+  client (a gRPC channel with its threads, its own watch stream), torch's its own TCPStore
+  client (a socket, made by torchrun's ``create_backend``). On 2 cores this saturates from 512
+  nodes on, and leases of live nodes expire.
+- ``per-process``: the real code, the nodes of one process sharing one client: ours one etcd
+  client, torch's one TCPStore client for all rendezvous traffic. Not neutral: gRPC multiplexes
+  concurrent calls over its channel, while a TCPStore client holds a lock for each call, so a
+  process's torch handlers wait for each other's calls, which a real deployment never does.
+  The store each torch handler hands to its workers stays its own.
 
 For each N and row:
 
-- **first round**: from the moment the nodes start to join until every node sees a round with
-  all N members;
+- **first round**: ours: N - 1 nodes join at once (the first one leads), and once the machine is
+  quiet again (``QUIET``) the last one joins: from its join until every node sees a round with
+  all N (by when each node reports it), the leader's reaction, its proposal, etcd's fan-out and
+  each node's read of its own member key, which a burst of joins on 2 cores would inflate; the
+  burst (until the last of the N - 1 is ready) is shown apart. torch: all N call
+  ``next_rendezvous()`` at once (a round that waited for a late node would close at the last
+  call without it, as ``min_nodes`` is 1), until every node has the round;
 - **re-form after a silent loss**: one node's process is SIGKILLed (ours: its lease runs out;
   torch: its keep-alives stop, and the survivors call ``next_rendezvous()`` again, as torchrun's
   agents do once their workers fail); until every survivor sees the round without it;
 - **re-form after an eviction** (ours only: torch's rendezvous has no eviction): the other lone
   node is SIGKILLed and a survivor evicts it at once (as one does whose collective failed and
   whose probe found the agent gone);
-- **watch events and bytes per round** (ours only), delivered to all the nodes together, in
-  the first round;
+- **rejoin**: the lost node comes back (ours: both lone nodes, so that the round reaches
+  ``max_nodes`` and no settle time applies; torch: the lost one, while every survivor asks
+  ``num_nodes_waiting()`` every ``MONITOR_S`` as torchrun's agent does); until every node sees
+  the round with all N;
+- **etcd requests, watch events and bytes a node** (ours only), first round and loss re-form:
+  requests besides keep-alives (a watch created counts as one), the watch events delivered,
+  and the bytes of the watch events' keys and values and of the member keys each node read;
+- **server CPU a round**: etcd's core-milliseconds over the phase (torch: the bench process,
+  which serves the TCPStore); **leader CPU**: the leading node's process over the phase;
 - **live nodes dropped**: ours, nodes that fenced themselves although alive (false fencings),
   by reason; torch, live nodes that a node's sync removed from the rendezvous for want of a
   heartbeat (torch says so only in a debug message, which the bench counts), and how many
   removals that took (a removed node that is still joining adds itself again);
 - **late keep-alives**: ours, keep-alives unanswered for half a lease TTL (each an
   ``etcd_unreachable`` event: the sign that the simulation starves itself); torch, keep-alives
-  after the first round that failed (torch logs a warning: not written within the 5 s heartbeat
-  timeout, as every keep-alive rewrites the one state key by compare-and-set and loses to the
-  others' writes, or refused by the store);
+  after the first round that failed (torch logs a warning);
+- **crashed**: rendezvous calls that raised, with the most common error;
 - **cores busy**, first round and the idle round after it (``IDLE_S``, keep-alives only): by
-  the nodes' processes, by the server (etcd; for torch the bench process, which serves the
-  TCPStore), and by the whole machine, other users included. A phase during which the machine
-  had at least ``SATURATED`` of its cores busy is flagged in the row: its figures measure the
-  queue for a core, not the rendezvous.
+  the nodes' processes, by the server, and by the whole machine, other users included. A phase
+  during which the machine had at least ``SATURATED`` of its cores busy measured the queue for
+  a core, not the rendezvous: its time is not reported ("saturated"), and the row names it.
 
-    .venv/bin/python bench/rendezvous_scale.py                       # N = 32 ... 1024
+    .venv/bin/python bench/rendezvous_scale.py                       # N = 128 ... 1024
     .venv/bin/python bench/rendezvous_scale.py --sizes 32,128 --skip-peer
-    .venv/bin/python bench/rendezvous_scale.py --clients per-process --sizes 512,1024
+    .venv/bin/python bench/rendezvous_scale.py --clients per-node --sizes 128,256
 
 Once a row does not form its first round at one N within ``--phase-timeout-s``, larger N are
 not tried for that row, and the table says why.
@@ -93,6 +102,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
@@ -108,7 +118,11 @@ from elastic import event_types as ev  # noqa: E402
 from elastic.event_types import EventType  # noqa: E402
 
 LOSS, EVICT = "lost", "evicted"  # the two nodes that run alone in a process, to die for real
-CLIENTS = ("per-node", "per-process")
+MONITOR_S = 0.1  # torchrun's --monitor-interval default: its agent's look at the rendezvous
+LEADER = "leader"  # with --clients async: the real node that leads, alone in its process
+CLIENTS = ("async", "per-node", "per-process")
+SAMPLE_S = 0.1  # how often the cores busy are sampled
+QUIET, QUIET_S = 0.6, 0.5  # the machine is quiet again: under this share of its cores, this long
 IDLE_S = 5.0  # how long the idle cost of a formed round is measured: a torch keep-alive period
 # A phase during which this share of the machine's cores was busy measured the queue for a
 # core: its threads were runnable and waiting, so its figures are not the rendezvous' own.
@@ -141,62 +155,107 @@ class Result:
     which)."""
 
     first_s: float | None = None
+    join_s: float | None = None  # ours: N - 1 nodes joining at once, until the last is ready
     loss_s: float | None = None
     evict_s: float | None = None
-    events: int | None = None
-    bytes: int | None = None
+    rejoin_s: float | None = None
+    load: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # by phase: Load.take
+    leader: dict[str, float] = field(default_factory=dict)  # ours: the leader's CPU s, by phase
     # Live nodes dropped: ours, fencings by reason; torch, removals by node.
     dropped: Counter[str] = field(default_factory=Counter)
     late: int = 0  # late keep-alives (module docstring: each runtime's own sign)
-    crashed: int = 0  # simulated agents whose rendezvous call raised
+    crashed: Counter[str] = field(default_factory=Counter)  # rendezvous calls that raised, by what
     busy: dict[str, Busy] = field(default_factory=dict)  # by phase
     why: str = ""
 
 
 @dataclass
 class Seen:
-    """What the nodes reported: by node, the newest round it saw and its member count."""
+    """What the nodes reported: by node, the newest round it saw and its member count, and when
+    it first saw that (wall clock, shared by the processes)."""
 
     rounds: dict[str, tuple[int, int]] = field(default_factory=dict)
+    at: dict[str, float] = field(default_factory=dict)
 
     def drain(self, q: Any, timeout: float) -> None:
         with contextlib.suppress(queue.Empty):
-            node, number, size = q.get(timeout=timeout)
-            self.rounds[node] = max(self.rounds.get(node, (0, 0)), (number, size))
+            self._add(*q.get(timeout=timeout))
             while True:
-                node, number, size = q.get_nowait()
-                self.rounds[node] = max(self.rounds.get(node, (0, 0)), (number, size))
+                self._add(*q.get_nowait())
+
+    def forget(self, node: str) -> None:
+        """A node that comes back as a new process: its count starts anew."""
+        self.rounds.pop(node, None)
+        self.at.pop(node, None)
+
+    def _add(self, node: str, number: int, size: int, t: float) -> None:
+        if (number, size) > self.rounds.get(node, (0, 0)):
+            self.rounds[node], self.at[node] = (number, size), t
 
     def wait(
-        self, q: Any, nodes: list[str], ok: Any, since: float, timeout_s: float
+        self,
+        q: Any,
+        nodes: list[str],
+        ok: Any,
+        since: float,
+        timeout_s: float,
+        base: dict[str, tuple[int, int]] | None = None,
     ) -> float | None:
-        """Seconds from ``since`` (wall clock, shared by the processes) until
-        ``ok((number, size))`` holds for every node; None past ``since + timeout_s``."""
+        """Seconds from ``since`` until ``ok((number, size))`` held for every node (by when
+        the last of them reported it), for a report other than its ``base`` one when given;
+        None past ``since + timeout_s``."""
+        base = base or {}
+
+        def done(node: str) -> bool:
+            now = self.rounds.get(node)
+            return now is not None and ok(now) and (node not in base or now != base[node])
+
         while time.time() < since + timeout_s:
-            if all(ok(self.rounds.get(n, (0, 0))) for n in nodes):
-                return time.time() - since
+            if all(done(n) for n in nodes):
+                return max(self.at[n] for n in nodes) - since
             self.drain(q, 0.05)
         return None
 
 
 class Hosts:
-    """The processes that host the simulated nodes, and the two lone ones. ``target`` is called
-    as ``target(conn, seen, ids, *args)`` in each."""
+    """The processes that host the simulated nodes: ``groups`` of ``(target, ids, args)``, each
+    called as ``target(conn, seen, ids, *args)`` in a process of its own; the last two are the
+    lone nodes, which die for real (SIGKILL) and come back (:meth:`restart`)."""
 
-    def __init__(self, target: Any, n: int, procs: int, args: tuple[Any, ...]) -> None:
-        ctx = mp.get_context("spawn")
-        self.seen = ctx.Queue()
-        pool = [f"n{i:04d}" for i in range(n - 2)]
-        groups = [pool[k::procs] for k in range(procs)] + [[LOSS], [EVICT]]
+    def __init__(self, groups: list[tuple[Any, list[str], tuple[Any, ...]]]) -> None:
+        self._ctx = mp.get_context("spawn")
+        self.seen = self._ctx.Queue()
+        self.groups = groups
         self.conns: list[Connection] = []
         self.procs: list[Any] = []
-        for ids in groups:
-            mine, theirs = ctx.Pipe()
-            p = ctx.Process(target=target, args=(theirs, self.seen, ids, *args))
-            p.start()
+        for index in range(len(groups)):
+            self._spawn(index)
+        self.nodes = [i for _, ids, _ in groups for i in ids]
+
+    @classmethod
+    def spread(cls, target: Any, n: int, procs: int, args: tuple[Any, ...]) -> Hosts:
+        """``n - 2`` nodes over ``procs`` processes, and the two lone ones, all ``target``'s."""
+        pool = [f"n{i:04d}" for i in range(n - 2)]
+        groups = [pool[k::procs] for k in range(procs)] + [[LOSS], [EVICT]]
+        return cls([(target, ids, args) for ids in groups])
+
+    def _spawn(self, index: int) -> None:
+        target, ids, args = self.groups[index]
+        mine, theirs = self._ctx.Pipe()
+        p = self._ctx.Process(target=target, args=(theirs, self.seen, ids, *args))
+        p.start()
+        if index < len(self.conns):
+            self.conns[index], self.procs[index] = mine, p
+        else:
             self.conns.append(mine)
             self.procs.append(p)
-        self.nodes = pool + [LOSS, EVICT]
+
+    def restart(self, index: int, timeout: float) -> Any:
+        """Start group ``index`` again (a killed lone node rejoins); what it said once ready."""
+        self._spawn(index)
+        if not self.conns[index].poll(timeout):
+            raise TimeoutError("a restarted host process did not start its nodes")
+        return self.conns[index].recv()
 
     def ask(self, conns: list[Connection], *command: Any, timeout: float = 600) -> list[Any]:
         for c in conns:
@@ -227,34 +286,117 @@ class Hosts:
 
 
 class Cores:
-    """Cores kept busy since the last call, by the simulated nodes' processes, by the server
-    and by the whole machine: what limits how many nodes one machine can simulate, and whether
-    a phase's figures are the rendezvous' or the machine's."""
+    """Cores kept busy by the simulated nodes' processes (``pids()``, which changes as lone nodes
+    die and come back), by the server and by the whole machine: what limits how many nodes one
+    machine can simulate, and whether a phase's figures are the rendezvous' or the machine's.
+    Sampled every ``SAMPLE_S`` by a thread, so that any window's share can be read afterwards
+    (:meth:`window`), such as a round's formation known only from the nodes' reports."""
 
-    def __init__(self, nodes: list[int], server: int) -> None:
+    def __init__(self, pids: Callable[[], list[int]], server: int) -> None:
         import psutil
 
-        self._psutil = psutil
-        self._procs = [psutil.Process(p) for p in nodes], psutil.Process(server)
-        self._since = self._sample()
+        self._psutil, self._pids, self._server = psutil, pids, server
+        self._procs: dict[int, Any] = {}
+        self._samples = [self._sample()]
+        self._mark = self._samples[0][0]
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
 
-    def _sample(self) -> tuple[float, float, float, float]:
-        def cpu(p: Any) -> float:
-            with contextlib.suppress(Exception):  # a host process killed by the bench
-                t = p.cpu_times()
-                return t.user + t.system
-            return 0.0
+    def _run(self) -> None:
+        while not self._stop.wait(SAMPLE_S):
+            self._samples.append(self._sample())
 
-        nodes, server = self._procs
+    def _cpu(self, pid: int) -> float | None:
+        with contextlib.suppress(Exception):  # a host process killed by the bench
+            proc = self._procs.setdefault(pid, self._psutil.Process(pid))
+            t = proc.cpu_times()
+            return t.user + t.system
+        return None
+
+    def _sample(self) -> tuple[float, dict[int, float], float, float]:
+        nodes = {pid: cpu for pid in self._pids() if (cpu := self._cpu(pid)) is not None}
         t = self._psutil.cpu_times()
         machine = t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
-        return time.monotonic(), sum(cpu(p) for p in nodes), cpu(server), machine
+        return time.time(), nodes, self._cpu(self._server) or 0.0, machine
+
+    def window(self, t0: float, t1: float) -> Busy:
+        """The cores busy between wall times ``t0`` and ``t1``, from the samples around them; a
+        process that died meanwhile counts up to its last sample, one that started from 0."""
+        self._samples.append(self._sample())
+        before = max((x for x in self._samples if x[0] <= t0), key=lambda x: x[0])
+        after = min((x for x in self._samples if x[0] >= t1), key=lambda x: x[0])
+        elapsed = max(after[0] - before[0], 1e-6)
+        nodes = sum(cpu - before[1].get(pid, 0.0) for pid, cpu in after[1].items())
+        gone = [pid for pid in before[1] if pid not in after[1]]
+        last = {pid: max(x[1].get(pid, 0.0) for x in self._samples) for pid in gone}
+        nodes += sum(last[pid] - before[1][pid] for pid in gone)
+        server, machine = after[2] - before[2], after[3] - before[3]
+        return Busy(elapsed, nodes / elapsed, server / elapsed, machine / elapsed)
+
+    def quiet(self, timeout_s: float) -> bool:
+        """Wait until the machine has been below ``QUIET`` of its cores busy for ``QUIET_S``
+        (the work a burst queued is done); False past ``timeout_s``."""
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            now = time.time()
+            if self.window(now - QUIET_S, now).machine < QUIET * (os.cpu_count() or 1):
+                return True
+            time.sleep(SAMPLE_S)
+        return False
 
     def busy(self) -> Busy:
-        before, self._since = self._since, self._sample()
-        elapsed = self._since[0] - before[0]
-        rates = ((b - a) / elapsed for a, b in zip(before[1:], self._since[1:], strict=True))
-        return Busy(elapsed, *rates)
+        """The cores busy since the previous call."""
+        now = time.time()
+        busy, self._mark = self.window(self._mark, now), now
+        return busy
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class Spent:
+    """One process's CPU seconds since the previous :meth:`take` (0 once it is gone)."""
+
+    def __init__(self, pid: int) -> None:
+        import psutil
+
+        self._proc = psutil.Process(pid)
+        self._last = self._now()
+
+    def _now(self) -> float:
+        with contextlib.suppress(Exception):
+            t = self._proc.cpu_times()
+            return t.user + t.system
+        return self._last
+
+    def take(self) -> float:
+        now = self._now()
+        spent, self._last = now - self._last, now
+        return spent
+
+
+class Load:
+    """What the nodes cost etcd over each phase, summed over every live host process: requests,
+    watch events and bytes (the watch events' and the member keys each node read). A process
+    killed with its node takes that node's count with it: a node's share, not the figure."""
+
+    def __init__(self, hosts: Hosts) -> None:
+        self._hosts = hosts
+        self._last: dict[int, tuple[int, int, int]] = {}
+
+    def take(self) -> tuple[int, int, int]:
+        alive = self._hosts.alive()
+        said = self._hosts.ask(alive, "stats", timeout=60)
+        delta = [0, 0, 0]
+        for conn, stats in zip(alive, said, strict=True):
+            if not stats:
+                continue
+            pid = self._hosts.procs[self._hosts.conns.index(conn)].pid
+            now = tuple(stats[:3])
+            before = self._last.get(pid, (0, 0, 0))
+            delta = [d + a - b for d, a, b in zip(delta, now, before, strict=True)]
+            self._last[pid] = now
+        return delta[0], delta[1], delta[2]
 
 
 # --- ours ------------------------------------------------------------------------------------
@@ -294,7 +436,7 @@ def ours_process(
     sinks = {i: _Sink() for i in ids}
     shared = connect(endpoints, security=INSECURE) if clients == "per-process" else None
     nodes: dict[str, Rendezvous] = {}
-    crashed = 0
+    crashed: list[str] = []  # what the rendezvous calls that raised said
 
     def follower(node_id: str) -> Any:
         last = [0]
@@ -303,7 +445,7 @@ def ours_process(
             rnd = nodes[node_id].view.round
             if rnd is not None and rnd.number > last[0]:
                 last[0] = rnd.number
-                seen.put((node_id, rnd.number, rnd.size))
+                seen.put((node_id, rnd.number, rnd.size, time.time()))
 
         return on_change
 
@@ -321,12 +463,11 @@ def ours_process(
         )
 
     def join(node_id: str) -> None:
-        nonlocal crashed
         try:
             nodes[node_id].join()
             nodes[node_id].record.set_ready()
-        except Exception:  # an agent would crash here: counted, as the table's "crashed"
-            crashed += 1
+        except Exception as exc:  # an agent would crash here: the table's "crashed"
+            crashed.append(crash(exc))
 
     conn.send("ready")
     while True:
@@ -334,7 +475,7 @@ def ours_process(
         if command == "join":
             with ThreadPoolExecutor(max_workers=min(32, len(ids))) as pool:
                 list(pool.map(join, ids))
-            conn.send("joined")
+            conn.send(time.time())  # when its last node said it was ready
         elif command == "evict":
             rdzv = nodes[ids[0]]
             whole = rdzv.whole_round(rdzv.view.round) if rdzv.view.round else None
@@ -344,6 +485,7 @@ def ours_process(
             load = [r.load for r in nodes.values()]
             conn.send(
                 (
+                    sum(x.requests for x in load),
                     sum(x.watch_events for x in load),
                     sum(x.watch_bytes + x.read_bytes for x in load),
                     [r for s in sinks.values() for r in s.reasons],
@@ -356,6 +498,44 @@ def ours_process(
                 list(pool.map(lambda r: r.leave(), nodes.values()))
             conn.send("stopped")
             return
+
+
+def sim_process(
+    conn: Connection, seen: Any, ids: list[str], endpoints: list[str], job_id: str, cfg: Any
+) -> None:
+    """Host simulated nodes ``ids`` (:mod:`sim_nodes`: many on one loop and one channel, each
+    with its own lease and watches); obey ``conn``'s commands as :func:`ours_process` does."""
+    import asyncio
+
+    from sim_nodes import Fleet
+
+    from launcher.rendezvous.keys import JobKeys
+
+    async def serve() -> None:
+        fleet = Fleet(
+            endpoints[0],
+            JobKeys(cfg.prefix, job_id),
+            ids,
+            cfg.lease_ttl_s,
+            cfg.resync_s,
+            lambda node, number, size: seen.put((node, number, size, time.time())),
+        )
+        fleet.start()
+        conn.send("ready")
+        while True:
+            command, *_ = await asyncio.to_thread(conn.recv)
+            if command == "join":
+                await fleet.join_all()
+                conn.send(max(n.ready_at for n in fleet.nodes.values()))
+            elif command == "stats":
+                requests, events, size, reasons, late = fleet.stats()
+                conn.send((requests, events, size, reasons, [], late))
+            elif command == "stop":
+                await fleet.close()
+                conn.send("stopped")
+                return
+
+    asyncio.run(serve())
 
 
 def ours_label(cfg: Any, ttl_overridden: bool) -> str:
@@ -382,30 +562,46 @@ def run_ours(
 ) -> Result:
     res = Result()
     job_id = f"scale{n}-{uuid.uuid4().hex[:6]}"
-    hosts = Hosts(ours_process, n, procs, (endpoints, job_id, cfg, n, clients))
+    real = (endpoints, job_id, cfg, n, clients)
+    if clients == "async":  # a real node leads, the pool is simulated, the lone two are real
+        pool = [f"n{i:04d}" for i in range(n - 3)]
+        groups = [(ours_process, [LEADER], (endpoints, job_id, cfg, n, "per-node"))]
+        groups += [(sim_process, pool[k::procs], (endpoints, job_id, cfg)) for k in range(procs)]
+        hosts = Hosts(groups + [(ours_process, [LOSS], real), (ours_process, [EVICT], real)])
+    else:
+        hosts = Hosts.spread(ours_process, n, procs, real)
+    cores = Cores(lambda: [p.pid for p in hosts.procs], etcd_pid)
     try:
         hosts.wait_ready(timeout_s)
         seen = Seen()
-        pool, lone = hosts.conns[:-2], hosts.conns[-2:]
-        cores = Cores([p.pid for p in hosts.procs], etcd_pid)
+        pool_conns, lone = hosts.conns[:-2], hosts.conns[-2:]
+        load = Load(hosts)
+        leads = Spent(hosts.procs[0].pid)  # the first node leads
+        cores.busy()  # the phases count from here, not from the processes' start
+        # N - 1 nodes join at once, the first one leading; the round waits for the last one,
+        # which joins once the burst's work is done: the first round is the rendezvous' own
+        # time, from the last node's join until every node is in the round.
         t0 = time.time()
-        hosts.ask(pool, "join")  # the lone two join last: neither is the leader
-        hosts.ask(lone, "join")
-        res.first_s = seen.wait(hosts.seen, hosts.nodes, lambda r: r[1] == n, t0, timeout_s)
+        readies = hosts.ask(pool_conns[:1], "join")
+        readies += hosts.ask(pool_conns[1:], "join")
+        readies += hosts.ask(lone[:1], "join")
+        res.join_s = max(float(t) for t in readies if t) - t0
+        res.busy["joining"] = cores.busy()
+        cores.quiet(timeout_s)
+        cores.busy()
+        t1 = time.time()
+        hosts.ask(lone[1:], "join")
+        res.first_s = seen.wait(hosts.seen, hosts.nodes, lambda r: r[1] == n, t1, timeout_s)
         res.busy["first round"] = cores.busy()
-        if res.first_s is not None:
-            seen.wait(hosts.seen, hosts.nodes, lambda r: False, time.time(), IDLE_S)
-            res.busy["idle"] = cores.busy()
-        stats = [s for s in hosts.ask(hosts.conns, "stats", timeout=60) if s]
-        res.events, res.bytes = sum(s[0] for s in stats), sum(s[1] for s in stats)
-        res.dropped, res.crashed = dropped(stats), sum(s[3] for s in stats)
-        res.late = sum(s[4] for s in stats)
+        res.load["first round"] = load.take()
+        res.leader["first round"] = leads.take()
         if res.first_s is None:
-            res.why = (
-                f"no round of all {n} nodes in {timeout_s:.0f} s: {res.late} keep-alives went "
-                f"unanswered for half a TTL and {res.dropped.total()} live nodes were fenced"
-            )
+            res.why = f"no round of all {n} nodes in {timeout_s:.0f} s"
             return res
+        seen.wait(hosts.seen, hosts.nodes, lambda r: False, time.time(), IDLE_S)
+        res.busy["idle"] = cores.busy()
+        res.load["idle"] = load.take()
+        leads.take()
 
         number = max(r[0] for r in seen.rounds.values())
         survivors = hosts.nodes[:-2] + [EVICT]
@@ -415,24 +611,44 @@ def run_ours(
             hosts.seen, survivors, lambda r: r[0] > number and r[1] == n - 1, t1, timeout_s
         )
         res.busy["re-form, lost"] = cores.busy()
+        res.load["re-form, lost"] = load.take()
+        res.leader["re-form, lost"] = leads.take()
         if res.loss_s is None:
             res.why = f"no round without the lost node in {timeout_s:.0f} s"
-        else:
-            number = max(seen.rounds[s][0] for s in survivors)
-            hosts.kill(len(hosts.conns) - 1)
-            t2 = time.time()
-            hosts.ask(pool[:1], "evict", EVICT)
-            res.evict_s = seen.wait(
-                hosts.seen, survivors[:-1], lambda r: r[0] > number and r[1] == n - 2, t2, timeout_s
-            )
-            res.busy["re-form, evicted"] = cores.busy()
-        stats = [s for s in hosts.ask(pool, "stats", timeout=60) if s]
-        res.dropped = dropped(stats)
-        res.crashed = max(res.crashed, sum(s[3] for s in stats))
-        res.late = max(res.late, sum(s[4] for s in stats))
-        hosts.ask(pool, "stop", timeout=120)
+            return res
+        number = max(seen.rounds[s][0] for s in survivors)
+        hosts.kill(len(hosts.conns) - 1)
+        t2 = time.time()
+        hosts.ask(pool_conns[:1], "evict", EVICT)
+        res.evict_s = seen.wait(
+            hosts.seen, survivors[:-1], lambda r: r[0] > number and r[1] == n - 2, t2, timeout_s
+        )
+        res.busy["re-form, evicted"] = cores.busy()
+        res.load["re-form, evicted"] = load.take()
+        if res.evict_s is None:
+            res.why = f"no round without the evicted node in {timeout_s:.0f} s"
+            return res
+        number = max(seen.rounds[s][0] for s in survivors[:-1])
+        for index in (len(hosts.conns) - 2, len(hosts.conns) - 1):
+            hosts.restart(index, timeout_s)
+        t3 = time.time()
+        hosts.ask(hosts.conns[-2:], "join")  # both come back: the round reaches max_nodes
+        res.rejoin_s = seen.wait(
+            hosts.seen, hosts.nodes, lambda r: r[0] > number and r[1] == n, t3, timeout_s
+        )
+        res.busy["rejoin"] = cores.busy()
+        res.load["rejoin"] = load.take()
+        if res.rejoin_s is None:
+            res.why = f"no round with the two nodes back in {timeout_s:.0f} s"
         return res
     finally:
+        cores.stop()
+        stats = [s for s in hosts.ask(hosts.alive(), "stats", timeout=60) if s]
+        res.dropped = dropped(stats)
+        res.crashed = Counter(c for s in stats for c in s[4])
+        res.late = sum(s[5] for s in stats)
+        with contextlib.suppress(Exception):
+            hosts.ask(hosts.alive(), "stop", timeout=120)
         hosts.close()
 
 
@@ -516,18 +732,30 @@ def peer_process(
     for node_id in ids:
         backend, store = create_backend(params)  # torchrun's c10d handler: a client per agent
         handlers[node_id] = create_handler(store, shared or backend, params)
-    crashed = 0
+    crashed: list[str] = []  # what the rendezvous calls that raised said
     rounds = dict.fromkeys(ids, 0)
 
     def next_round(node_id: str) -> None:
-        nonlocal crashed
         try:
             info = handlers[node_id].next_rendezvous()
-        except Exception:
-            crashed += 1
+        except Exception as exc:
+            crashed.append(crash(exc))
             return
         rounds[node_id] += 1
-        seen.put((node_id, rounds[node_id], info.world_size))
+        seen.put((node_id, rounds[node_id], info.world_size, time.time()))
+
+    def monitor(node_id: str) -> None:
+        """Ask for the nodes waiting every ``MONITOR_S``, and go to a new round once there are
+        any, as torchrun's agent does (``num_nodes_waiting``; membership changes)."""
+        while True:
+            time.sleep(MONITOR_S)
+            try:
+                if handlers[node_id].num_nodes_waiting() > 0:
+                    break
+            except Exception as exc:
+                crashed.append(crash(exc))
+                return
+        next_round(node_id)
 
     s = next(iter(handlers.values())).settings
     conn.send(
@@ -543,8 +771,13 @@ def peer_process(
             for t in threads:
                 t.start()
             conn.send("joining")
+        elif command == "monitor":  # what torchrun's agent does while its workers train
+            threads = [threading.Thread(target=monitor, args=(i,), daemon=True) for i in ids]
+            for t in threads:
+                t.start()
+            conn.send("monitoring")
         elif command == "stats":
-            conn.send((0, 0, said.removed, crashed, said.failed))
+            conn.send((0, 0, 0, said.removed, crashed, said.failed))
         elif command == "stop":
             conn.send("stopped")
             os._exit(0)  # handlers' heartbeat threads and blocked rendezvous calls end with us
@@ -560,15 +793,19 @@ def run_peer(
 
     res = Result()
     label = peer.name
+    lost = 0
     server = TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=600)
     )
     run_id = f"scale{n}-{uuid.uuid4().hex[:6]}"
-    hosts = Hosts(peer_process, n, procs, ("127.0.0.1", server.port, run_id, n, peer, clients))
+    hosts = Hosts.spread(
+        peer_process, n, procs, ("127.0.0.1", server.port, run_id, n, peer, clients)
+    )
+    cores = Cores(lambda: [p.pid for p in hosts.procs], os.getpid())
     try:
         label = hosts.wait_ready(timeout_s)[0]
         seen = Seen()
-        cores = Cores([p.pid for p in hosts.procs], os.getpid())
+        cores.busy()  # the phases count from here, not from the processes' start
         t0 = time.time()
         hosts.ask(hosts.conns, "join")
         res.first_s = seen.wait(hosts.seen, hosts.nodes, lambda r: r[1] == n, t0, timeout_s)
@@ -580,6 +817,7 @@ def run_peer(
             res.busy["idle"] = cores.busy()
             survivors = hosts.nodes[:-2] + [EVICT]
             t1 = time.time()
+            lost = hosts.procs[-2].pid  # its removal is no false one
             hosts.kill(len(hosts.conns) - 2)
             hosts.ask(hosts.conns[:-2] + hosts.conns[-1:], "join")  # their workers failed
             res.loss_s = seen.wait(
@@ -588,13 +826,26 @@ def run_peer(
             res.busy["re-form, lost"] = cores.busy()
             if res.loss_s is None:
                 res.why = f"no round without the lost node in {timeout_s:.0f} s"
+            else:
+                seen.forget(LOSS)  # it comes back as a new process: its count anew
+                base = dict(seen.rounds)
+                hosts.restart(len(hosts.conns) - 2, timeout_s)
+                t3 = time.time()
+                hosts.ask(hosts.conns[:-2] + hosts.conns[-1:], "monitor")
+                hosts.ask(hosts.conns[-2:-1], "join")
+                res.rejoin_s = seen.wait(
+                    hosts.seen, hosts.nodes, lambda r: r[1] == n, t3, timeout_s, base
+                )
+                res.busy["rejoin"] = cores.busy()
+                if res.rejoin_s is None:
+                    res.why = f"no round with the node back in {timeout_s:.0f} s"
         stats = [s for s in hosts.ask(hosts.alive(), "stats", timeout=30) if s]
-        res.crashed = sum(s[3] for s in stats)
-        res.late = sum(s[4] for s in stats)
-        lost = hosts.procs[-2].pid  # its removal is no false one
+        res.crashed = Counter(c for s in stats for c in s[4])
+        res.late = sum(s[5] for s in stats)
         res.dropped = Counter(d for d in dropped(stats).elements() if node_pid(d) != lost)
         return label, res
     finally:
+        cores.stop()
         with contextlib.suppress(Exception):
             hosts.ask(hosts.alive(), "stop", timeout=10)
         hosts.close()
@@ -606,7 +857,7 @@ def run_peer(
 
 def dropped(stats: list[tuple[Any, ...]]) -> Counter[str]:
     """The drops of live nodes the host processes reported: ours by reason, torch's by node."""
-    return Counter(what for s in stats for what in s[2])
+    return Counter(what for s in stats for what in s[3])
 
 
 def node_pid(descriptor: str) -> int:
@@ -614,10 +865,52 @@ def node_pid(descriptor: str) -> int:
     return int(descriptor.rsplit("_", 2)[1])
 
 
-def cell(seconds: float | None, applies: bool = True) -> str:
+def crash(exc: BaseException) -> str:
+    """A rendezvous call's failure, as the table names it."""
+    return f"{type(exc).__name__}: {exc}"[:160]
+
+
+def crashes(r: Result) -> str:
+    """How many calls raised, and the most common failure."""
+    if not r.crashed:
+        return "0"
+    what, _ = r.crashed.most_common(1)[0]
+    return f"{r.crashed.total()} ({what})"
+
+
+def cell(r: Result, phase: str, seconds: float | None, applies: bool = True) -> str:
+    """A phase's time, or why there is none: a phase that kept the machine's cores busy
+    (:data:`SATURATED`) measured the queue for a core, and its time is not reported."""
     if not applies:
         return "n/a"
-    return "-" if seconds is None else f"{seconds:.2f} s"
+    if seconds is None:
+        return "-"
+    busy = r.busy.get(phase)
+    if busy is not None and busy.saturated:
+        return "saturated"
+    return f"{seconds:.2f} s"
+
+
+def per_node(r: Result, which: int, n: int, unit: str = "") -> str:
+    """Item ``which`` of the first round's and the loss re-form's load (:class:`Load`), per
+    node (N, then the N - 1 survivors)."""
+    got = [r.load.get(p) for p in ("first round", "re-form, lost")]
+    parts = [
+        f"{x[which] / k:.1f}{unit}" if x else "-" for x, k in zip(got, (n, n - 1), strict=True)
+    ]
+    return " / ".join(parts)
+
+
+def leader_ms(r: Result) -> str:
+    """The leader's CPU over the first round and the loss re-form, in milliseconds."""
+    got = [r.leader.get(p) for p in ("first round", "re-form, lost")]
+    return " / ".join("-" if x is None else f"{x * 1000:.0f} ms" for x in got)
+
+
+def server_ms(r: Result) -> str:
+    """The server's CPU over the first round and the loss re-form, in core-milliseconds."""
+    got = [r.busy.get(p) for p in ("first round", "re-form, lost")]
+    return " / ".join(f"{b.server * b.seconds * 1000:.0f} ms" if b else "-" for b in got)
 
 
 def saturation(busy: dict[str, Busy]) -> str:
@@ -632,39 +925,53 @@ def saturation(busy: dict[str, Busy]) -> str:
 
 
 def row(n: int, label: str, clients: str, r: Result, ours: bool) -> str:
-    events = "-" if r.events is None else f"{r.events:,} ({r.events / n:.1f}/node)"
-    size = "-" if r.bytes is None else f"{r.bytes / 2**20:.1f} MiB"
     if ours:
         fenced = f"{r.dropped.total()}" + "".join(f"; {k}: {v}" for k, v in r.dropped.items())
+        load = [per_node(r, 0, n), per_node(r, 1, n), per_node(r, 2, n, " B")]
     else:
         fenced = f"{len(r.dropped)} ({r.dropped.total()} removals)"
+        load = ["n/a"] * 3
+        clients = "per-node" if clients == "async" else clients  # torch has no async client
     first, idle = (str(r.busy[k]) if k in r.busy else "-" for k in ("first round", "idle"))
+    times = [
+        cell(r, "first round", r.first_s),
+        cell(r, "joining", r.join_s, ours),
+        cell(r, "re-form, lost", r.loss_s),
+        cell(r, "re-form, evicted", r.evict_s, ours),
+        cell(r, "rejoin", r.rejoin_s),
+    ]
     return (
-        f"| {n} | {label} | {clients} | {cell(r.first_s)} | {cell(r.loss_s)} "
-        f"| {cell(r.evict_s, ours)} | {events if ours else 'n/a'} | {size if ours else 'n/a'} "
-        f"| {fenced} | {r.late} | {r.crashed} | {first} | {idle} | {saturation(r.busy)} "
-        f"| {r.why} |"
+        f"| {n} | {label} | {clients} | {' | '.join(times)} | {' | '.join(load)} "
+        f"| {server_ms(r)} | {leader_ms(r) if ours else 'n/a'} | {fenced} | {r.late} "
+        f"| {crashes(r)} | {first} | {idle} "
+        f"| {saturation(r.busy)} | {r.why} |"
     )
 
 
 HEADER = (
-    "| N | runtime and settings | clients | first round | re-form, lost | re-form, evicted "
-    "| watch events, first round | watch bytes | live nodes dropped | late keep-alives | crashed "
-    "| cores busy, first round: nodes + server (machine) | cores busy, idle round "
-    "| saturated phases | stopped because |"
+    "| N | runtime and settings | clients | first round (ours: from the last node's join) "
+    "| ours: N - 1 joining at once "
+    "| re-form, lost | re-form, evicted "
+    "| rejoin | etcd requests a node: first round / re-form, lost | watch events a node "
+    "| bytes to a node | server CPU a round: first / re-form, lost | leader CPU (same) "
+    "| live nodes dropped "
+    "| late keep-alives | crashed | cores busy, first round: nodes + server (machine) "
+    "| cores busy, idle round | saturated phases | stopped because |"
 )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default="32,128,256,512,1024")
+    ap.add_argument("--sizes", default="128,256,512,1024")
     ap.add_argument("--procs", type=int, default=8, help="host processes for the nodes")
     ap.add_argument(
         "--clients",
         choices=CLIENTS,
-        default="per-node",
-        help="per-node: each simulated node has its own client (as real agents do); per-process:"
-        " the nodes of a host process share one (lighter, but it serializes torch's calls)",
+        default="async",
+        help="async (ours): the nodes of a host process on one asyncio loop and one channel, "
+        "each with its own lease and watches (bench/sim_nodes.py; torch's rows run per-node); "
+        "per-node: each simulated node has its own client, as real agents do; per-process: the "
+        "nodes of a host process share one (lighter, but it serializes torch's calls)",
     )
     ap.add_argument(
         "--lease-ttl-s", type=int, help="ours: rendezvous.lease_ttl_s (default conf/config.yaml's)"
@@ -689,15 +996,18 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     print(
         f"{os.cpu_count()} cores; N in {sizes}; {args.procs} host processes plus 2 lone nodes; "
-        f"clients {args.clients} for every row ("
-        + (
-            "each simulated node its own etcd or TCPStore client, as real agents"
-            if args.clients == "per-node"
-            else "the nodes of a process share one etcd or TCPStore client; torch's calls then "
-            "wait for each other"
-        )
+        f"clients {args.clients} ("
+        + {
+            "async": "ours: a real leader, a real lone node to lose and one to evict, the rest "
+            "simulated many to a process on one asyncio loop and channel, each its own lease and "
+            "watches; torch: each node its own TCPStore client",
+            "per-node": "each simulated node its own etcd or TCPStore client, as real agents",
+            "per-process": "the nodes of a process share one etcd or TCPStore client; torch's "
+            "calls then wait for each other",
+        }[args.clients]
         + f"); each phase bounded by {args.phase_timeout_s:.0f} s; a phase with "
-        f"{SATURATED:.0%} of the cores busy is flagged SATURATED: its figures are the machine's"
+        f"{SATURATED:.0%} of the cores busy is flagged SATURATED and its time withheld (the "
+        "machine's, not the rendezvous')"
     )
     print(f"rows: {ours}; " + "; ".join(f"{p.name}: --rdzv-conf={p.rdzv_conf!r}" for p in PEERS))
     print(HEADER)
