@@ -98,8 +98,9 @@ class JobFollower:
         self.last_change = time.monotonic()  # of the membership: the leader's settle time
         self._written = (node, 0)  # this node's newest record written, and its revision
         self.watch_ids: list[int] = []  # empty: no watch (yet, or broken)
-        self.following_all = False  # the watches cover every node (this node leads)
-        self._whole_rounds = False  # rounds are read with every member (this node leads)
+        # This node follows every node (it leads): its watches, once made, cover every node's
+        # key, and it reads each round with every member.
+        self.following_all = False
         self._applied: dict[str, int] = {}  # by key: the mod revision of the newest event applied
         self._floor = 0  # the revision of the snapshot the watches started after
         self.reread = False  # the watches missed something (a round's member keys): read again
@@ -219,7 +220,7 @@ class JobFollower:
             if ev.key.decode() == self._keys.round and type(ev).__name__ != "DeleteEvent":
                 try:
                     rounds[ev.mod_revision] = self._read_round(
-                        ev.value, ev.mod_revision, self._whole_rounds
+                        ev.value, ev.mod_revision, self.following_all
                     )
                 except (*etcd_errors(), RoundIncomplete) as exc:
                     rounds[ev.mod_revision] = exc
@@ -299,7 +300,7 @@ class JobFollower:
         ``done``, then every node's key and the quarantine as leader (``everyone``), else its own
         key's deletion (an eviction) and its own quarantine key."""
         self.cancel()
-        self._whole_rounds = everyone
+        self.following_all = everyone
         revision = self.snapshot(everyone)
         if not revision:
             return
@@ -315,7 +316,7 @@ class JobFollower:
                 add(self._node_key, self._on_watch, start_revision=start, filters=only_deletes()),
                 add(self._own_quarantine_key, self._on_watch, start_revision=start),
             ]
-        self.watch_ids, self.following_all = ids, everyone
+        self.watch_ids = ids
         self._load.requests += len(ids)
 
     def _singles(self) -> tuple[str, ...]:
