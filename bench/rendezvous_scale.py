@@ -285,6 +285,12 @@ class Hosts:
             p.join()
 
 
+def cpu_seconds(proc: Any) -> float:
+    """A process's CPU time so far (user and system), from its ``psutil.Process``."""
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
 class Cores:
     """Cores kept busy by the simulated nodes' processes (``pids()``, which changes as lone nodes
     die and come back), by the server and by the whole machine: what limits how many nodes one
@@ -308,9 +314,7 @@ class Cores:
 
     def _cpu(self, pid: int) -> float | None:
         with contextlib.suppress(Exception):  # a host process killed by the bench
-            proc = self._procs.setdefault(pid, self._psutil.Process(pid))
-            t = proc.cpu_times()
-            return t.user + t.system
+            return cpu_seconds(self._procs.setdefault(pid, self._psutil.Process(pid)))
         return None
 
     def _sample(self) -> tuple[float, dict[int, float], float, float]:
@@ -361,16 +365,12 @@ class Spent:
         import psutil
 
         self._proc = psutil.Process(pid)
-        self._last = self._now()
-
-    def _now(self) -> float:
-        with contextlib.suppress(Exception):
-            t = self._proc.cpu_times()
-            return t.user + t.system
-        return self._last
+        self._last = cpu_seconds(self._proc)
 
     def take(self) -> float:
-        now = self._now()
+        now = self._last
+        with contextlib.suppress(Exception):  # gone: nothing more spent
+            now = cpu_seconds(self._proc)
         spent, self._last = now - self._last, now
         return spent
 
