@@ -38,7 +38,7 @@ from chaos.verdict import judge, summary
 from elastic import config
 from elastic import event_types as ev
 from elastic.config import ClusterMode, Config, ConfigError
-from elastic.events import EventFollower, read_events
+from elastic.events import EventFollower, RunEnded, read_events
 from launcher.compose import UsageError, compose, finalize, validate_launch
 from launcher.rendezvous.embedded_etcd import HOST, EmbeddedEtcd
 from launcher.rendezvous.etcd import EtcdUnavailable, connect, etcd_security
@@ -180,10 +180,12 @@ def launch(cfg: Config, campaign: CampaignConfig, job: list[str]) -> int:
                     return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT)
 
             procs.append(start_node("node0"))  # it prepares the data before its agent starts
-            EventFollower(run_dir).wait_for(
-                lambda e: ev.AGENT_STARTED.matches(e) or procs[0].poll() is not None,
-                timeout_s=JOB_TIMEOUT_S,
-            )
+            with contextlib.suppress(RunEnded):  # node0 ended first: the verdict says how
+                EventFollower(run_dir).wait_for(
+                    ev.AGENT_STARTED.matches,
+                    timeout_s=JOB_TIMEOUT_S,
+                    running=lambda: procs[0].poll() is None,
+                )
             procs += [start_node(f"node{i}") for i in range(1, cfg.cluster.nodes)]
         runner = CampaignRunner(cfg, campaign, endpoints, etcd=etcd, net=net, start_node=start_node)
         try:

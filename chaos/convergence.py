@@ -16,7 +16,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ from typing import Any
 
 from chaos.injectors import kill_node, node_with_rank, restart_node
 from elastic import event_types as ev
-from elastic.events import EventFollower, read_events
+from elastic.events import EventFollower, RunEnded, read_events
 
 NODES = 2
 CLASSES = 10
@@ -133,15 +132,14 @@ class _Job:
     def wait_event(self, what: str, predicate: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
         """The first new event matching ``predicate``, within :data:`WAIT_S`; fails as soon as
         the launcher has exited without it."""
-        deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline:
-            for e in self.follower.poll():
-                if predicate(e):
-                    return e
-            if self.proc.poll() is not None:
-                raise self.fail(f"the launcher exited ({self.proc.returncode}) before {what}")
-            time.sleep(POLL_S)
-        raise self.fail(f"no {what} within {WAIT_S:.0f} s")
+        try:
+            return self.follower.wait_for(
+                predicate, WAIT_S, POLL_S, running=lambda: self.proc.poll() is None
+            )
+        except RunEnded:
+            raise self.fail(f"the launcher exited ({self.proc.returncode}) before {what}") from None
+        except TimeoutError:
+            raise self.fail(f"no {what} within {WAIT_S:.0f} s") from None
 
     def wait_exit(self) -> None:
         """The launcher's end, then the node started again's; both must exit 0."""

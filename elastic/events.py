@@ -231,6 +231,10 @@ class _Cursor:
     missed: bool = False  # absent from the last listing
 
 
+class RunEnded(Exception):
+    """:meth:`EventFollower.wait_for`: the run's writers ended before the awaited event."""
+
+
 class EventFollower:
     """Reads the events appended since the last call, across all node files of a run.
 
@@ -289,17 +293,27 @@ class EventFollower:
         return new
 
     def wait_for(
-        self, predicate: Callable[[dict[str, Any]], bool], timeout_s: float, poll_s: float = 0.05
+        self,
+        predicate: Callable[[dict[str, Any]], bool],
+        timeout_s: float,
+        poll_s: float = 0.05,
+        running: Callable[[], bool] | None = None,
     ) -> dict[str, Any]:
         """The first new event matching ``predicate``; TimeoutError after ``timeout_s``.
 
         Events arrive in files written by other processes, so this polls; the wait is bounded.
+        With ``running`` (whether the run's writers still run), a run that has ended without the
+        event ends the wait at once, :class:`RunEnded`, after a last read of what it wrote: no
+        wait on a finished run lasts its whole timeout.
         """
         deadline = time.monotonic() + timeout_s
         while True:
+            ended = running is not None and not running()  # before the read: nothing is missed
             for record in self.poll():
                 if predicate(record):
                     return record
+            if ended:
+                raise RunEnded("the run ended before a matching event was written")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no matching event within {timeout_s:.0f} s")
             time.sleep(poll_s)

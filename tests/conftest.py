@@ -13,6 +13,7 @@ import sys
 import threading
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -200,8 +201,11 @@ def with_limit(argv: list[str], which: str, soft: int, hard: int) -> list[str]:
     return [sys.executable, "-c", setter, *argv]
 
 
-def launch(run_dir: Path, *overrides: str, job_id: str = "job") -> subprocess.Popen[str]:
-    """Start ``python -m launcher`` with the fast job settings; output goes to run_dir.out."""
+def launch(
+    run_dir: Path, *overrides: str, job_id: str = "job", env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    """Start ``python -m launcher`` with the fast job settings, ``env`` added to ours; output
+    goes to run_dir.out."""
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     out = open(run_dir.with_suffix(".out"), "w")  # noqa: SIM115 - closed with the process
     return subprocess.Popen(
@@ -218,8 +222,58 @@ def launch(run_dir: Path, *overrides: str, job_id: str = "job") -> subprocess.Po
         stdout=out,
         stderr=subprocess.STDOUT,
         text=True,
+        env={**os.environ, **(env or {})},
     )
 
 
 def output(run_dir: Path) -> str:
-    return run_dir.with_suffix(".out").read_text()
+    """What :func:`launch` printed (bare-metal nodes, started otherwise, print elsewhere)."""
+    path = run_dir.with_suffix(".out")
+    return path.read_text() if path.exists() else f"({path} was not written)"
+
+
+PATCH_HOOKS = Path(__file__).parent / "patch_on_import"
+
+
+@dataclass
+class Gate:
+    """What keeps a test's job from ending before the test has seen what it waits for
+    (``$ELASTIC_TEST_GATE``, read by tests/patch_on_import before every step).
+
+    A job of a fixed number of epochs races any fault's consequence that takes wall time (a
+    node coming back after its quarantine): on a fast machine the job may end first. Held at
+    its last steps until the test has seen the consequence, the job outlasts it on any machine,
+    with no more epochs than the checks need.
+    """
+
+    path: Path
+
+    def env(self) -> dict[str, str]:
+        """What a launcher needs in its environment for its workers to obey the gate."""
+        return {"PYTHONPATH": str(PATCH_HOOKS), "ELASTIC_TEST_GATE": str(self.path)}
+
+    def hold_end(self, steps: int) -> None:
+        """Hold the job before each of its last ``steps`` steps (at the world size then)."""
+        self._write(f"end {steps}")
+
+    def hold_after(self, step: int) -> None:
+        """Hold the job before every step after ``step`` (0: before its next one)."""
+        self._write(str(step))
+
+    def open(self) -> None:
+        self._write("open")
+
+    def _write(self, text: str) -> None:
+        new = self.path.with_suffix(".new")
+        new.write_text(text + "\n")
+        os.replace(new, self.path)  # a rank reads the old word or the new one, never half
+
+
+@pytest.fixture
+def gate(tmp_path: Path) -> Iterator[Gate]:
+    """A :class:`Gate` for one test's job, open until the test closes it, and opened again at
+    the end: a failed test leaves nothing held."""
+    held = Gate(tmp_path / "gate")
+    held.open()
+    yield held
+    held.open()

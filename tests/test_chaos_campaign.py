@@ -14,8 +14,8 @@ import pytest
 
 from elastic.events import read_events
 
-from .conftest import FAST_JOB, launch, output
-from .test_e2e import PATCH_HOOKS, wait_event
+from .conftest import FAST_JOB, PATCH_HOOKS, launch, output
+from .test_e2e import wait_event
 
 CAMPAIGN_TIMEOUT_S = 600
 

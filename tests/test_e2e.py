@@ -36,16 +36,15 @@ from chaos.report import recovery
 from chaos.requests import request_fault
 from elastic import config
 from elastic.control import EXIT_FAILED, EXIT_PEER_LOST, EXIT_UNSAVED
-from elastic.events import EventFollower, read_events
+from elastic.events import EventFollower, RunEnded, read_events
 from elastic.final_save import unsaved_steps
 from elastic.synthetic import ensure_synthetic
 from launcher.agent.agent import EXIT_UNHEALTHY
 from launcher.health.quarantine import Quarantine
 
-from .conftest import launch, output, small_tmpfs, with_limit
+from .conftest import PATCH_HOOKS, Gate, launch, output, small_tmpfs, with_limit
 
 CLOCK_SKEW_HOOK = Path(__file__).parent / "clock_skew"
-PATCH_HOOKS = Path(__file__).parent / "patch_on_import"
 SAMPLES_PER_EPOCH = 240  # 10 classes x 24 images (tests/conftest.FAST_JOB)
 START_TIMEOUT_S = 180
 FINISH_TIMEOUT_S = 300
@@ -61,12 +60,19 @@ def wait_exit(proc: subprocess.Popen[str], run_dir: Path) -> int:
 
 
 def wait_event(run_dir: Path, proc: subprocess.Popen[str], predicate, since: float = 0.0) -> dict:  # type: ignore[no-untyped-def]
-    """The first event since ``since`` matching ``predicate`` (or any once the launcher exits)."""
+    """The first event since ``since`` matching ``predicate``; fails as soon as the launcher
+    has exited without it, with the launcher's output."""
     follower = EventFollower(run_dir)
     try:
         return follower.wait_for(
-            lambda e: (e["ts"] >= since and predicate(e)) or proc.poll() is not None,
+            lambda e: e["ts"] >= since and predicate(e),
             timeout_s=START_TIMEOUT_S,
+            running=lambda: proc.poll() is None,
+        )
+    except RunEnded:
+        pytest.fail(
+            f"the launcher exited ({proc.returncode}) before the awaited event:\n"
+            f"{output(run_dir)[-3000:]}"
         )
     except TimeoutError:
         proc.kill()
@@ -882,7 +888,7 @@ def test_a_checkpoint_store_that_fills_up_costs_checkpoints_not_the_round(tmp_pa
 
 
 def test_a_degraded_node_is_found_repaired_or_evicted_and_nothing_is_redone_by_it(
-    tmp_path: Path,
+    tmp_path: Path, gate: Gate
 ) -> None:
     """Three faults of nodes that stay up, in turn, in one 3-node job.
 
@@ -892,10 +898,13 @@ def test_a_degraded_node_is_found_repaired_or_evicted_and_nothing_is_redone_by_i
       its newest checkpoint and strikes rank 1's node.
     - One node's workers held to half their CPU (chaos's slow_node), as a throttled GPU: its
       own rank says it is a straggler, and no other rank does; under health.straggler=evict the
-      node leaves as planned, quarantined, and rejoins after the cooldown and a new check.
+      node leaves as planned, quarantined, and rejoins after the cooldown and a new check, in
+      time to train the job's last steps (held until then: on a fast machine the job would
+      end before its quarantine does).
 
     The invariants hold throughout."""
     run_dir = tmp_path / "run"
+    gate.hold_end(3)
     proc = launch(
         run_dir,
         "cluster.nodes=3",
@@ -910,6 +919,7 @@ def test_a_degraded_node_is_found_repaired_or_evicted_and_nothing_is_redone_by_i
         "chaos.nan_steps=[13,14,15]",
         "chaos.nan_rank=1",
         RECORD,
+        env=gate.env(),
     )
     wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["step"] >= 1)
     flipped_node = other_node(run_dir, 3)
@@ -929,8 +939,11 @@ def test_a_degraded_node_is_found_repaired_or_evicted_and_nothing_is_redone_by_i
     back = wait_event(
         run_dir, proc, lambda e: e["event"] == "round_joined" and e["node"] == target, began
     )
+    gate.open()
     assert wait_exit(proc, run_dir) == 0, output(run_dir)[-3000:]
     events = assert_invariants(run_dir, epochs=5)
+    trained = [e for e in events if e["event"] == "samples" and e["node"] == target]
+    assert any(e["ts"] > back["ts"] for e in trained), "the node came back to train"
 
     # The flipped bit, repaired at the next check.
     assert flipped["node"] == flipped_node == repaired["node"], (flipped, repaired)

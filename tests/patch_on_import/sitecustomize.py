@@ -11,6 +11,12 @@ says so:
   abandoned, as when a new round comes while the last checkpoint is written. The file says that
   it held (once). Its peers meanwhile have trained the same last step, so a node started then
   joins the job at its very end.
+- ``$ELASTIC_TEST_GATE=path``: every rank, before each step, holds while the file says so
+  (:class:`tests.conftest.Gate` writes it): ``end K``, within the job's last K steps; a number
+  L, past step L; ``open`` or no file, never. A held rank says it waits for its peers (the
+  watchdog does not take it for frozen), leaves as soon as its round is aborted, and goes on
+  when a planned leave is due, so that a node can still leave between two steps. A test thus
+  keeps a job from ending, however fast the machine, until what it waits for has happened.
 """
 
 import builtins
@@ -22,10 +28,13 @@ import time
 _DROP_AT = int(os.environ.get("ELASTIC_TEST_DROP_SAMPLE_AT", "0"))
 _HOLD_STEP = int(os.environ.get("ELASTIC_TEST_HOLD_COMMIT_STEP", "0"))
 _HOLD_PATH = os.environ.get("ELASTIC_TEST_HOLD_FILE", "")
+_GATE_PATH = os.environ.get("ELASTIC_TEST_GATE", "")
 _HOLD_S = 120.0  # bounded: a test that never starts the joiner fails on its own timeout
+_GATE_S = 300.0  # bounded too: past it, a held rank trains on (the test has failed by then)
 _POLL_S = 0.05
 _import = builtins.__import__
-_pending = {}  # module name -> (the class it must hold, the patch to apply to the module)
+_pending = []  # (module name, the attribute it must hold, the patch to apply to the module)
+_gate = {"comm": None, "held": False}  # this worker's communicator; whether it is held now
 _drops = {"calls": 0}
 
 
@@ -60,18 +69,76 @@ def _hold_the_commit(checkpoint: object) -> None:
     checkpoint.CheckpointManager.commit = holding  # type: ignore[attr-defined]
 
 
+def _gate_closed(step: int, left: int, size: int) -> bool:
+    """Whether the gate file holds back ``step``, with ``left`` samples left before it and
+    ``size`` in a step."""
+    try:
+        with open(_GATE_PATH) as f:
+            words = f.read().split()
+    except FileNotFoundError:
+        return False
+    if not words or words[0] == "open":
+        return False
+    if words[0] == "end":
+        return left <= int(words[1]) * size
+    return step > int(words[0])
+
+
+def _hold_at_the_gate(sampler: object) -> None:
+    plan = sampler.ElasticSampler.plan  # type: ignore[attr-defined]
+
+    def holding(self, state, rank, world_size, limit, global_batch=0):  # type: ignore[no-untyped-def]
+        caller = sys._getframe(1)
+        if caller.f_code.co_name == "train_steps":  # the step about to be trained, not prefetched
+            step = caller.f_locals["progress"].step + 1
+            w, comm = caller.f_locals["w"], _gate["comm"]
+            size = global_batch or world_size * self.batch_size
+            deadline = time.monotonic() + _GATE_S
+            _gate["held"] = True
+            try:
+                while _gate_closed(step, limit, size) and time.monotonic() < deadline:
+                    if comm is not None and comm.aborted:
+                        from elastic.communicator import RoundAborted
+
+                        raise RoundAborted("a new round was announced while held at the gate")
+                    if w.link._switch is not None:  # a planned leave: the steps it needs go
+                        break
+                    time.sleep(_POLL_S)
+            finally:
+                _gate["held"] = False
+        return plan(self, state, rank, world_size, limit, global_batch)
+
+    sampler.ElasticSampler.plan = holding  # type: ignore[attr-defined]
+
+
+def _watch_the_communicator(communicator: object) -> None:
+    cls = communicator.Communicator  # type: ignore[attr-defined]
+    init, waiting = cls.__init__, cls.waiting_for_peers
+
+    def recording(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        init(self, *args, **kwargs)
+        _gate["comm"] = self
+
+    cls.__init__ = recording
+    cls.waiting_for_peers = property(lambda self: _gate["held"] or waiting.fget(self))
+
+
 def _importing(name, globals=None, locals=None, fromlist=(), level=0):  # type: ignore[no-untyped-def]
     module = _import(name, globals, locals, fromlist, level)
-    for target, (cls, patch) in list(_pending.items()):
-        if hasattr(sys.modules.get(target), cls):  # imported far enough to patch, once
-            del _pending[target]
+    for entry in list(_pending):
+        target, attribute, patch = entry
+        if hasattr(sys.modules.get(target), attribute):  # imported far enough to patch, once
+            _pending.remove(entry)
             patch(sys.modules[target])
     return module
 
 
 if _DROP_AT:
-    _pending["elastic.sampler"] = ("ElasticSampler", _drop_a_sample)
+    _pending.append(("elastic.sampler", "ElasticSampler", _drop_a_sample))
 if _HOLD_STEP and _HOLD_PATH:
-    _pending["elastic.checkpoint"] = ("CheckpointManager", _hold_the_commit)
+    _pending.append(("elastic.checkpoint", "CheckpointManager", _hold_the_commit))
+if _GATE_PATH:
+    _pending.append(("elastic.communicator", "Communicator", _watch_the_communicator))
+    _pending.append(("elastic.sampler", "ElasticSampler", _hold_at_the_gate))
 if _pending:
     builtins.__import__ = _importing
