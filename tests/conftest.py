@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -26,6 +26,7 @@ import pytest
 os.environ["PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"] = "python"
 
 from elastic.config import RendezvousConfig  # noqa: E402
+from elastic.events import EventFollower
 from launcher.rendezvous.embedded_etcd import EmbeddedEtcd
 from launcher.rendezvous.etcd import connect
 from launcher.rendezvous.membership import NodeRecord
@@ -233,6 +234,7 @@ def output(run_dir: Path) -> str:
 
 
 PATCH_HOOKS = Path(__file__).parent / "patch_on_import"
+OPEN_ON_S = 600.0
 
 
 @dataclass
@@ -263,10 +265,36 @@ class Gate:
     def open(self) -> None:
         self._write("open")
 
+    def open_on(self, run_dir: Path, predicate: Callable[[dict[str, Any]], bool]) -> None:
+        """Open the gate, from a thread of its own, at the first event of ``run_dir`` matching
+        ``predicate`` (or after :data:`OPEN_ON_S`, when the test has failed): for a job that
+        the test waits on whole, a campaign's or a soak's."""
+
+        def watch() -> None:
+            with contextlib.suppress(TimeoutError):
+                EventFollower(run_dir).wait_for(predicate, timeout_s=OPEN_ON_S)
+            self.open()
+
+        threading.Thread(target=watch, name="gate", daemon=True).start()
+
     def _write(self, text: str) -> None:
         new = self.path.with_suffix(".new")
         new.write_text(text + "\n")
         os.replace(new, self.path)  # a rank reads the old word or the new one, never half
+
+
+def back_after_restart(n: int) -> Callable[[dict[str, Any]], bool]:
+    """A predicate for :meth:`Gate.open_on`: the node that a campaign (or a test) started again
+    for the ``n``-th time (its ``fault_cleared`` of kind ``restart``) is back in a round."""
+    restarted: list[str] = []
+
+    def back(e: dict[str, Any]) -> bool:
+        if e["event"] == "fault_cleared" and e.get("kind") == "restart":
+            restarted.append(e["target"])
+        joined = e["event"] == "round_joined"
+        return joined and len(restarted) >= n and e["node"] == restarted[n - 1]
+
+    return back
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ record breaks."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,14 +15,17 @@ import pytest
 
 from elastic.events import read_events
 
-from .conftest import FAST_JOB, PATCH_HOOKS, launch, output
+from .conftest import FAST_JOB, PATCH_HOOKS, Gate, back_after_restart, launch, output
 from .test_e2e import wait_event
 
 CAMPAIGN_TIMEOUT_S = 600
 
 
-def chaos(tmp_path: Path, *overrides: str, job_id: str = "campaign") -> tuple[int, str]:
-    """``python -m chaos`` on the fast job in ``tmp_path/run``: its exit code and output."""
+def chaos(
+    tmp_path: Path, *overrides: str, job_id: str = "campaign", env: dict[str, str] | None = None
+) -> tuple[int, str]:
+    """``python -m chaos`` on the fast job in ``tmp_path/run``, ``env`` added to ours: its exit
+    code and output."""
     run_dir = tmp_path / "run"
     done = subprocess.run(
         [sys.executable, "-m", "chaos", f"job_id={job_id}", f"run_dir={run_dir}", *FAST_JOB]
@@ -30,18 +34,22 @@ def chaos(tmp_path: Path, *overrides: str, job_id: str = "campaign") -> tuple[in
         capture_output=True,
         text=True,
         timeout=CAMPAIGN_TIMEOUT_S,
+        env={**os.environ, **(env or {})},
     )
     return done.returncode, done.stdout + done.stderr
 
 
 def test_a_scripted_campaign_keeps_the_invariants_and_reports_each_fault_and_the_goodput(
-    tmp_path: Path,
+    tmp_path: Path, gate: Gate
 ) -> None:
     """A node killed and started again, one of three etcd members lost for 3 s, a worker
     killed, a shard of the newest checkpoint corrupted, a bit flipped in a worker's parameters
     (found and repaired by the replica check), a node frozen and thawed, a node slowed
     to half its CPU (and named a straggler, comparisons every 2 steps), a planned leave and
-    return (conf/campaign/scripted.yaml), on a 3-node job."""
+    return (conf/campaign/scripted.yaml), on a 3-node job. Its last 3 steps wait at the gate for
+    the node that left to be back, which a fast machine would not wait for."""
+    gate.hold_end(3)
+    gate.open_on(tmp_path / "run", back_after_restart(2))
     code, out = chaos(
         tmp_path,
         "campaign=scripted",
@@ -49,6 +57,7 @@ def test_a_scripted_campaign_keeps_the_invariants_and_reports_each_fault_and_the
         "trainer.epochs=16",
         "health.straggler_every=2",
         "health.straggler_windows=2",
+        env=gate.env(),
     )
     assert code == 0, out[-4000:]
     out_dir = tmp_path / "run" / "chaos"

@@ -26,6 +26,8 @@ from chaos.invariants import (
 )
 from elastic import config
 
+from .conftest import Gate, back_after_restart
+
 # The top-1 both runs must reach on the 740 held-out scans after 8 epochs (chance: 10 %), and
 # how far apart their final top-1 may be. Measured on a 2-core machine (2026-11-26), final top-1
 # of the fault-free run / of the run with a node killed at epoch 4 and back 0.7-0.9 epochs
@@ -54,8 +56,18 @@ def test_a_fault_free_run_of_the_digits_job_learns(fault_free: Trial) -> None:
 
 
 def test_a_node_killed_and_started_again_learns_as_much_as_the_fault_free_run(
-    tmp_path: Path, etcd_endpoint: str, fault_free: Trial
+    tmp_path: Path,
+    etcd_endpoint: str,
+    fault_free: Trial,
+    gate: Gate,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # The last 3 steps wait at the gate for the node to be back: on a fast machine the job
+    # would otherwise end first (here it is back 0.7-0.9 epochs after the kill, of 4 left).
+    gate.hold_end(3)
+    for name, value in gate.env().items():
+        monkeypatch.setenv(name, value)  # the trial's launcher inherits it
+    gate.open_on(tmp_path / "run", back_after_restart(1))
     run = convergence.run(tmp_path / "run", etcd_endpoint, fault=True)
     events = run.events
     cfg = config.load(run.run_dir / "config.yaml")

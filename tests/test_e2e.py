@@ -79,6 +79,11 @@ def wait_event(run_dir: Path, proc: subprocess.Popen[str], predicate, since: flo
         pytest.fail(f"the awaited event never came:\n{output(run_dir)[-3000:]}")
 
 
+def newest_step(run_dir: Path) -> int:
+    """The newest step rank 0 has logged (every step, trainer.log_every=1)."""
+    return max((e["step"] for e in read_events(run_dir) if e["event"] == "step"), default=0)
+
+
 def worker_pids(events: list[dict], only: str = "", exclude: str = "") -> list[int]:
     return [
         e["worker_pid"]
@@ -247,11 +252,19 @@ def test_killed_node_survivors_recover_in_place_and_redo_the_evaluation_it_cut(
 
 
 def freeze_until_dropped(
-    run_dir: Path, proc: subprocess.Popen[str], target: str, agent_only: bool, at_least_s: float
+    run_dir: Path,
+    proc: subprocess.Popen[str],
+    target: str,
+    agent_only: bool,
+    at_least_s: float,
+    gate: Gate,
 ) -> tuple[float, float, dict]:  # type: ignore[type-arg]
     """SIGSTOP ``target`` (the whole node, or its agent alone) until the others trained a step
     in a round without it, and for at least ``at_least_s``, then SIGCONT; (fault, thawed, that
-    step's event)."""
+    step's event). ``gate`` spends few steps on it, however fast the machine trains: the job
+    trains at most 3 steps until the node is dropped (a node whose agent alone is frozen trains
+    on with the others), and the others wait at the gate from their first step without it."""
+    gate.hold_after(newest_step(run_dir) + 3)
     if agent_only:
         fault = kill_agent(run_dir, target, signal.SIGSTOP)
     else:
@@ -260,9 +273,11 @@ def freeze_until_dropped(
         dropped = wait_event(
             run_dir, proc, lambda e: e["event"] == "round_formed" and target in e["removed"], fault
         )
+        gate.open()
         progressed = wait_event(
             run_dir, proc, lambda e: e["event"] == "step" and e["ts"] > dropped["ts"], fault
         )
+        gate.hold_after(0)
         time.sleep(max(0.0, fault + at_least_s - time.time()))  # the fault's length
     finally:
         thawed = thaw_node(run_dir, target)
@@ -270,21 +285,23 @@ def freeze_until_dropped(
 
 
 def test_a_frozen_node_and_a_frozen_agent_are_evicted_and_rejoin_when_thawed(
-    tmp_path: Path,
+    tmp_path: Path, gate: Gate
 ) -> None:
     """A node frozen whole, then another whose agent alone freezes while its workers train on:
     each is dropped once its lease runs out, trains no step in a round the others have left
     (one history), and when thawed fences itself and joins again, with one strike and no
     worker blamed for the agent's own silence."""
     run_dir = tmp_path / "run"
-    watchdog_s, epochs = 5.0, 8
-    # 8 epochs: the second freeze is over by about step 40 of some 85, here.
+    # The faults cost the job at most about 20 of its 50 steps or more, on any machine: it
+    # waits at the gate while each node comes back.
+    watchdog_s, epochs = 5.0, 5
     proc = launch(
         run_dir,
         "cluster.nodes=3",
         f"trainer.epochs={epochs}",
         f"rendezvous.watchdog_s={watchdog_s}",
         RECORD,
+        env=gate.env(),
     )
     wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["step"] >= 8)
     rejoined = []
@@ -293,7 +310,7 @@ def test_a_frozen_node_and_a_frozen_agent_are_evicted_and_rejoin_when_thawed(
         # The agent stays frozen beyond its workers' watchdog limit: their heartbeats wait unread.
         at_least_s = watchdog_s + 2 if agent_only else 0.0
         fault, thawed, progressed = freeze_until_dropped(
-            run_dir, proc, target, agent_only, at_least_s
+            run_dir, proc, target, agent_only, at_least_s, gate
         )
         # Evicted by its lease (TTL 2 s here), well within the watchdog bound of 10 s + TTL.
         assert progressed["ts"] - fault < 15, output(run_dir)[-3000:]
@@ -306,6 +323,7 @@ def test_a_frozen_node_and_a_frozen_agent_are_evicted_and_rejoin_when_thawed(
             thawed,
         )
         assert back["world_size"] == 3
+        gate.open()
         rejoined.append((target, fault, back))
 
     assert wait_exit(proc, run_dir) == 0, output(run_dir)[-3000:]
@@ -337,14 +355,24 @@ def test_a_frozen_node_and_a_frozen_agent_are_evicted_and_rejoin_when_thawed(
 
 
 def test_a_planned_leave_and_a_drain_hand_over_between_two_steps(
-    tmp_path: Path, etcd_endpoint: str, etcd_client, job_id: str
+    tmp_path: Path, etcd_endpoint: str, etcd_client, job_id: str, gate: Gate
 ) -> None:
     """SIGTERM to one node (a preemption), then ``quarantine add`` of another (a maintenance
     drain): each finishes the step in flight and the next, and the others switch to a round
-    without it in between. Nothing is dropped or redone, and no failure has to be detected."""
+    without it in between. Nothing is dropped or redone, and no failure has to be detected.
+    (The job's last 4 steps wait at the gate for both: a planned leave passes it.)"""
     run_dir = tmp_path / "run"
     endpoints = f"cluster.etcd_endpoints=[{etcd_endpoint}]"
-    proc = launch(run_dir, "cluster.nodes=3", "trainer.epochs=6", RECORD, endpoints, job_id=job_id)
+    gate.hold_end(4)
+    proc = launch(
+        run_dir,
+        "cluster.nodes=3",
+        "trainer.epochs=6",
+        RECORD,
+        endpoints,
+        job_id=job_id,
+        env=gate.env(),
+    )
     wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["step"] >= 8)
     wait_event(run_dir, proc, lambda e: e["event"] == "checkpoint_saved")  # in the background
     # The operator's screen (python -m launcher.status) of the running job, a checkpoint saved.
@@ -377,6 +405,7 @@ def test_a_planned_leave_and_a_drain_hand_over_between_two_steps(
     guard.add(drained, 600, ("maintenance",), by="test")
     wait_event(run_dir, proc, lambda e: e["event"] == "quarantine_wait", asked)
     kill_node(run_dir, drained, signal.SIGTERM)  # it would wait out its quarantine
+    gate.open()
     assert wait_exit(proc, run_dir) == 0, output(run_dir)[-3000:]
 
     events = assert_invariants(run_dir, epochs=6)
@@ -405,11 +434,13 @@ def test_a_planned_leave_and_a_drain_hand_over_between_two_steps(
 
 
 def test_killed_worker_is_restarted_and_rejoins_in_place_and_requests_are_refused_by_default(
-    tmp_path: Path, etcd_endpoint: str, etcd_client, job_id: str
+    tmp_path: Path, etcd_endpoint: str, etcd_client, job_id: str, gate: Gate
 ) -> None:
     """A worker killed by a signal; before it, a fault requested through etcd, which a job
-    started without ``chaos.allow=true`` refuses and logs."""
+    started without ``chaos.allow=true`` refuses and logs. (The job's last 3 steps wait at the
+    gate for the worker to be back.)"""
     run_dir = tmp_path / "run"
+    gate.hold_end(3)
     proc = launch(
         run_dir,
         "cluster.nodes=2",
@@ -417,6 +448,7 @@ def test_killed_worker_is_restarted_and_rejoins_in_place_and_requests_are_refuse
         RECORD,
         f"cluster.etcd_endpoints=[{etcd_endpoint}]",
         job_id=job_id,
+        env=gate.env(),
     )
     wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["step"] >= 6)
     answer = request_fault(etcd_client, "/elastic", job_id, "node1", "freeze_node", duration_s=60)
@@ -424,6 +456,10 @@ def test_killed_worker_is_restarted_and_rejoins_in_place_and_requests_are_refuse
     refused = [e for e in read_events(run_dir) if e["event"] == "fault_refused"]
     assert [(e["node"], e["kind"]) for e in refused] == [("node1", "freeze_node")]
     fault = kill_worker(run_dir, "node1")
+    wait_event(
+        run_dir, proc, lambda e: e["event"] == "round_joined" and e["node"] == "node1", fault
+    )
+    gate.open()
 
     assert wait_exit(proc, run_dir) == 0, output(run_dir)[-3000:]
     events = assert_invariants(run_dir, epochs=5)
@@ -445,17 +481,19 @@ def test_killed_worker_is_restarted_and_rejoins_in_place_and_requests_are_refuse
 
 
 def test_a_worker_in_a_crash_loop_quarantines_its_node_and_the_job_goes_on(
-    tmp_path: Path, webhook: tuple[str, queue.Queue[tuple[str, dict]]]
+    tmp_path: Path, webhook: tuple[str, queue.Queue[tuple[str, dict]]], gate: Gate
 ) -> None:
     """Every worker node1 starts is SIGKILLed as soon as it runs (a crash loop): each crash is a
     strike and a restart, the third quarantines the node, and it starts no more workers. The
     job never spins and nobody waits for a timeout: node0 trains on in place, and its first
     step without node1 comes within a second of the first crash. The owner's webhook is told
-    of the quarantine, the recoveries and the end, each once."""
+    of the quarantine, the recoveries and the end, each once. (The job's last 3 steps wait at
+    the gate for the quarantine.)"""
     run_dir = tmp_path / "run"
     url, received = webhook
     alerting = [f"notify.webhook={url}", "notify.recoveries_per_hour=1"]
-    proc = launch(run_dir, "cluster.nodes=2", "trainer.epochs=4", RECORD, *alerting)
+    gate.hold_end(3)
+    proc = launch(run_dir, "cluster.nodes=2", "trainer.epochs=4", RECORD, *alerting, env=gate.env())
     wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["step"] >= 5)
     follower = EventFollower(run_dir, only_new=True)
     first = killed = kill_worker(run_dir, "node1")
@@ -467,11 +505,13 @@ def test_a_worker_in_a_crash_loop_quarantines_its_node_and_the_job_goes_on(
                 and e["ts"] > t
             ),
             timeout_s=60,
+            running=lambda: proc.poll() is None,
         )
         assert started["event"] == "worker_started", started
         killed = kill_worker(run_dir, "node1")
     quarantined = wait_event(run_dir, proc, lambda e: e["event"] == "quarantine_wait", first)
     assert quarantined["node"] == "node1" and quarantined["ts"] - first < 30
+    gate.open()
     # node0 finishes the job; the launcher then stops node1, which waits out its quarantine.
     assert wait_exit(proc, run_dir) == 0, output(run_dir)[-3000:]
 
@@ -499,12 +539,13 @@ def test_a_worker_in_a_crash_loop_quarantines_its_node_and_the_job_goes_on(
 
 
 def test_node_added_mid_run_enters_at_next_round_with_lr_ramped_and_its_clock_may_step(
-    tmp_path: Path, etcd_endpoint: str, job_id: str
+    tmp_path: Path, etcd_endpoint: str, job_id: str, gate: Gate
 ) -> None:
     """A node started beside a running job enters at the next round, receives the state from
     memory and the LR ramps up. Then its wall clock is stepped an hour forward and two back
     (tests/clock_skew): nothing changes, since every duration is measured on the monotonic
-    clock: no fencing, no eviction, no frozen worker, no strike, and it trains to the end."""
+    clock: no fencing, no eviction, no frozen worker, no strike, and it trains to the end. (The
+    job waits at the gate while the node starts: the steps its clock needs are still to come.)"""
     run_dir = tmp_path / "run"
     skew = tmp_path / "clock_skew_s"
     skew.write_text("0")
@@ -517,6 +558,7 @@ def test_node_added_mid_run_enters_at_next_round_with_lr_ramped_and_its_clock_ma
         f"cluster.etcd_endpoints=[{etcd_endpoint}]",
         RECORD,
         job_id=job_id,
+        env=gate.env(),
     )
     # With first_round_wait_s=1 the first round may hold one node; wait until both train.
     wait_event(
@@ -525,6 +567,7 @@ def test_node_added_mid_run_enters_at_next_round_with_lr_ramped_and_its_clock_ma
         lambda e: e["event"] == "step" and e["step"] >= 6 and e["world_size"] == 2,
     )
     added = time.time()
+    gate.hold_after(0)
     hook = {"PYTHONPATH": str(CLOCK_SKEW_HOOK), "ELASTIC_TEST_CLOCK_SKEW_FILE": str(skew)}
     agent = start_agent(run_dir, "node2", etcd_endpoint, env=hook)
     try:
@@ -532,6 +575,7 @@ def test_node_added_mid_run_enters_at_next_round_with_lr_ramped_and_its_clock_ma
             run_dir, proc, lambda e: e["event"] == "round_joined" and e["node"] == "node2", added
         )
         assert joined["world_size"] == 3
+        gate.open()
         for offset in (3600, -3600):  # node0 holds rank 0: its step events keep the real time
             stepped = wait_event(run_dir, proc, lambda e: e["event"] == "step", time.time())
             skew.write_text(str(offset))
@@ -644,26 +688,29 @@ def test_sigterm_stops_cleanly_and_a_restart_resumes_from_the_checkpoint(
 
 
 def test_unfit_node_stays_out_is_quarantined_and_joins_once_cleared(
-    tmp_path: Path, etcd_endpoint: str, etcd_client, job_id: str
+    tmp_path: Path, etcd_endpoint: str, etcd_client, job_id: str, gate: Gate
 ) -> None:
     """node2 starts with a real open-file limit of 256: it fails its check, publishes the report
     and exits while node0 and node1 train on. Its second failure quarantines it; started again
-    with sane limits it waits, and joins once an operator clears it."""
+    with sane limits it waits, and joins once an operator clears it. (node0 and node1 wait at
+    the gate from their first step together until then: the job is there to be joined.)"""
     run_dir = tmp_path / "run"
     proc = launch(
         run_dir,
         "cluster.nodes=2",
         "cluster.max_nodes=3",
-        "trainer.epochs=40",
+        "trainer.epochs=4",
         "rendezvous.first_round_wait_s=1",
         "health.max_strikes=2",
         "health.quarantine_s=600",
         f"cluster.etcd_endpoints=[{etcd_endpoint}]",
         job_id=job_id,
+        env=gate.env(),
     )
     # Both nodes training: with first_round_wait_s=1 the first round may hold only the node whose
     # workers were ready first, and the other one enters the next round.
     wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["world_size"] == 2)
+    gate.hold_after(0)
     first_try = time.time()
     guard = Quarantine(etcd_client, "/elastic", job_id, config.HealthConfig())
     agents: list[subprocess.Popen[bytes]] = []
@@ -708,6 +755,7 @@ def test_unfit_node_stays_out_is_quarantined_and_joins_once_cleared(
             run_dir, proc, lambda e: e["event"] == "round_joined" and e["node"] == "node2", cleared
         )
         assert joined["world_size"] == 3
+        gate.open()
         wait_event(
             run_dir, proc, lambda e: e["event"] == "step" and e["world_size"] == 3, joined["ts"]
         )
@@ -798,13 +846,16 @@ def fill(path: Path, name: str = "filler") -> Path:
     return filler
 
 
-def test_a_checkpoint_store_that_fills_up_costs_checkpoints_not_the_round(tmp_path: Path) -> None:
+def test_a_checkpoint_store_that_fills_up_costs_checkpoints_not_the_round(
+    tmp_path: Path, gate: Gate
+) -> None:
     """checkpoint.url is a 256 MB tmpfs, filled up after the first checkpoint. Each save then
     fails with checkpoint_failed (reason and fix), training goes on in the same round with the
     newest good checkpoint kept, and once space is back the next interval saves again. Full
     again to the end, the final checkpoint is retried for checkpoint.final_retry_s, and the job
     does not end as if it had succeeded: every node exits EXIT_UNSAVED, nothing restarted, and
-    rank 0's final_save_failed and the summary name the steps not saved."""
+    rank 0's final_save_failed and the summary name the steps not saved. (node0 waits at the
+    gate while node1's worker is started again: the steps the test needs are still to come.)"""
     with small_tmpfs(tmp_path / "ckpt", 256) as store:
         run_dir = tmp_path / "run"
         proc = launch(
@@ -815,6 +866,7 @@ def test_a_checkpoint_store_that_fills_up_costs_checkpoints_not_the_round(tmp_pa
             "checkpoint.keep=1",
             "health.min_checkpoint_free_gb=0",
             "checkpoint.final_retry_s=3",
+            env=gate.env(),
         )
         try:
             good = wait_event(run_dir, proc, lambda e: e["event"] == "checkpoint_saved")
@@ -828,6 +880,7 @@ def test_a_checkpoint_store_that_fills_up_costs_checkpoints_not_the_round(tmp_pa
             wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["step"] > failed["step"])
             # A worker that crashes now is restarted: its node's disk check fails as every
             # node's would, which is a warning for a node already in the job, not a refusal.
+            gate.hold_after(0)
             crashed = kill_worker(run_dir, "node1")
             checked = wait_event(
                 run_dir,
@@ -842,6 +895,7 @@ def test_a_checkpoint_store_that_fills_up_costs_checkpoints_not_the_round(tmp_pa
                 lambda e: e["event"] == "round_joined" and e["node"] == "node1",
                 crashed,
             )
+            gate.open()
             freed = time.time()
             filler.unlink()
             again = wait_event(run_dir, proc, lambda e: e["event"] == "checkpoint_saved", freed)

@@ -6,6 +6,7 @@ Skipped where the host does not allow network namespaces (not root, no ``ip`` or
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 from pathlib import Path
@@ -16,20 +17,20 @@ from chaos import netns
 from chaos.injectors import heal, node_with_rank, partition, throttle, unthrottle
 from launcher.rendezvous.embedded_etcd import EmbeddedEtcd
 
-from .conftest import FAST_JOB, output
+from .conftest import FAST_JOB, Gate, output
 from .test_e2e import RECORD, assert_invariants, wait_event, wait_exit
 
 WHY_NOT = netns.available()
 pytestmark = pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "")
 NODES = 3
-EPOCHS = 8  # 80 steps: the last fault ends by about step 35
+EPOCHS = 8  # 80 steps: the faults cost 45 at most, on any machine (the job waits at the gate)
 PG_TIMEOUT_S = 5  # a cut link fails the round's collectives after this long
 SLOW_MBIT = 300  # a ResNet-18 step's allreduce then takes seconds, still within PG_TIMEOUT_S
 SLOW_STEPS = 3
 
 
 def start_node(
-    net: netns.LocalNetwork, i: int, run_dir: Path, etcd_port: int
+    net: netns.LocalNetwork, i: int, run_dir: Path, etcd_port: int, gate: Gate
 ) -> subprocess.Popen[str]:
     """Node ``i``'s launcher, run as on a machine of its own: ``cluster=bare_metal``."""
     argv = net.launcher(
@@ -44,12 +45,17 @@ def start_node(
     )
     out = open(run_dir.parent / f"node{i}.out", "w")  # noqa: SIM115 - closed with the process
     return subprocess.Popen(
-        argv, cwd=run_dir.parent, stdout=out, stderr=subprocess.STDOUT, text=True
+        argv,
+        cwd=run_dir.parent,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, **gate.env()},
     )
 
 
 def test_a_node_cut_off_is_dropped_and_rejoins_once_healed_and_a_slow_one_is_kept(
-    tmp_path: Path,
+    tmp_path: Path, gate: Gate
 ) -> None:
     """Cut off its peers (etcd still reachable), the node's round fails after pg_timeout_s; the
     two others, the majority, evict it, and it fences itself. It joins again only once it
@@ -57,17 +63,18 @@ def test_a_node_cut_off_is_dropped_and_rejoins_once_healed_and_a_slow_one_is_kep
     (its peers still reachable), its lease runs out and the others go on without it; it trains
     no step in a round they left, and rejoins when etcd is back. Slowed down (a rate-limited
     link, whose collectives still end within pg_timeout_s), it stays: no eviction, no fencing.
-    One history throughout."""
+    One history throughout. While the node finds its way back, the others wait at the gate: the
+    job is still there to be joined, however fast the machine."""
     run_dir = tmp_path / "run"
     with (
         netns.LocalNetwork(NODES) as net,
         EmbeddedEtcd(tmp_path / "etcd", tmp_path / "etcd.log", listen_host="0.0.0.0") as etcd,
     ):
         port = int(etcd.endpoint.rsplit(":", 1)[1])
-        nodes = [start_node(net, 0, run_dir, port)]
+        nodes = [start_node(net, 0, run_dir, port, gate)]
         # node0's launcher prepares the data before its agent starts; then the others.
         wait_event(run_dir, nodes[0], lambda e: e["event"] == "agent_started")
-        nodes += [start_node(net, i, run_dir, port) for i in range(1, NODES)]
+        nodes += [start_node(net, i, run_dir, port, gate) for i in range(1, NODES)]
         try:
             wait_event(run_dir, nodes[0], lambda e: e["event"] == "step" and e["step"] >= 6)
             rank0 = node_with_rank(run_dir, 0)
@@ -88,6 +95,7 @@ def test_a_node_cut_off_is_dropped_and_rejoins_once_healed_and_a_slow_one_is_kep
                     lambda e: e["event"] == "peers_unreachable" and e["node"] == target,
                     cut,
                 )
+                gate.hold_after(0)
             finally:
                 healed = heal(run_dir, net, victim, netns.PEER_LINK)
             back = wait_event(
@@ -97,6 +105,7 @@ def test_a_node_cut_off_is_dropped_and_rejoins_once_healed_and_a_slow_one_is_kep
                 healed,
             )
             assert back["world_size"] == NODES
+            gate.open()
 
             cut_etcd = partition(run_dir, net, victim, netns.ETCD_LINK)
             try:
@@ -112,6 +121,7 @@ def test_a_node_cut_off_is_dropped_and_rejoins_once_healed_and_a_slow_one_is_kep
                     lambda e: e["event"] == "step" and e["round"] == dropped["round"],
                     cut_etcd,
                 )
+                gate.hold_after(0)
             finally:
                 healed_etcd = heal(run_dir, net, victim, netns.ETCD_LINK)
             again = wait_event(
@@ -121,6 +131,7 @@ def test_a_node_cut_off_is_dropped_and_rejoins_once_healed_and_a_slow_one_is_kep
                 healed_etcd,
             )
             assert again["world_size"] == NODES
+            gate.open()
             paced = wait_event(
                 run_dir,
                 nodes[0],

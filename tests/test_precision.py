@@ -41,7 +41,7 @@ from elastic.precision import (
     resolve_precision,
 )
 from elastic.state import TrainState
-from tests.conftest import launch, output, served_store
+from tests.conftest import Gate, launch, output, served_store
 from tests.test_e2e import wait_event, wait_exit
 
 CPU = torch.device("cpu")
@@ -323,15 +323,20 @@ FP16_JOB = [
 ]
 
 
-def test_fp16_with_akiba_and_bf16_gradients_trains_through_a_node_kill(tmp_path: Path) -> None:
+def test_fp16_with_akiba_and_bf16_gradients_trains_through_a_node_kill(
+    tmp_path: Path, gate: Gate
+) -> None:
     """The precision and update of a 32k recipe (recipe=resnet50_32k_akiba: fp16, RMSprop warm-up,
     a reduced-precision all-reduce) end to end: a node SIGKILLed mid-run, the survivor trains on
-    with its loss scale, and every invariant holds."""
+    with its loss scale, and every invariant holds. (The job waits at the gate after step 5 of
+    its 8 until the node is killed: a fast machine would train them all first.)"""
     run_dir = tmp_path / "run"
-    proc = launch(run_dir, *FP16_JOB)
+    gate.hold_after(5)
+    proc = launch(run_dir, *FP16_JOB, env=gate.env())
     wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["step"] >= 5)
     victim = next(f"node{i}" for i in range(2) if f"node{i}" != node_with_rank(run_dir, 0))
     fault = kill_node(run_dir, victim)
+    gate.open()
     assert wait_exit(proc, run_dir) == 0, output(run_dir)[-3000:]
 
     events = read_events(run_dir)

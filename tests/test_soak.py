@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from chaos.resources import WARMUP
 from elastic import event_types as ev
 from elastic.events import read_events
 from launcher.agent.decisions import Reach
 from launcher.agent.peers import WHY_EVICTED
 
-from .conftest import FAST_JOB, load_bench
+from .conftest import FAST_JOB, Gate, back_after_restart, load_bench
 
 soak = load_bench("soak")
 
@@ -28,12 +30,18 @@ MAX_THREADS_PER_RECOVERY = 2.0
 
 
 def test_survivors_keep_their_descriptors_and_threads_and_agents_their_memory_across_rebuilds(
-    tmp_path: Path,
+    tmp_path: Path, gate: Gate, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The node other than rank 0's killed every 50 steps and started again: each kill and each
     return is a rebuild in place of rank 0's worker, and the job ends by itself, its invariants
     (every sample once, replicas identical, the LR) kept, its global batch and LR the same at
-    every world size."""
+    every world size. Its last 3 steps wait at the gate for the node's fourth return, which a
+    fast machine would not wait for."""
+    gate.hold_end(3)
+    for name, value in gate.env().items():
+        monkeypatch.setenv(name, value)  # the soak's job inherits it
+    run_dir = tmp_path / "run"
+    gate.open_on(run_dir, back_after_restart(4))
     args = soak.parse(
         [
             "--faults=4",
@@ -47,7 +55,6 @@ def test_survivors_keep_their_descriptors_and_threads_and_agents_their_memory_ac
             "optim.policy=keep_global_batch",
         ]
     )
-    run_dir = tmp_path / "run"
     s = soak.run(args, run_dir)
     table = soak.table(s)
     assert s.ok, table
