@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from elastic import nccl_settings
 from elastic.control import Assignment
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,8 @@ class Communicator:
     ) -> None:
         self.device = device
         self.backend = backend_for(device, backend)
+        if self.backend == "nccl":  # before the process's first NCCL group reads them
+            nccl_settings.apply(timeout_s)
         self.grad_dtype = grad_dtype  # what gradients travel in (comm.grad_dtype)
         self.timeout = timedelta(seconds=timeout_s)
         self.assignment: Assignment | None = None
@@ -108,6 +111,7 @@ class Communicator:
         self._retired: list[tuple[dist.ProcessGroup, list[dist.Work]]] = []
         self._announced = 0  # the newest round the agent has announced
         self._failure: CollectiveFailure | None = None
+        self._group_aborted = False  # the current group's NCCL communicator was aborted (freed)
         self.buckets_this_step = 0  # hook calls since begin_step(): how far backward got
         self.buckets_per_step = 0  # hook calls of the last complete step
         self._step_began = self._handed_at = 0.0  # perf_counter: the step's start, its last bucket
@@ -136,7 +140,7 @@ class Communicator:
             self._failure = None
         self.buckets_per_step = 0  # DDP's buckets are rebuilt after its first step
         with self.collective("group set-up"):
-            shrunk = previous is not None and self._try_shrink(previous, assignment)
+            shrunk = previous is not None and self._shrank(previous, assignment)
             if not shrunk:
                 self.close()
                 self._meet(assignment)
@@ -225,16 +229,24 @@ class Communicator:
             pg_options=options,
         )
 
-    def _try_shrink(self, previous: Assignment, new: Assignment) -> bool:
-        """NCCL, and the new round only removed ranks of ours: shrink instead of re-creating."""
+    def _shrank(self, previous: Assignment, new: Assignment) -> bool:
+        """Whether the round's group was made by shrinking the previous one (NCCL, the new round
+        only removed ranks of ours, and the previous communicator still lives). A shrink that
+        fails is no failure of the round: the caller then builds the group anew."""
         excluded = new.shrink_of(previous)
-        if self.backend != "nccl" or excluded is None or not dist.is_initialized():
+        live = dist.is_initialized() and not self._group_aborted
+        supported = live and (
+            dist.distributed_c10d._get_default_group()._get_backend(self.device).supports_shrinking
+        )
+        if not can_shrink(self.backend, excluded, live, supported):
             return False
-        group = dist.distributed_c10d._get_default_group()
-        if not group._get_backend(self.device).supports_shrinking:
+        assert excluded is not None  # can_shrink says so
+        try:
+            # SHRINK_ABORT is not exported as torch.distributed.SHRINK_ABORT (2.11 to 2.14).
+            dist.shrink_group(excluded, shrink_flags=dist.distributed_c10d.SHRINK_ABORT)
+        except Exception as exc:  # any backend's: the full rebuild follows
+            log.warning("shrinking the group failed (%s: %s); building it anew", type(exc), exc)
             return False
-        # SHRINK_ABORT is not exported as torch.distributed.SHRINK_ABORT (2.11 to 2.14).
-        dist.shrink_group(excluded, shrink_flags=dist.distributed_c10d.SHRINK_ABORT)
         return True
 
     def abort(self, reason: str, before_round: int | None = None) -> None:
@@ -260,6 +272,7 @@ class Communicator:
                 fut.set_exception(RoundAborted(reason))
         if self.backend == "nccl" and dist.is_initialized():
             dist.distributed_c10d._get_default_group().abort()
+            self._group_aborted = True  # freed: it can be destroyed, never shrunk
 
     @property
     def aborted(self) -> bool:
@@ -318,6 +331,7 @@ class Communicator:
             self._retired.append((group, in_flight))
             self._kept = {}  # they may still write into the kept tensors: new ones for the next
         dist.destroy_process_group()
+        self._group_aborted = False
         # Destroyed with the rest, but a group lives (threads, sockets) while a reference does;
         # a save still running holds its own.
         self.save_group = None
@@ -499,10 +513,35 @@ def _failed(exc: Exception) -> torch.futures.Future[torch.Tensor]:
     return fut
 
 
-def round_end(aborted: bool, failure: CollectiveFailure | None) -> RoundEnd:
-    """Why a round ended with an exception, from what the communicator recorded: the agent's
-    abort comes first (the failure it causes is expected), then a failed collective; anything
-    else is local."""
+def can_shrink(backend: str, excluded: list[int] | None, live: bool, supported: bool) -> bool:
+    """Whether a round's group may be the previous one shrunk: only NCCL shrinks, only a round
+    that removed ranks and added none (``excluded``), and only a communicator that still lives
+    (``live``: ncclCommShrink needs its parent, which an abort frees) and can (``supported``)."""
+    return backend == "nccl" and excluded is not None and live and supported
+
+
+def is_device_fault(error: BaseException | None) -> bool:
+    """Whether ``error`` is, or was raised from, an error of the device itself (torch's
+    ``AcceleratorError``: a device-side assert, an illegal address). CUDA keeps such an error
+    in the process's context, so every later call fails too: only a new process recovers."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, torch.AcceleratorError):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def round_end(
+    aborted: bool, failure: CollectiveFailure | None, error: BaseException | None = None
+) -> RoundEnd:
+    """Why a round ended with ``error``, from its type and what the communicator recorded: a
+    device fault is local whatever else happened (the worker must be replaced, its node struck);
+    then the agent's abort (the failure it causes is expected), then a failed collective;
+    anything else is local."""
+    if is_device_fault(error):
+        return RoundEnd.LOCAL_FAULT
     if aborted:
         return RoundEnd.LEFT
     if failure is not None:

@@ -4,13 +4,14 @@ around a job (:mod:`elastic.job`: what to train, named by ``job._target_``).
 A worker outlives rounds, so that a broken round costs at most the step in flight: the survivors
 keep their state in memory and carry on from it. Read it top to bottom: :func:`main` builds what
 does not depend on the round and loops over the agent's assignments, :func:`train_round` is one
-round, and :func:`train_step` one optimizer step. A round ends in one of three ways, told apart
-by what the communicator recorded (:func:`elastic.communicator.round_end`), never by an error's
-text: the agent announced a new round, a collective failed (a peer died: the worker tells its
-agent, which finds the dead peer), or neither, which is this worker's own fault: it exits with
-:data:`~elastic.control.EXIT_FAILED`. A checkpoint that cannot be written ends nothing, but the
-final one: the end keeps the trained state and retries it (:func:`final_save`), and a run that
-cannot save it ends with :data:`~elastic.control.EXIT_UNSAVED`, never as if it had succeeded.
+round, and :func:`train_step` one optimizer step. A round ends in one of three ways, told apart by
+what the communicator recorded and the error's type (:func:`elastic.communicator.round_end`), never
+by an error's text: the agent announced a new round, a collective failed (a peer died: the worker
+tells its agent, which finds the dead peer), or neither, or a fault of the device itself, which is
+this worker's own: it exits with :data:`~elastic.control.EXIT_FAILED`. A checkpoint that cannot be
+written ends nothing, but the final one: the end keeps the trained state and retries it
+(:func:`final_save`), and a run that cannot save it ends with :data:`~elastic.control.EXIT_UNSAVED`,
+never as if it had succeeded.
 """
 
 from __future__ import annotations
@@ -297,7 +298,7 @@ def main() -> int:
             comm.close()
             return 0 if saved else EXIT_UNSAVED  # rank 0's final_save_failed names the steps
         except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
-            end = round_end(comm.aborted, comm.failure)
+            end = round_end(comm.aborted, comm.failure, exc)
             if end is RoundEnd.LOCAL_FAULT:
                 error = f"{type(exc).__name__}: {exc}"
                 events.emit(

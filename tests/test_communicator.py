@@ -27,9 +27,12 @@ from elastic.communicator import (
     Communicator,
     RoundAborted,
     RoundEnd,
+    can_shrink,
+    is_device_fault,
     round_end,
 )
 from elastic.control import Assignment
+from elastic.nccl_settings import ERROR_HANDLING, NONBLOCKING_TIMEOUT, apply, survivor_settings
 from tests.conftest import served_store
 
 
@@ -283,3 +286,46 @@ def test_a_set_up_that_failed_on_one_rank_does_not_keep_it_from_the_next_rounds_
     for keys under another name than its peers', and the job never trained again (here: round
     2's set-up fails after 30 s)."""
     assert on_two_ranks(tmp_path, _after_a_failed_set_up_main) == {"sum": 2.0}
+
+
+def test_a_device_fault_is_local_whatever_else_the_round_saw() -> None:
+    """A sticky CUDA error (torch's AcceleratorError, as a device-side assert raises) poisons
+    the worker's CUDA context: it is the worker's own fault, to be restarted with a strike, even
+    when it surfaced in a collective or came with the agent's abort; wrapped, it is still one."""
+    failed = CollectiveFailure("gradient all-reduce", "AcceleratorError: device-side assert")
+    fault = torch.AcceleratorError("CUDA error: device-side assert triggered")
+    assert round_end(aborted=False, failure=failed, error=fault) is RoundEnd.LOCAL_FAULT
+    assert round_end(aborted=True, failure=None, error=fault) is RoundEnd.LOCAL_FAULT
+    try:
+        try:
+            raise fault
+        except torch.AcceleratorError as exc:
+            raise RuntimeError("the state sync failed") from exc
+    except RuntimeError as wrapped:
+        assert is_device_fault(wrapped)
+        assert round_end(aborted=False, failure=failed, error=wrapped) is RoundEnd.LOCAL_FAULT
+    # A peer lost is no device fault: the round ends as before.
+    lost = RuntimeError("Connection reset by peer")
+    assert not is_device_fault(lost) and not is_device_fault(None)
+    assert round_end(aborted=False, failure=failed, error=lost) is RoundEnd.PEER_LOST
+
+
+def test_only_a_live_nccl_communicator_of_a_round_that_only_lost_ranks_is_shrunk() -> None:
+    assert can_shrink("nccl", [2], live=True, supported=True)
+    assert not can_shrink("nccl", [2], live=False, supported=True)  # aborted: freed by NCCL
+    assert not can_shrink("nccl", None, live=True, supported=True)  # a rank added or moved
+    assert not can_shrink("nccl", [2], live=True, supported=False)
+    assert not can_shrink("gloo", [2], live=True, supported=True)
+
+
+def test_nccl_is_set_so_that_survivors_live_and_a_users_setting_that_ends_them_is_named() -> None:
+    add, warnings = survivor_settings({}, 120.0)
+    assert add == {ERROR_HANDLING: "0", NONBLOCKING_TIMEOUT: "120"} and warnings == []
+    add, warnings = survivor_settings({ERROR_HANDLING: "2", NONBLOCKING_TIMEOUT: "60"}, 120.0)
+    assert add == {} and warnings == []  # the user's own, and survivable: kept
+    add, warnings = survivor_settings({ERROR_HANDLING: "3"}, 0.4)
+    assert add == {NONBLOCKING_TIMEOUT: "1"}  # the user's handling is kept, and named
+    [warning] = warnings
+    assert f"{ERROR_HANDLING}=3" in warning and "Fix: unset" in warning
+    environ: dict[str, str] = {}
+    assert apply(30.0, environ) == environ == {ERROR_HANDLING: "0", NONBLOCKING_TIMEOUT: "30"}

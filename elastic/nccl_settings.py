@@ -1,0 +1,56 @@
+"""The NCCL settings a worker runs with, so that the survivors of a lost peer live to recover.
+
+torch's defaults suit a job that ends at its first error. With ``TORCH_NCCL_ASYNC_ERROR_HANDLING``
+at 3, its watchdog ends the process when a collective fails, which a peer killed mid-all-reduce
+makes happen: the survivors would die with it before their agent moved them to the next round.
+And a non-blocking communicator's own calls (its set-up, its abort) wait up to
+``TORCH_NCCL_NONBLOCKING_TIMEOUT``, 30 minutes. A worker on NCCL sets both before its first group:
+no handling (the communicator fails the round's collectives itself, and aborts them) and the
+round's ``rendezvous.pg_timeout_s``. What the worker's environment already sets is kept, as the
+user asked; a handling that would end survivors is named in a warning, with the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, MutableMapping
+
+log = logging.getLogger(__name__)
+
+ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+NONBLOCKING_TIMEOUT = "TORCH_NCCL_NONBLOCKING_TIMEOUT"
+# torch's values: 0 no handling, 1 abort and end the process, 2 abort only, 3 end the process.
+SURVIVABLE_HANDLING = frozenset({"0", "2"})
+
+
+def survivor_settings(
+    environ: Mapping[str, str], timeout_s: float
+) -> tuple[dict[str, str], list[str]]:
+    """The settings to add to ``environ``, and a warning for each of its own that would end the
+    survivors of a lost peer."""
+    add: dict[str, str] = {}
+    warnings: list[str] = []
+    handling = environ.get(ERROR_HANDLING)
+    if handling is None:
+        add[ERROR_HANDLING] = "0"
+    elif handling.strip() not in SURVIVABLE_HANDLING:
+        warnings.append(
+            f"{ERROR_HANDLING}={handling} in the environment has torch end this worker when a "
+            "collective fails, as one does when a peer is lost: the survivors of a lost node "
+            f"would die with it instead of recovering in place. Fix: unset {ERROR_HANDLING} "
+            "(the runtime then sets 0), or set it to 0 or 2"
+        )
+    if NONBLOCKING_TIMEOUT not in environ:
+        add[NONBLOCKING_TIMEOUT] = str(max(1, round(timeout_s)))
+    return add, warnings
+
+
+def apply(timeout_s: float, environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
+    """Set :func:`survivor_settings` in this process's environment (before its first NCCL group),
+    log each warning; what was added."""
+    add, warnings = survivor_settings(environ, timeout_s)
+    environ.update(add)
+    for warning in warnings:
+        log.warning(warning)
+    return add
