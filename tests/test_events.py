@@ -6,14 +6,19 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from elastic.events import (
     EventFollower,
     EventLog,
     Rotation,
+    RunEnded,
     event_files,
     events_dir,
     read_events,
@@ -148,3 +153,28 @@ def test_only_the_newest_rotated_files_are_kept(tmp_path: Path) -> None:
     assert old is not None and old > 1 and rotation_number(second) == old + 1  # numbers go on
     seqs = [e["seq"] for e in read_events(tmp_path)]
     assert seqs == list(range(seqs[0], 200)) and seqs[0] > 0
+
+
+def test_a_wait_on_a_run_that_ended_answers_at_once_and_misses_nothing(tmp_path: Path) -> None:
+    """A real process writes one event and exits: a wait for that event returns it although
+    the writer is gone by the time it is read; a wait for an event that will never come ends
+    as soon as the process has, not at its timeout."""
+    script = (
+        "import sys; from elastic.events import EventLog; "
+        "EventLog(sys.argv[1], 'node0', role='agent').emit('node_left', code=0)"
+    )
+    writer = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)])
+    writer.wait(timeout=60)
+    running = lambda: writer.poll() is None  # noqa: E731 - what wait_for asks, as a test would
+    left = EventFollower(tmp_path).wait_for(
+        lambda e: e["event"] == "node_left", timeout_s=600, running=running
+    )
+    assert left["code"] == 0
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    began = time.monotonic()
+    with pytest.raises(RunEnded):
+        EventFollower(tmp_path).wait_for(
+            lambda e: e["event"] == "never", timeout_s=600, running=lambda: sleeper.poll() is None
+        )
+    assert time.monotonic() - began < 30  # 0.5 s and a poll; the timeout is 600 s
