@@ -24,7 +24,15 @@ gpu_proof = load_bench("gpu_proof")
 # The throughput part runs bench/throughput.py, four launches of a job (about 45 s here); its
 # command is checked against the bench's own parser and its headline against the bench's output
 # below, so the reduced form here leaves it out for CI's time.
-CPU_PARTS = ("environment", "doctor", "gpu-tests", "nccl-lifecycle", "recovery", "checkpoint")
+CPU_PARTS = (
+    "environment",
+    "doctor",
+    "gpu-tests",
+    "nccl-lifecycle",
+    "nccl-ranks",
+    "recovery",
+    "checkpoint",
+)
 
 
 def test_the_reduced_form_runs_every_built_part_and_reports_each(tmp_path: Path) -> None:
@@ -54,6 +62,9 @@ def test_the_reduced_form_runs_every_built_part_and_reports_each(tmp_path: Path)
     assert "skipped" in parts["gpu-tests"]["headline"]  # no GPU here: every gpu test skips
     assert "failed" not in parts["gpu-tests"]["headline"]
     assert parts["nccl-lifecycle"]["data"]["rounds"]
+    [ranks] = parts["nccl-ranks"]["data"]["runs"]  # on gloo: a survivor's next group works
+    assert ranks["set_up"] and all(r["next_group"]["ok"] for r in ranks["ranks"][:-1])
+    assert parts["nccl-ranks"]["headline"].startswith("ours: 2/2 survivors lived")
     assert "DCP `async_save`: stall" in parts["checkpoint"]["headline"]
     markdown = (out / "report.md").read_text()
     for name in status:

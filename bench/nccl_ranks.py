@@ -1,0 +1,326 @@
+"""Several NCCL ranks on one GPU, and a survivor of a peer killed mid-all-reduce.
+
+NCCL refuses two ranks of one communicator on one device of one host ("Duplicate GPU
+detected": it compares the host's hash and the GPU's bus id). NCCL 2.28 takes the host's hash
+from ``NCCL_HOSTID`` when it is set, so each rank here runs with a value of its own and passes
+for a host of its own, its peers reached over sockets on loopback (``NCCL_SOCKET_IFNAME=lo``,
+``NCCL_IB_DISABLE=1``, ``NCCL_NVLS_ENABLE=0``). Whether NCCL then accepts them is what this
+probes first, within ``--setup-timeout-s``; a refusal is reported word for word.
+
+Then, through the project's own :class:`~elastic.communicator.Communicator`, as a worker runs
+it: every rank all-reduces a tensor (its sum checked); the ranks but the last start an
+all-reduce that the last never joins, the last is SIGKILLed while it is in flight, and each
+survivor aborts its round from another thread as its agent link would. Recorded per survivor:
+whether it lived, how its all-reduce ended, the abort's time, whether ``cuda.synchronize()``
+returned, ``mem_get_info`` after, and the next round's group without the dead rank (its set-up
+and first all-reduce, timed apart, and the sum checked). All of it runs twice: under torch's
+defaults for NCCL (``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``, whose watchdog may end a survivor) and
+under the runtime's own (:mod:`elastic.nccl_settings`).
+
+``--device cpu`` runs the same on gloo, so that CI keeps this script working before a GPU comes::
+
+    .venv/bin/python bench/nccl_ranks.py --device cpu --json /tmp/ranks.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+ROUND_TIMEOUT_S = 30.0  # the groups' own timeout: a hang beyond it is the probe's failure
+SYNC_TIMEOUT_S = 10.0  # how long cuda.synchronize() may take after the abort
+KILL_AFTER_S = 0.5  # the survivors' all-reduce in flight this long before the kill
+ABORT_AFTER_S = 0.5  # and the abort this long after it
+EXIT_WAIT_S = 15.0  # how long a rank may take to end by itself at the end
+# torch's own defaults for what elastic.nccl_settings sets: given explicitly, they are kept.
+TORCH_DEFAULTS = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+    "TORCH_NCCL_NONBLOCKING_TIMEOUT": "1800",
+}
+SETTINGS = ("torch", "ours")
+
+
+# --- one rank -------------------------------------------------------------------------------
+
+
+def say(**fields: Any) -> None:
+    """One JSON line to the parent."""
+    print(json.dumps(fields), flush=True)
+
+
+def rank_main(args: argparse.Namespace) -> int:
+    """One rank: set up, all-reduce, then (a survivor) an all-reduce cut by the last rank's
+    death, the abort, and the next round's group; the last rank waits to be killed."""
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    from elastic.communicator import Communicator, RoundAborted
+    from elastic.control import Assignment
+
+    rank, world = args.rank, args.world
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    comm = Communicator(device, ROUND_TIMEOUT_S)
+
+    def assignment(number: int, size: int) -> Assignment:
+        return Assignment(
+            round=number,
+            rank=rank,
+            world_size=size,
+            store_host="127.0.0.1",
+            store_port=args.port,
+            formed_at=0,
+        )
+
+    began = time.perf_counter()
+    comm.enter(assignment(1, world))
+    say(event="up", rank=rank, setup_s=time.perf_counter() - began, backend=comm.backend)
+    value = torch.full((1 << 20,), float(rank + 1), device=device)
+    comm.all_reduce(value, "probe")
+    say(event="allreduce", rank=rank, ok=value[0].item() == world * (world + 1) / 2)
+    if rank == world - 1:
+        say(event="victim", rank=rank)
+        time.sleep(3600)  # until killed
+        return 1
+
+    lines = iter(sys.stdin.readline, "")
+    aborted: dict[str, float] = {}
+
+    def abort_on_word() -> None:
+        for line in lines:
+            if line.strip() == "abort":
+                t = time.perf_counter()
+                comm.abort("the probe's peer was killed", before_round=2)
+                aborted["s"] = time.perf_counter() - t
+                return
+
+    threading.Thread(target=abort_on_word, daemon=True).start()
+    cut = torch.ones(1 << 20, device=device)
+    say(event="in_flight", rank=rank)
+    t = time.perf_counter()
+    try:
+        comm.all_reduce(cut, "cut")
+        ended = "completed"
+    except RoundAborted:
+        ended = "aborted"
+    except Exception as exc:  # the transport's own error: how it failed is the finding
+        ended = f"{type(exc).__name__}: {str(exc)[:200]}"
+    cut_s = time.perf_counter() - t
+    synced = threading.Event()
+    if device.type == "cuda":
+
+        def synchronize() -> None:
+            torch.cuda.synchronize()
+            synced.set()
+
+        threading.Thread(target=synchronize, daemon=True).start()
+        synced.wait(SYNC_TIMEOUT_S)
+        free, total = torch.cuda.mem_get_info()
+    else:
+        synced.set()
+        free = total = 0
+    say(
+        event="survived",
+        rank=rank,
+        all_reduce=ended,
+        waited_s=cut_s,
+        abort_s=aborted.get("s"),
+        synchronized=synced.is_set(),
+        free_mib=free >> 20,
+        total_mib=total >> 20,
+    )
+    t = time.perf_counter()
+    comm.enter(assignment(2, world - 1))
+    entered = time.perf_counter()
+    value = torch.full((1 << 20,), float(rank + 1), device=device)
+    comm.all_reduce(value, "probe")
+    size = world - 1
+    say(
+        event="next_group",
+        rank=rank,
+        ok=value[0].item() == size * (size + 1) / 2,
+        enter_s=entered - t,
+        allreduce_s=time.perf_counter() - entered,
+    )
+    comm.close()
+    return 0
+
+
+# --- the parent -----------------------------------------------------------------------------
+
+
+class Rank:
+    """A rank's process and the JSON lines it said, read as they come."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
+        self.said: list[dict[str, Any]] = []
+        self._log = open(log, "wb")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(
+            argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            try:
+                self.said.append(json.loads(raw))
+            except ValueError:
+                self._log.write(raw)
+
+    def has(self, event: str) -> dict[str, Any] | None:
+        return next((s for s in self.said if s["event"] == event), None)
+
+    def tell(self, word: str) -> None:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(f"{word}\n".encode())
+            self.proc.stdin.flush()
+        except BrokenPipeError:  # it died: what it said says so
+            pass
+
+    def close(self) -> None:
+        """Let it end by itself (its stdin closed), within :data:`EXIT_WAIT_S`; else kill it."""
+        with contextlib.suppress(BrokenPipeError):
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=EXIT_WAIT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        self._reader.join(timeout=10)
+        self._log.close()
+
+
+def wait_all(ranks: list[Rank], event: str, timeout_s: float) -> bool:
+    """Until every rank said ``event`` (True), one of them exited first or the time ran out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all(r.has(event) for r in ranks):
+            return True
+        if any(r.proc.poll() is not None and not r.has(event) for r in ranks):
+            return False
+        time.sleep(0.02)
+    return False
+
+
+def one_run(args: argparse.Namespace, settings: str, logs: Path) -> dict[str, Any]:
+    """The probe under ``settings``: what each rank said, and how each process ended."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    tag = uuid.uuid4().hex[:8]
+    ranks = []
+    for rank in range(args.ranks):
+        env = {
+            **os.environ,
+            "NCCL_HOSTID": f"elastic-probe-{tag}-{rank}",  # a host of its own, to NCCL
+            "NCCL_SOCKET_IFNAME": "lo",
+            "NCCL_IB_DISABLE": "1",
+            "NCCL_NVLS_ENABLE": "0",
+            "RES_OPTIONS": "attempts:0",  # no DNS for the store's peer names (nccl_lifecycle.py)
+            **(TORCH_DEFAULTS if settings == "torch" else {}),
+        }
+        argv = [sys.executable, __file__, f"--device={args.device}", f"--rank={rank}"]
+        argv += [f"--world={args.ranks}", f"--port={store.port}"]
+        ranks.append(Rank(argv, env, logs / f"{settings}-rank{rank}.log"))
+    survivors, victim = ranks[:-1], ranks[-1]
+    out: dict[str, Any] = {"settings": settings}
+    try:
+        out["set_up"] = wait_all(ranks, "allreduce", args.setup_timeout_s)
+        ready = out["set_up"] and wait_all([victim], "victim", 10)
+        if ready and wait_all(survivors, "in_flight", 10):
+            time.sleep(KILL_AFTER_S)
+            os.kill(victim.proc.pid, signal.SIGKILL)
+            time.sleep(ABORT_AFTER_S)
+            for r in survivors:
+                r.tell("abort")
+            wait_all(survivors, "next_group", ROUND_TIMEOUT_S + SYNC_TIMEOUT_S + 10)
+    finally:
+        for r in ranks:
+            r.close()
+    out["ranks"] = [
+        {
+            "rank": i,
+            "exit": r.proc.returncode,
+            **{
+                s["event"]: {k: v for k, v in s.items() if k not in ("event", "rank")}
+                for s in r.said
+            },
+        }
+        for i, r in enumerate(ranks)
+    ]
+    if not out["set_up"]:  # the refusal, word for word: the last lines of each rank's log
+        out["refusal"] = {
+            f"rank{i}": (logs / f"{settings}-rank{i}.log").read_text(errors="replace")[-1500:]
+            for i in range(len(ranks))
+        }
+    return out
+
+
+def headline(run: dict[str, Any]) -> str:
+    """One line for a run: set up or refused; the survivors' fate, abort and rebuild times."""
+    if not run["set_up"]:
+        return f"{run['settings']}: {len(run['ranks'])} ranks not set up (see refusal)"
+    survivors = run["ranks"][:-1]
+    lived = [r for r in survivors if "survived" in r]
+    rebuilt = [r for r in survivors if r.get("next_group", {}).get("ok")]
+    aborts = [r["survived"]["abort_s"] for r in lived if r["survived"].get("abort_s") is not None]
+    enters = [r["next_group"]["enter_s"] for r in rebuilt]
+    text = f"{run['settings']}: {len(lived)}/{len(survivors)} survivors lived"
+    text += f", {len(rebuilt)} in the next group"
+    if aborts:
+        text += f"; abort {max(aborts):.3f} s"
+    if enters:
+        text += f", next group set up in {max(enters):.3f} s"
+    return text
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--ranks", type=int, default=3, help="2 or more; the last is killed")
+    parser.add_argument("--settings", choices=(*SETTINGS, "both"), default="both")
+    parser.add_argument("--setup-timeout-s", type=float, default=20.0)
+    parser.add_argument("--json", type=Path, help="the report, rewritten after each run")
+    parser.add_argument("--logs", type=Path, help="each rank's log (default: beside --json)")
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)  # a rank's own process
+    parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank is not None:
+        return rank_main(args)
+    if args.ranks < 2:
+        parser.error("--ranks must be 2 or more: the last one is killed")
+    logs = args.logs or (args.json.parent if args.json else Path.cwd())
+    logs.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"device": args.device, "ranks": args.ranks, "runs": []}
+    for settings in SETTINGS if args.settings == "both" else (args.settings,):
+        run = one_run(args, settings, logs)
+        report["runs"].append(run)
+        print(headline(run), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=1))
+    ours = next((r for r in report["runs"] if r["settings"] == "ours"), None)
+    if ours is None:
+        return 0
+    ok = ours["set_up"] and all(r.get("next_group", {}).get("ok") for r in ours["ranks"][:-1])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
