@@ -198,28 +198,24 @@ def tests_headline(output: str, ctx: Context) -> str:
     return found[-1] if found else last_line(output)
 
 
+def bench_argv(ctx: Context, script: str, *options: str) -> list[str]:
+    """``bench/<script>`` on the proof's device, with ``options``."""
+    return [ctx.python, f"bench/{script}", f"--device={ctx.device}", *options]
+
+
 def lifecycle_argv(ctx: Context) -> list[str]:
     rounds = "20" if ctx.device == "cuda" else "3"
-    return [
-        ctx.python,
-        "bench/nccl_lifecycle.py",
-        f"--device={ctx.device}",
-        f"--rounds={rounds}",
-        f"--json={ctx.out / 'nccl-lifecycle.json'}",
-    ]
+    json_out = ctx.out / "nccl-lifecycle.json"
+    return bench_argv(ctx, "nccl_lifecycle.py", f"--rounds={rounds}", f"--json={json_out}")
 
 
 def ranks_argv(ctx: Context) -> list[str]:
     # On the CPU (CI) only under the runtime's settings: gloo has no error handling to compare.
     settings = "both" if ctx.device == "cuda" else "ours"
-    return [
-        ctx.python,
-        "bench/nccl_ranks.py",
-        f"--device={ctx.device}",
-        f"--settings={settings}",
-        f"--json={ctx.out / 'nccl-ranks.json'}",
-        f"--logs={ctx.out / 'nccl-ranks'}",
-    ]
+    json_out, logs = ctx.out / "nccl-ranks.json", ctx.out / "nccl-ranks"
+    return bench_argv(
+        ctx, "nccl_ranks.py", f"--settings={settings}", f"--json={json_out}", f"--logs={logs}"
+    )
 
 
 def ranks_headline(output: str, ctx: Context) -> str:
@@ -253,7 +249,7 @@ def throughput_argv(ctx: Context) -> list[str]:
             "--warmup-steps=3",
             "checkpoint.every_steps=2",
         ]
-    return [ctx.python, "bench/throughput.py", f"--device={ctx.device}", *common, *sizes]
+    return bench_argv(ctx, "throughput.py", *common, *sizes)
 
 
 def throughput_headline(output: str, ctx: Context) -> str:
@@ -270,14 +266,8 @@ def throughput_headline(output: str, ctx: Context) -> str:
 
 def checkpoint_argv(ctx: Context) -> list[str]:
     repeats, model = ("5", "resnet50") if ctx.device == "cuda" else ("1", "resnet18")
-    return [
-        ctx.python,
-        "bench/checkpoint.py",
-        f"--device={ctx.device}",
-        "--worlds=1",
-        f"--repeats={repeats}",
-        f"--model={model}",
-    ]
+    options = ("--worlds=1", f"--repeats={repeats}", f"--model={model}")
+    return bench_argv(ctx, "checkpoint.py", *options)
 
 
 def checkpoint_headline(output: str, ctx: Context) -> str:
