@@ -59,57 +59,61 @@ def say(**fields: Any) -> None:
     print(json.dumps(fields), flush=True)
 
 
-def rank_main(args: argparse.Namespace) -> int:
-    """One rank: set up, all-reduce, then (a survivor) an all-reduce cut by the last rank's
-    death, the abort, and the next round's group; the last rank waits to be killed."""
-    import torch
-
-    sys.path.insert(0, str(REPO))
-    from elastic.communicator import Communicator, RoundAborted
+def round_of(rank: int, size: int, number: int, port: int) -> Any:
+    """Rank ``rank``'s assignment to round ``number`` of ``size`` ranks, on the parent's store."""
     from elastic.control import Assignment
 
-    rank, world = args.rank, args.world
-    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    comm = Communicator(device, ROUND_TIMEOUT_S)
+    return Assignment(
+        round=number,
+        rank=rank,
+        world_size=size,
+        store_host="127.0.0.1",
+        store_port=port,
+        formed_at=0,
+    )
 
-    def assignment(number: int, size: int) -> Assignment:
-        return Assignment(
-            round=number,
-            rank=rank,
-            world_size=size,
-            store_host="127.0.0.1",
-            store_port=args.port,
-            formed_at=0,
-        )
+
+def enter_and_check(comm: Any, assignment: Any) -> dict[str, Any]:
+    """Enter ``assignment``'s round and all-reduce each rank's number: the set-up and the first
+    all-reduce timed apart, and whether the sum is right."""
+    import torch
 
     began = time.perf_counter()
-    comm.enter(assignment(1, world))
-    say(event="up", rank=rank, setup_s=time.perf_counter() - began, backend=comm.backend)
-    value = torch.full((1 << 20,), float(rank + 1), device=device)
+    comm.enter(assignment)
+    entered = time.perf_counter()
+    size = assignment.world_size
+    value = torch.full((1 << 20,), float(assignment.rank + 1), device=comm.device)
     comm.all_reduce(value, "probe")
-    say(event="allreduce", rank=rank, ok=value[0].item() == world * (world + 1) / 2)
-    if rank == world - 1:
-        say(event="victim", rank=rank)
-        time.sleep(3600)  # until killed
-        return 1
+    return {
+        "ok": value[0].item() == size * (size + 1) / 2,
+        "enter_s": entered - began,
+        "allreduce_s": time.perf_counter() - entered,
+        "backend": comm.backend,
+    }
 
-    lines = iter(sys.stdin.readline, "")
+
+def survive_the_cut(comm: Any) -> dict[str, Any]:
+    """An all-reduce that the last rank never joins, cut by its death; the abort comes from
+    another thread when the parent writes ``abort``. How it ended, the abort's time, and the
+    device afterwards."""
+    import torch
+
+    from elastic.communicator import RoundAborted
+
     aborted: dict[str, float] = {}
 
     def abort_on_word() -> None:
-        for line in lines:
+        for line in iter(sys.stdin.readline, ""):
             if line.strip() == "abort":
-                t = time.perf_counter()
+                began = time.perf_counter()
                 comm.abort("the probe's peer was killed", before_round=2)
-                aborted["s"] = time.perf_counter() - t
+                aborted["s"] = time.perf_counter() - began
                 return
 
     threading.Thread(target=abort_on_word, daemon=True).start()
-    cut = torch.ones(1 << 20, device=device)
-    say(event="in_flight", rank=rank)
-    t = time.perf_counter()
+    cut = torch.ones(1 << 20, device=comm.device)
+    say(event="in_flight")
+    began = time.perf_counter()
     try:
         comm.all_reduce(cut, "cut")
         ended = "completed"
@@ -117,9 +121,10 @@ def rank_main(args: argparse.Namespace) -> int:
         ended = "aborted"
     except Exception as exc:  # the transport's own error: how it failed is the finding
         ended = f"{type(exc).__name__}: {str(exc)[:200]}"
-    cut_s = time.perf_counter() - t
+    waited_s = time.perf_counter() - began
     synced = threading.Event()
-    if device.type == "cuda":
+    free = total = 0
+    if comm.device.type == "cuda":
 
         def synchronize() -> None:
             torch.cuda.synchronize()
@@ -130,30 +135,37 @@ def rank_main(args: argparse.Namespace) -> int:
         free, total = torch.cuda.mem_get_info()
     else:
         synced.set()
-        free = total = 0
-    say(
-        event="survived",
-        rank=rank,
-        all_reduce=ended,
-        waited_s=cut_s,
-        abort_s=aborted.get("s"),
-        synchronized=synced.is_set(),
-        free_mib=free >> 20,
-        total_mib=total >> 20,
-    )
-    t = time.perf_counter()
-    comm.enter(assignment(2, world - 1))
-    entered = time.perf_counter()
-    value = torch.full((1 << 20,), float(rank + 1), device=device)
-    comm.all_reduce(value, "probe")
-    size = world - 1
-    say(
-        event="next_group",
-        rank=rank,
-        ok=value[0].item() == size * (size + 1) / 2,
-        enter_s=entered - t,
-        allreduce_s=time.perf_counter() - entered,
-    )
+    return {
+        "all_reduce": ended,
+        "waited_s": waited_s,
+        "abort_s": aborted.get("s"),
+        "synchronized": synced.is_set(),
+        "free_mib": free >> 20,
+        "total_mib": total >> 20,
+    }
+
+
+def rank_main(args: argparse.Namespace) -> int:
+    """One rank: set up and all-reduce; then a survivor lives through the last rank's death
+    (:func:`survive_the_cut`) and enters the next round without it, while the last rank waits
+    to be killed."""
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    from elastic.communicator import Communicator
+
+    rank, world = args.rank, args.world
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    comm = Communicator(device, ROUND_TIMEOUT_S)
+    say(event="allreduce", **enter_and_check(comm, round_of(rank, world, 1, args.port)))
+    if rank == world - 1:
+        say(event="victim")
+        time.sleep(3600)  # until killed
+        return 1
+    say(event="survived", **survive_the_cut(comm))
+    say(event="next_group", **enter_and_check(comm, round_of(rank, world - 1, 2, args.port)))
     comm.close()
     return 0
 
@@ -257,10 +269,7 @@ def one_run(args: argparse.Namespace, settings: str, logs: Path) -> dict[str, An
         {
             "rank": i,
             "exit": r.proc.returncode,
-            **{
-                s["event"]: {k: v for k, v in s.items() if k not in ("event", "rank")}
-                for s in r.said
-            },
+            **{s["event"]: {k: v for k, v in s.items() if k != "event"} for s in r.said},
         }
         for i, r in enumerate(ranks)
     ]
