@@ -7,9 +7,9 @@ does not depend on the round and loops over the agent's assignments, :func:`trai
 round, and :func:`train_step` one optimizer step. A round ends in one of three ways, told apart by
 what the communicator recorded and the error's type (:func:`elastic.communicator.round_end`), never
 by an error's text: the agent announced a new round, a collective failed (a peer died: the worker
-tells its agent, which finds the dead peer), or neither, or a fault of the device itself, which is
-this worker's own: it exits with :data:`~elastic.control.EXIT_FAILED`. A checkpoint that cannot be
-written ends nothing, but the final one: the end keeps the trained state and retries it
+tells its agent, which finds the dead peer), or this worker failed by itself (neither of those, or a
+fault of its device): it exits with :data:`~elastic.control.EXIT_FAILED`. A checkpoint that cannot
+be written ends nothing, but the final one: the end keeps the trained state and retries it
 (:func:`final_save`), and a run that cannot save it ends with :data:`~elastic.control.EXIT_UNSAVED`,
 never as if it had succeeded.
 """

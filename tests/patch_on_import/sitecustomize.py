@@ -34,7 +34,8 @@ _GATE_S = 300.0  # bounded too: past it, a held rank trains on (the test has fai
 _POLL_S = 0.05
 _import = builtins.__import__
 _pending = []  # (module name, the attribute it must hold, the patch to apply to the module)
-_gate = {"comm": None, "held": False}  # this worker's communicator; whether it is held now
+# This worker's communicator, whether it is held now, and the error that leaves a round.
+_gate = {"comm": None, "held": False, "aborted": RuntimeError}
 _drops = {"calls": 0}
 
 
@@ -84,6 +85,25 @@ def _gate_closed(step: int, left: int, size: int) -> bool:
     return step > int(words[0])
 
 
+def _hold(step: int, left: int, size: int, w: object) -> None:
+    """Hold this rank before ``step`` while the gate is closed (at most :data:`_GATE_S`),
+    saying meanwhile that it waits for its peers; :class:`RoundAborted` once its round is."""
+    if not _gate_closed(step, left, size):
+        return
+    comm = _gate["comm"]
+    deadline = time.monotonic() + _GATE_S
+    _gate["held"] = True
+    try:
+        while _gate_closed(step, left, size) and time.monotonic() < deadline:
+            if comm is not None and comm.aborted:
+                raise _gate["aborted"]("a new round was announced while held at the gate")
+            if w.link._switch is not None:  # type: ignore[attr-defined]  # a planned leave
+                return  # the steps it needs go through
+            time.sleep(_POLL_S)
+    finally:
+        _gate["held"] = False
+
+
 def _hold_at_the_gate(sampler: object) -> None:
     plan = sampler.ElasticSampler.plan  # type: ignore[attr-defined]
 
@@ -91,21 +111,7 @@ def _hold_at_the_gate(sampler: object) -> None:
         caller = sys._getframe(1)
         if caller.f_code.co_name == "train_steps":  # the step about to be trained, not prefetched
             step = caller.f_locals["progress"].step + 1
-            w, comm = caller.f_locals["w"], _gate["comm"]
-            size = global_batch or world_size * self.batch_size
-            deadline = time.monotonic() + _GATE_S
-            _gate["held"] = True
-            try:
-                while _gate_closed(step, limit, size) and time.monotonic() < deadline:
-                    if comm is not None and comm.aborted:
-                        from elastic.communicator import RoundAborted
-
-                        raise RoundAborted("a new round was announced while held at the gate")
-                    if w.link._switch is not None:  # a planned leave: the steps it needs go
-                        break
-                    time.sleep(_POLL_S)
-            finally:
-                _gate["held"] = False
+            _hold(step, limit, global_batch or world_size * self.batch_size, caller.f_locals["w"])
         return plan(self, state, rank, world_size, limit, global_batch)
 
     sampler.ElasticSampler.plan = holding  # type: ignore[attr-defined]
@@ -114,6 +120,7 @@ def _hold_at_the_gate(sampler: object) -> None:
 def _watch_the_communicator(communicator: object) -> None:
     cls = communicator.Communicator  # type: ignore[attr-defined]
     init, waiting = cls.__init__, cls.waiting_for_peers
+    _gate["aborted"] = communicator.RoundAborted  # type: ignore[attr-defined]
 
     def recording(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         init(self, *args, **kwargs)
