@@ -43,7 +43,14 @@ from elastic import event_types as ev
 from elastic.async_checkpoint import WAIT_POLL_S, BackgroundSaver, Started
 from elastic.checkpoint import CheckpointManager
 from elastic.checkpoint_interval import Measured, choose_interval
-from elastic.communicator import Communicator, RoundAborted, RoundEnd, pick_device, round_end
+from elastic.communicator import (
+    Communicator,
+    RoundAborted,
+    RoundEnd,
+    pick_device,
+    release,
+    round_end,
+)
 from elastic.control import (
     EXIT_FAILED,
     EXIT_PEER_LOST,
@@ -326,7 +333,7 @@ def main() -> int:
                 )
             else:
                 log.info("rank %d left round %d for the next one", assignment.rank, last_round)
-            del exc  # its traceback holds the round's DDP, whose hooks must go with it
+            release(exc)  # else torch's futures would keep the round (its DDP, group) alive
 
 
 @dataclass(frozen=True)
