@@ -22,8 +22,15 @@ Once the campaign has struck its last fault and the job recovered from it, the j
 and draws each process's memory over the recoveries (``--png``). A test runs a short form
 (tests/test_soak.py) and fails on growth.
 
+``--pattern same-node`` is the other shape a long run sees: the same node, the last one, killed
+every ``--every-steps`` steps (30 unless given) once the job trains at its full world again, and
+started again ``--restart-after-s`` later, so that each cycle is a shrink round and a grow round
+of the survivors. Its growth is counted
+after ``--warmup`` recoveries (20 unless given: 10 cycles).
+
     .venv/bin/python bench/soak.py                          # 100 faults, about 15 minutes
     .venv/bin/python bench/soak.py --faults 20 --png /tmp/soak.png
+    .venv/bin/python bench/soak.py --pattern same-node --faults 100 --png /tmp/same.png
 """
 
 from __future__ import annotations
@@ -54,6 +61,9 @@ from launcher.disk_usage import PARTS, usage  # noqa: E402
 
 FAULTS_PER_DAY = 3.0  # a 128-node run at Meta's 7.9 h MTTF per 1,024 GPUs
 KINDS = "kill_node,kill_worker,leave_node,freeze_node"
+MIXED, SAME_NODE = "mixed", "same-node"
+SAME_NODE_EVERY_STEPS = 30
+SAME_NODE_WARMUP = 20  # recoveries: 10 cycles of a kill and a return
 POLL_S = 0.2
 SETTLE_S = 10.0  # after the last fault's recovery: the nodes it took come back
 FINAL = ("samples", "replicas")  # the invariants that need the job to have finished
@@ -121,10 +131,15 @@ def stop(chaos: subprocess.Popen[bytes], watch: ResourceWatch) -> None:
 
 def spaced(args: argparse.Namespace) -> str:
     """``--every-steps``: the campaign's faults written out, one every that many steps, their
-    kinds in turn from ``--kinds``."""
+    kinds in turn from ``--kinds``; each strikes a node other than rank 0's, or the last node
+    for ``--pattern same-node``."""
     kinds = args.kinds.split(",")
+    same = args.pattern == SAME_NODE
+    # One worker a node (a CPU node's cluster.cpu_workers): the node back means every rank is.
+    target, world = (f"node{args.nodes - 1}", args.nodes) if same else ("not_rank0", 0)
     faults = [
-        f"{{kind:{kinds[i % len(kinds)]},at_step:{(i + 1) * args.every_steps},target:not_rank0,"
+        f"{{kind:{kinds[i % len(kinds)]},at_step:{(i + 1) * args.every_steps},target:{target},"
+        f"min_world:{world},"
         f"duration_s:{args.freeze_s},restart_after_s:{args.restart_after_s}}}"
         for i in range(args.faults)
     ]
@@ -219,7 +234,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> Soak:
     out.seconds = time.monotonic() - began
     out.disk.append((out.seconds, usage(run_dir)))
     out.recoveries, out.samples = watch.recoveries, watch.samples
-    out.growth = growth(watch.samples)
+    out.growth = growth(watch.samples, warmup=args.warmup)
     report = run_dir / "chaos" / "report.json"
     if report.exists():
         verdict = json.loads(report.read_text())
@@ -278,7 +293,7 @@ def table(s: Soak) -> str:
     return "\n".join(lines)
 
 
-def draw(s: Soak, path: Path) -> None:
+def draw(s: Soak, path: Path, warmup: int = WARMUP) -> None:
     """Each long-lived process's resident memory over the recoveries."""
     import matplotlib
 
@@ -291,7 +306,7 @@ def draw(s: Soak, path: Path) -> None:
         lives.setdefault((sample.role, sample.pid), []).append(sample)
     for ax, metric in zip(axes, METRICS, strict=True):
         for (role, pid), life in sorted(lives.items()):
-            if len(life) < WARMUP + 4:
+            if len(life) < warmup + 4:
                 continue
             xs = [x.recovery for x in life]
             ax.plot(
@@ -312,15 +327,28 @@ def draw(s: Soak, path: Path) -> None:
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--faults", type=int, default=100)
+    p.add_argument(
+        "--pattern",
+        choices=[MIXED, SAME_NODE],
+        default=MIXED,
+        help="mixed faults on any node but rank 0's, or the last node killed and started again",
+    )
     p.add_argument("--mtbf-s", type=float, default=5.0, help="random faults this far apart")
     p.add_argument(
         "--every-steps", type=int, default=0, help="instead: a fault every this many steps"
     )
-    p.add_argument("--kinds", default=KINDS)
+    p.add_argument("--kinds", default=None, help=f"default {KINDS}; kill_node for same-node")
     p.add_argument("--nodes", type=int, default=3)
     p.add_argument("--freeze-s", type=float, default=4.0)
     p.add_argument("--restart-after-s", type=float, default=3.0)
     p.add_argument("--ckpt-every", type=int, default=20)
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help=f"recoveries not counted as growth (default {WARMUP}; {SAME_NODE_WARMUP} for "
+        "same-node)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--epochs", type=float, default=0.0, help="let the job end by itself after these epochs"
@@ -329,7 +357,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--png", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("job", nargs="*", help="more job overrides (key=value)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    same = args.pattern == SAME_NODE
+    if args.kinds is None:
+        args.kinds = "kill_node" if same else KINDS
+    if args.warmup is None:
+        args.warmup = SAME_NODE_WARMUP if same else WARMUP
+    if same and not args.every_steps:
+        args.every_steps = SAME_NODE_EVERY_STEPS
+    return args
 
 
 def main(argv: list[str]) -> int:
@@ -338,14 +374,15 @@ def main(argv: list[str]) -> int:
     run_dir = work / "run"
     spacing = f"every {args.every_steps} steps" if args.every_steps else f"~{args.mtbf_s} s apart"
     print(
-        f"soak: {args.faults} faults ({args.kinds}) {spacing} on a {args.nodes}-node job; run "
+        f"soak: {args.faults} faults ({args.kinds}, {args.pattern}) {spacing} on a "
+        f"{args.nodes}-node job, growth counted after {args.warmup} recoveries; run "
         f"directory {run_dir}",
         flush=True,
     )
     s = run(args, run_dir)
     print(table(s), flush=True)
     if args.png:
-        draw(s, args.png)
+        draw(s, args.png, args.warmup)
         print(f"soak: picture {args.png}")
     if args.json:
         args.json.write_text(

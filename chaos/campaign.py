@@ -60,6 +60,9 @@ class FaultSpec:
     # freeze_node, slow_node, kill_etcd_member, fill_disk, the network kinds: end after this long
     duration_s: float = 5.0
     restart_after_s: float = -1.0  # kill_node, leave_node: started again after this; <0: never
+    # ...and only once the job trains at this many ranks or more (a node struck before is back
+    # in): 0, whatever its world size
+    min_world: int = 0
 
 
 @dataclass
@@ -121,6 +124,10 @@ def problems(c: CampaignConfig, nodes: int) -> list[str]:
                     f"not a node of this {nodes}-node job",
                     f"use {TARGETS}",
                 )
+            )
+        if f.min_world < 0:
+            found.append(
+                problem(f"{key}.min_world", f.min_world, "a number of ranks", "set it >= 0")
             )
         if f.kind in TIMED_KINDS and f.duration_s <= 0:
             found.append(

@@ -63,11 +63,13 @@ def slope(points: list[tuple[float, float]]) -> float:
     return num / sum((x - mx) ** 2 for x in xs)
 
 
-def growth(samples: Iterable[Sample], min_points: int = 4) -> dict[str, Growth]:
+def growth(
+    samples: Iterable[Sample], min_points: int = 4, warmup: int = WARMUP
+) -> dict[str, Growth]:
     """Per role, the steepest slope per recovery of each metric among the survivors: the
     processes that ran from the first recovery on (a node started again warms up for several
     rounds: its first save allocates the staged copy, its first rounds DDP's buckets), counted
-    past their first ``WARMUP`` samples."""
+    past their first ``warmup`` samples."""
     samples = list(samples)
     first = min((s.recovery for s in samples), default=0)
     by_pid: dict[tuple[str, int], list[Sample]] = {}
@@ -77,7 +79,7 @@ def growth(samples: Iterable[Sample], min_points: int = 4) -> dict[str, Growth]:
     out: dict[str, Growth] = {}
     for role in sorted({r for r, _ in by_pid}):
         lives = [
-            sorted(v, key=lambda s: s.recovery)[WARMUP:]
+            sorted(v, key=lambda s: s.recovery)[warmup:]
             for (r, _), v in by_pid.items()
             if r == role
         ]

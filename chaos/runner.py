@@ -46,8 +46,11 @@ KEEP_SLOW_S = 1.0  # how often a slow node's new workers are slowed too
 RESTARTED_EXIT_S = 30.0  # how long a restarted agent may take to end after the job
 
 
-def due(spec: FaultSpec, step: int, since_start: float) -> bool:
-    """Whether ``spec`` strikes now: training passed its step, or its seconds have elapsed."""
+def due(spec: FaultSpec, step: int, since_start: float, world: int = 0) -> bool:
+    """Whether ``spec`` strikes now: training passed its step, or its seconds have elapsed, at
+    a world size of at least its ``min_world``."""
+    if world < spec.min_world:
+        return False
     return step >= spec.at_step if spec.at_step > 0 else since_start >= spec.at_s
 
 
@@ -91,7 +94,7 @@ class CampaignRunner:
         when due."""
         follower = EventFollower(self.run_dir)
         began = time.time()  # attached to a job that trains already: seconds count from here
-        started, step, trained = None, 0, False
+        started, step, world, trained = None, 0, 0, False
         try:
             while running() and not trained:
                 for e in follower.poll():
@@ -101,7 +104,7 @@ class CampaignRunner:
                     if ev.TRAINING_STARTED.matches(e) and started is None:
                         started = max(e["ts"], began)
                     elif ev.STEP.matches(e):
-                        step = max(step, e["step"])
+                        step, world = max(step, e["step"]), e["world_size"]
                     trained |= ev.TRAINING_DONE.matches(e)
                 now = time.time()
                 self._end_timed_faults(now)
@@ -110,7 +113,11 @@ class CampaignRunner:
                     for node, (limit, _) in self.slowed.items():
                         if node in self.agents:
                             injectors.keep_slow(self.agents[node], limit)
-                while self.todo and started is not None and due(self.todo[0], step, now - started):
+                while (
+                    self.todo
+                    and started is not None
+                    and due(self.todo[0], step, now - started, world)
+                ):
                     self._strike(self.todo.pop(0))
                 time.sleep(POLL_S)
         finally:

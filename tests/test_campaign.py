@@ -63,6 +63,9 @@ def test_a_fault_is_due_at_its_step_or_its_second() -> None:
     assert due(FaultSpec(at_step=10), step=10, since_start=0.0)
     assert not due(FaultSpec(at_s=5.0), step=99, since_start=4.9)
     assert due(FaultSpec(at_s=5.0), step=0, since_start=5.0)
+    # A node struck before must be back: not before the job trains at 3 ranks again.
+    assert not due(FaultSpec(at_step=10, min_world=3), step=40, since_start=9.0, world=2)
+    assert due(FaultSpec(at_step=10, min_world=3), step=40, since_start=9.0, world=3)
 
 
 def test_targets_are_picked_among_the_nodes_up_the_same_way_every_time() -> None:

@@ -39,11 +39,26 @@ def test_the_soak_bench_spaces_its_faults_by_steps_and_takes_the_kinds_in_turn()
     args = soak.parse(["--faults=3", "--every-steps=30", "--kinds=kill_node,leave_node"])
     assert soak.spaced(args) == (
         "campaign.faults=["
-        "{kind:kill_node,at_step:30,target:not_rank0,duration_s:4.0,restart_after_s:3.0},"
-        "{kind:leave_node,at_step:60,target:not_rank0,duration_s:4.0,restart_after_s:3.0},"
-        "{kind:kill_node,at_step:90,target:not_rank0,duration_s:4.0,restart_after_s:3.0}]"
+        "{kind:kill_node,at_step:30,target:not_rank0,min_world:0,duration_s:4.0,"
+        "restart_after_s:3.0},"
+        "{kind:leave_node,at_step:60,target:not_rank0,min_world:0,duration_s:4.0,"
+        "restart_after_s:3.0},"
+        "{kind:kill_node,at_step:90,target:not_rank0,min_world:0,duration_s:4.0,"
+        "restart_after_s:3.0}]"
     )
     assert "campaign.mtbf_s=0" in soak.overrides(args, Path("/tmp/run"))
+
+
+def test_the_same_node_pattern_strikes_the_last_node_once_it_is_back_each_time() -> None:
+    args = soak.parse(["--pattern=same-node", "--faults=2", "--nodes=3"])
+    assert (args.kinds, args.every_steps, args.warmup) == ("kill_node", 30, 20)
+    assert soak.spaced(args) == (
+        "campaign.faults=["
+        "{kind:kill_node,at_step:30,target:node2,min_world:3,duration_s:4.0,"
+        "restart_after_s:3.0},"
+        "{kind:kill_node,at_step:60,target:node2,min_world:3,duration_s:4.0,"
+        "restart_after_s:3.0}]"
+    )
 
 
 def test_device_memory_is_read_only_where_nvml_sees_a_gpu() -> None:
