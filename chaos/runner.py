@@ -95,6 +95,9 @@ class CampaignRunner:
         follower = EventFollower(self.run_dir)
         began = time.time()  # attached to a job that trains already: seconds count from here
         started, step, world, trained = None, 0, 0, False
+        # The world size is read from steps past the last strike and the step it may have
+        # found in flight: the ones logged before it still say the world it struck.
+        world_after = 0
         try:
             while running() and not trained:
                 for e in follower.poll():
@@ -104,7 +107,9 @@ class CampaignRunner:
                     if ev.TRAINING_STARTED.matches(e) and started is None:
                         started = max(e["ts"], began)
                     elif ev.STEP.matches(e):
-                        step, world = max(step, e["step"]), e["world_size"]
+                        step = max(step, e["step"])
+                        if e["step"] > world_after:
+                            world = e["world_size"]
                     trained |= ev.TRAINING_DONE.matches(e)
                 now = time.time()
                 self._end_timed_faults(now)
@@ -119,6 +124,7 @@ class CampaignRunner:
                     and due(self.todo[0], step, now - started, world)
                 ):
                     self._strike(self.todo.pop(0))
+                    world_after, world = step + 1, 0
                 time.sleep(POLL_S)
         finally:
             self._end_timed_faults(float("inf"), restart=False)
