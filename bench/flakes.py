@@ -94,7 +94,9 @@ def loopback_qdisc(args: argparse.Namespace) -> tuple[str | None, str]:
         if shutil.which(tool) is None:
             return None, f"no {tool}"
     netem = f"root netem delay {args.delay_ms}ms {args.jitter_ms}ms distribution normal"
-    tbf = f"root tbf rate {args.rate_mbit}mbit burst 64kb latency 100ms"
+    # Its bucket holds more than one of loopback's 64 KiB packets: tbf drops a larger packet
+    # outright, and every TCP stream stalls on it (a 64 KiB bucket hung gloo for 120 s).
+    tbf = f"root tbf rate {args.rate_mbit}mbit burst 1mb latency 100ms"
     for qdisc in (netem, tbf):
         probe = subprocess.run(
             [
