@@ -41,6 +41,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from elastic.events import read_events  # noqa: E402
+
 # The three unexplained failures issue 47 names.
 NAMED = (
     "tests/test_e2e.py::test_a_frozen_node_and_a_frozen_agent_are_evicted_and_rejoin_when_thawed",
@@ -146,17 +150,18 @@ def command(test: str, basetemp: Path, qdisc: str | None) -> list[str]:
 
 
 def timeline(folder: Path) -> str:
-    """Every event under ``folder`` (each job's ``events/*.jsonl``), in time order, one a line:
-    seconds from the first, the node, the kind, the rest."""
-    events = []
-    for path in folder.rglob("events/*.jsonl*"):
-        for line in path.read_text(errors="replace").splitlines():
-            with contextlib.suppress(json.JSONDecodeError):
-                events.append(json.loads(line) | {"_job": path.parent.parent.name})
-    events.sort(key=lambda e: e.get("ts", 0.0))
+    """Every event of every job under ``folder`` (each run directory's ``events/``, read as
+    :func:`elastic.events.read_events` reads one), in time order, one a line: seconds from the
+    first, the job, the node, the kind, the rest."""
+    events = [
+        e | {"_job": run_dir.name}
+        for run_dir in sorted({p.parent for p in folder.rglob("events") if p.is_dir()})
+        for e in read_events(run_dir)
+    ]
+    events.sort(key=lambda e: e["ts"])
     if not events:
         return "(no events)\n"
-    t0 = events[0].get("ts", 0.0)
+    t0 = events[0]["ts"]
     lines = []
     for e in events:
         rest = {
@@ -164,7 +169,7 @@ def timeline(folder: Path) -> str:
         }
         what = e.get("msg") or json.dumps(rest, default=str)[:300]
         lines.append(
-            f"{e.get('ts', 0.0) - t0:9.2f} {e['_job']:<10} {e.get('node', '?'):<7} "
+            f"{e['ts'] - t0:9.2f} {e['_job']:<10} {e.get('node', '?'):<7} "
             f"{e.get('event', '?'):<22} {what}"
         )
     return "\n".join(lines) + "\n"

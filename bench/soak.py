@@ -25,8 +25,8 @@ and draws each process's memory over the recoveries (``--png``). A test runs a s
 ``--pattern same-node`` is the other shape a long run sees: the same node, the last one, killed
 every ``--every-steps`` steps (30 unless given) once the job trains at its full world again, and
 started again ``--restart-after-s`` later, so that each cycle is a shrink round and a grow round
-of the survivors. Its growth is counted
-after ``--warmup`` recoveries (20 unless given: 10 cycles).
+of the survivors. Its growth is counted after ``--warmup`` recoveries (20 unless given: 10
+cycles).
 
     .venv/bin/python bench/soak.py                          # 100 faults, about 15 minutes
     .venv/bin/python bench/soak.py --faults 20 --png /tmp/soak.png

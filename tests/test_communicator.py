@@ -316,6 +316,7 @@ def _broken_round(c: Communicator, rank: int, breaks: str, kept: list[Any]) -> N
 def _released_main(rank: int, port: int, breaks: str, out: str) -> None:
     c = round_of_two(rank, port, timeout_s=20)
     kept: list[Any] = []
+    failure = None  # a round that did not break writes none, and the assertion names it
     try:
         _broken_round(c, rank, breaks, kept)
     except RuntimeError as exc:
