@@ -100,7 +100,8 @@ def survive_the_cut(comm: Any) -> dict[str, Any]:
 
     from elastic.communicator import RoundAborted
 
-    aborted: dict[str, float] = {}
+    aborted: dict[str, Any] = {}
+    done = threading.Event()
 
     def abort_on_word() -> None:
         for line in iter(sys.stdin.readline, ""):
@@ -108,6 +109,8 @@ def survive_the_cut(comm: Any) -> dict[str, Any]:
                 began = time.perf_counter()
                 comm.abort("the probe's peer was killed", before_round=2)
                 aborted["s"] = time.perf_counter() - began
+                aborted["group_aborted"] = comm._group_aborted
+                done.set()
                 return
 
     threading.Thread(target=abort_on_word, daemon=True).start()
@@ -122,6 +125,10 @@ def survive_the_cut(comm: Any) -> dict[str, Any]:
     except Exception as exc:  # the transport's own error: how it failed is the finding
         ended = f"{type(exc).__name__}: {str(exc)[:200]}"
     waited_s = time.perf_counter() - began
+    # As a worker waits for its agent's next assignment, which aborts the round first: a
+    # collective of NCCL's returns to the host once queued, so the host is here long before the
+    # peer's death is known.
+    done.wait(ROUND_TIMEOUT_S)
     synced = threading.Event()
     free = total = 0
     if comm.device.type == "cuda":
@@ -139,6 +146,7 @@ def survive_the_cut(comm: Any) -> dict[str, Any]:
         "all_reduce": ended,
         "waited_s": waited_s,
         "abort_s": aborted.get("s"),
+        "group_aborted": aborted.get("group_aborted"),  # or found idle and healthy: destroyed
         "synchronized": synced.is_set(),
         "free_mib": free >> 20,
         "total_mib": total >> 20,

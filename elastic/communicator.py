@@ -44,6 +44,7 @@ BUFFERS_PER_REPLICA = (
 
 MEET_FIRST_PAUSE_S = 0.005  # a rank waiting for its round's peers looks again after this,
 MEET_POLL_S = 0.1  # doubling up to this: how soon it sees an abort
+SHRINK, REBUILD = b"shrink", b"rebuild"  # what a rank offers at the meet
 
 
 class RoundAborted(RuntimeError):
@@ -113,6 +114,10 @@ class Communicator:
         self._announced = 0  # the newest round the agent has announced
         self._failure: CollectiveFailure | None = None
         self._group_aborted = False  # the current group's NCCL communicator was aborted (freed)
+        self._open_blocks = 0  # collective() blocks running now
+        # On CUDA, an event recorded after the last collective() block: its collectives were
+        # waited on by the current stream, so it completes only once they have on the device.
+        self._block_mark: torch.cuda.Event | None = None
         self.buckets_this_step = 0  # hook calls since begin_step(): how far backward got
         self.buckets_per_step = 0  # hook calls of the last complete step
         self._step_began = self._handed_at = 0.0  # perf_counter: the step's start, its last bucket
@@ -140,22 +145,30 @@ class Communicator:
             self._pending = []
             self._failure = None
         self.buckets_per_step = 0  # DDP's buckets are rebuilt after its first step
-        with self.collective("group set-up"):
-            shrunk = previous is not None and self._shrank(previous, assignment)
+        # The old group's teardown is no collective of the new round's: only the new group's
+        # creation counts as one in flight (an abort then aborts it).
+        with self._recorded("group set-up"):
+            excluded = assignment.shrink_of(previous) if previous is not None else None
+            # A shrink is a collective of every survivor: one rank shrinking while another
+            # builds anew would wait for it forever. So the ranks agree at the meet.
+            agreed = self._meet(assignment, offer=self._can_shrink(excluded))
+            shrunk = agreed and excluded is not None and self._shrank(excluded)
             if not shrunk:
                 self.close()
-                self._meet(assignment)
-                self._init_group(assignment)
-            # Checkpoint saves run on a thread of their own: on the training group, their
-            # collectives would interleave with training's in a different order on each rank.
-            self.save_group = dist.new_group(
-                backend="gloo", timeout=self.timeout, group_desc="checkpoint saves"
-            )
+            with self.collective("group set-up"):
+                if not shrunk:
+                    self._init_group(assignment)
+                # Checkpoint saves run on a thread of their own: on the training group, their
+                # collectives would interleave with training's in a different order on each rank.
+                self.save_group = dist.new_group(
+                    backend="gloo", timeout=self.timeout, group_desc="checkpoint saves"
+                )
         if self._aborted.is_set():
             raise RoundAborted(f"round {self._announced} was announced")
 
-    def _meet(self, assignment: Assignment) -> None:
-        """Wait until every rank of the round has reached its set-up, abortably.
+    def _meet(self, assignment: Assignment, offer: bool) -> bool:
+        """Wait until every rank of the round has reached its set-up, abortably; whether every
+        rank ``offer``-ed to shrink its previous group (:func:`agreed_to_shrink`).
 
         The group's own set-up cannot be interrupted: begun while a peer is frozen (a node
         stopped just before its round was formed), it waits out the whole
@@ -166,6 +179,7 @@ class Communicator:
         """
         met = threading.Event()
         errors: list[BaseException] = []
+        offers: list[bytes] = []
 
         def meet() -> None:
             prefix = f"round{assignment.round}/arrived/"
@@ -178,7 +192,7 @@ class Communicator:
                     is_master=False,
                     timeout=self.timeout,
                 )
-                store.set(keys[assignment.rank], b"1")
+                store.set(keys[assignment.rank], SHRINK if offer else REBUILD)
                 deadline = time.monotonic() + self.timeout.total_seconds()
                 while not store.check(keys) and not self._aborted.is_set():
                     if time.monotonic() >= deadline:
@@ -188,6 +202,8 @@ class Communicator:
                         )
                     time.sleep(pause)  # the peers' keys arrive at the store: look again
                     pause = min(2 * pause, MEET_POLL_S)
+                if not self._aborted.is_set():
+                    offers.extend(store.multi_get(keys))
             except dist.DistError as exc:
                 errors.append(exc)
             met.set()
@@ -200,6 +216,7 @@ class Communicator:
             raise RoundAborted(f"round {self._announced} was announced")
         if errors:
             raise errors[0]
+        return agreed_to_shrink(offers, assignment.world_size)
 
     def _init_group(self, assignment: Assignment) -> None:
         """Build the round's group on the c10d TCPStore that the agent of the round's first node
@@ -230,18 +247,19 @@ class Communicator:
             pg_options=options,
         )
 
-    def _shrank(self, previous: Assignment, new: Assignment) -> bool:
-        """Whether the round's group was made by shrinking the previous one (NCCL, the new round
-        only removed ranks of ours, and the previous communicator still lives). A shrink that
-        fails is no failure of the round: the caller then builds the group anew."""
-        excluded = new.shrink_of(previous)
+    def _can_shrink(self, excluded: list[int] | None) -> bool:
+        """Whether this rank can make the new round's group by shrinking its current one
+        (:func:`can_shrink`): what it offers at the meet."""
         live = dist.is_initialized() and not self._group_aborted
         supported = live and (
             dist.distributed_c10d._get_default_group()._get_backend(self.device).supports_shrinking
         )
-        if not can_shrink(self.backend, excluded, live, supported):
-            return False
-        assert excluded is not None  # can_shrink says so
+        return can_shrink(self.backend, excluded, live, supported)
+
+    def _shrank(self, excluded: list[int]) -> bool:
+        """Shrink the group by ``excluded``, as every rank agreed to; whether it worked. A shrink
+        that fails is no failure of the round: the rank builds the group anew, and its peers'
+        set-up (bounded by the group's timeout) shows whether they did too."""
         try:
             # SHRINK_ABORT is not exported as torch.distributed.SHRINK_ABORT (2.11 to 2.14).
             dist.shrink_group(excluded, shrink_flags=dist.distributed_c10d.SHRINK_ABORT)
@@ -271,8 +289,23 @@ class Communicator:
         for fut in pending:
             if not fut.done():
                 fut.set_exception(RoundAborted(reason))
-        if self.backend == "nccl" and dist.is_initialized():
-            dist.distributed_c10d._get_default_group().abort()
+        self._abort_group_if_needed()
+
+    def _abort_group_if_needed(self) -> None:
+        """Abort the NCCL communicator unless it is idle and healthy (:func:`must_abort`).
+
+        An abort is what frees a kernel stuck on a dead peer, but it costs 0.5-1 s: NCCL's proxy
+        threads see its flag only when their 500 ms poll returns. A communicator with nothing in
+        flight and no error is destroyed instead (:meth:`close`), in milliseconds; one with a
+        failed collective is never destroyed without an abort, since the destroy may wait for
+        the failed kernel (a survivor hung so on the GPU machine, 2026-11-28)."""
+        if self.backend != "nccl" or not dist.is_initialized():
+            return
+        with self._lock:
+            idle = self._idle()
+        group = dist.distributed_c10d._get_default_group()
+        if must_abort(self.backend, self._group_aborted, idle, _healthy(group, self.device)):
+            group.abort()
             self._group_aborted = True  # freed: it can be destroyed, never shrunk
 
     @property
@@ -298,12 +331,41 @@ class Communicator:
         completed, as a ``CheckpointException``, a ``BaseException``: it passes through here
         without being recorded, which is right, since every rank's group is still intact.
         """
+        with self._lock:
+            self._open_blocks += 1
+        try:
+            with self._recorded(what):
+                yield
+        finally:
+            mark = None
+            if self.device.type == "cuda" and torch.cuda.is_initialized():
+                mark = torch.cuda.Event()
+                mark.record()
+            with self._lock:
+                self._open_blocks -= 1
+                self._block_mark = mark or self._block_mark
+
+    @contextlib.contextmanager
+    def _recorded(self, what: str) -> Iterator[None]:
+        """Record an exception leaving the block as the round's :attr:`failure`; the launches of
+        tracked collectives (the hook's, :meth:`all_reduce`'s) run only in this."""
         try:
             yield
         except Exception as exc:
             with self._lock:
                 self._record(what, exc)
             raise
+
+    def _idle(self) -> bool:
+        """Whether no collective of the round may still run: no block open, every tracked work
+        completed, the last block's device mark reached; with the lock held. Errors are the
+        backend's to report (:func:`_healthy`): ``Work.exception()`` cannot be called from
+        Python (torch 2.11 to 2.14: pybind11 cannot convert its ``exception_ptr``)."""
+        if self._open_blocks:
+            return False
+        if not all(w.is_completed() for w in self._works):
+            return False
+        return self._block_mark is None or self._block_mark.query()
 
     def _record(self, what: str, exc: BaseException) -> None:
         """Keep the round's first failure; called with ``self._lock`` held."""
@@ -323,9 +385,11 @@ class Communicator:
         ]
         if not dist.is_initialized():
             return
+        self._abort_group_if_needed()
         group = dist.distributed_c10d._get_default_group()
         with self._lock:
             works, self._works = self._works, []
+            self._block_mark = None
         in_flight = [w for w in works if not w.is_completed()]
         if in_flight:
             log.info("retiring the old group with %d collective(s) in flight", len(in_flight))
@@ -435,9 +499,22 @@ class Communicator:
         torch.div(buffer, dist.get_world_size(), out=out)
         if wire is not out:
             wire.copy_(out)
-        with self.collective("gradient all-reduce"):  # gloo may refuse at once: peer gone
-            work = dist.all_reduce(wire, async_op=True)
+        work = self._launch(wire, "gradient all-reduce")
+        if work is None:
+            return _failed(RoundAborted("the round was left"))
         return self._track(work, "gradient all-reduce", out, wire)
+
+    def _launch(self, tensor: torch.Tensor, what: str) -> dist.Work | None:
+        """Start an all-reduce of ``tensor``, kept in this round's works; None once the round
+        was left. Under the lock: :meth:`abort` then sees every collective begun before it, and
+        none begins after it (a collective begun on a communicator it chose not to abort could
+        wait forever on a dead peer)."""
+        with self._recorded(what), self._lock:  # gloo may refuse at once: peer gone
+            if self._aborted.is_set():
+                return None
+            work = dist.all_reduce(tensor, async_op=True)
+            self._works.append(work)  # retired with its group if still in flight (close)
+            return work
 
     def _wires(self, index: int, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Bucket ``index``'s kept tensors: the mean in the bucket's dtype, and the one the
@@ -458,8 +535,9 @@ class Communicator:
         rank in it until the peer came back or for the whole ``rendezvous.pg_timeout_s``.
         Raises :class:`RoundAborted` as soon as :meth:`abort` is called; a failure is recorded
         as ``what``'s."""
-        with self.collective(what):
-            work = dist.all_reduce(tensor, async_op=True)
+        work = self._launch(tensor, what)
+        if work is None:
+            raise RoundAborted("the round was left")
         self._track(work, what, tensor, tensor).wait()
 
     def barrier(self, what: str) -> None:
@@ -482,7 +560,6 @@ class Communicator:
         devices = [self.device] if self.device.type == "cuda" else None
         ours: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=devices)
         with self._lock:
-            self._works.append(work)  # retired with its group if still in flight (close)
             if self._aborted.is_set():
                 ours.set_exception(RoundAborted("the round was left"))
                 return ours
@@ -512,6 +589,27 @@ def _failed(exc: Exception) -> torch.futures.Future[torch.Tensor]:
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_exception(exc)
     return fut
+
+
+def must_abort(backend: str, aborted: bool, idle: bool, healthy: bool) -> bool:
+    """Whether a round's group must be aborted before it is destroyed: on NCCL, unless it was
+    already, or nothing of it may still run (``idle``) and it reports no error (``healthy``).
+    gloo has no abort: its collectives end at their timeout (see :meth:`Communicator.close`)."""
+    return backend == "nccl" and not aborted and not (idle and healthy)
+
+
+def _healthy(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether the group's backend reports no error (a failed collective, a lost peer, a
+    timeout); unknown (a torch without ``get_error``) counts as not."""
+    backend = group._get_backend(device)
+    if not hasattr(backend, "get_error"):
+        return False
+    return backend.get_error() == torch._C._distributed_c10d.ErrorType.SUCCESS
+
+
+def agreed_to_shrink(offers: list[bytes], world_size: int) -> bool:
+    """Whether every rank of the round offered to shrink at the meet (the values of its keys)."""
+    return len(offers) == world_size and all(o == SHRINK for o in offers)
 
 
 def can_shrink(backend: str, excluded: list[int] | None, live: bool, supported: bool) -> bool:

@@ -14,6 +14,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -25,12 +26,16 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic.communicator import (
+    REBUILD,
+    SHRINK,
     CollectiveFailure,
     Communicator,
     RoundAborted,
     RoundEnd,
+    agreed_to_shrink,
     can_shrink,
     is_device_fault,
+    must_abort,
     release,
     round_end,
 )
@@ -97,6 +102,21 @@ def test_a_failure_inside_a_collective_block_is_recorded_once_and_raised() -> No
     with pytest.raises(ValueError), c.collective("checkpoint save"):
         raise ValueError("a later failure of the same round")
     assert c.failure == CollectiveFailure("state sync", "RuntimeError: Connection closed by peer")
+
+
+def test_a_group_counts_as_idle_only_outside_collective_blocks_with_its_works_done() -> None:
+    """What decides between an NCCL group's abort and its destroy, on a real one-rank group."""
+    with served_store() as port:
+        c = comm()
+        c.enter(replace(assignment(1), world_size=1, store_port=port))
+        try:
+            assert c._idle()
+            with c.collective("state sync"):
+                assert not c._idle()  # a collective of the block may be in flight
+            c.all_reduce(torch.ones(4), "evaluation")
+            assert c._idle() and c._works  # tracked, and completed
+        finally:
+            c.close()
 
 
 def test_dcp_reporting_a_local_write_failure_through_the_collective_is_not_recorded() -> None:
@@ -381,6 +401,24 @@ def test_only_a_live_nccl_communicator_of_a_round_that_only_lost_ranks_is_shrunk
     assert not can_shrink("nccl", None, live=True, supported=True)  # a rank added or moved
     assert not can_shrink("nccl", [2], live=True, supported=False)
     assert not can_shrink("gloo", [2], live=True, supported=True)
+
+
+def test_the_ranks_shrink_only_when_every_one_offered_to() -> None:
+    """One survivor whose group was aborted (a collective was in flight) builds anew: its peers
+    must too, or they would wait in the shrink for it forever."""
+    assert agreed_to_shrink([SHRINK, SHRINK], 2)
+    assert not agreed_to_shrink([SHRINK, REBUILD], 2)
+    assert not agreed_to_shrink([SHRINK], 2)  # the meet was left (aborted): no offers read
+
+
+def test_an_nccl_group_is_destroyed_without_an_abort_only_when_idle_and_healthy() -> None:
+    """The abort costs 0.5-1 s (NCCL's proxy polls every 500 ms); a destroy of a group whose
+    collective failed may wait for it forever."""
+    assert not must_abort("nccl", aborted=False, idle=True, healthy=True)
+    assert must_abort("nccl", aborted=False, idle=False, healthy=True)  # a kernel may be stuck
+    assert must_abort("nccl", aborted=False, idle=True, healthy=False)  # a peer lost
+    assert not must_abort("nccl", aborted=True, idle=False, healthy=False)  # once is enough
+    assert not must_abort("gloo", aborted=False, idle=False, healthy=False)  # gloo has none
 
 
 def test_nccl_is_set_so_that_survivors_live_and_a_users_setting_that_ends_them_is_named() -> None:

@@ -492,7 +492,9 @@ def shrink_probe(comm: Communicator, port: int) -> str:
     assert current is not None
     shrunk = assignment(current.round + 1, port, shrinks_round=current.round, excluded_ranks=(1,))
     try:
-        return f"returned {comm._try_shrink(current, shrunk)}"
+        excluded = shrunk.shrink_of(current)
+        assert excluded is not None and comm._can_shrink(excluded), "the path is not reached"
+        return f"returned {comm._shrank(excluded)}"
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"[:300]
 
