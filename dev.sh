@@ -2,7 +2,8 @@
 # One entry point that sets itself up: creates .venv and installs the project on first use
 # (and again whenever pyproject.toml changes), then
 #   ./dev.sh run [overrides...]    the main job (python -m launcher with Hydra overrides)
-#   ./dev.sh test [pytest args...] ruff, then the test suite (what CI runs)
+#   ./dev.sh test [pytest args...] ruff, then the test suite, ELASTIC_TEST_PROCS (2) tests at a time
+#                                  (what CI runs)
 #   ./dev.sh bench [args...]       the recovery benchmark against the torchrun peer
 #   ./dev.sh gpu-wheels [DIR]      the wheels the offline GPU machine lacks, into DIR (gpu-wheels)
 #   ./dev.sh gpu-proof [OUT]       on the GPU machine: the GPU proof with its own python3 and the
@@ -38,7 +39,10 @@ command=${1:-run}
 [ $# -gt 0 ] && shift
 case "$command" in
   run) exec python -m launcher "$@" ;;
-  test) ruff check . && exec python -m pytest -q "$@" ;;
+  # Two tests at a time (pytest-xdist): most of a test's time is its processes starting and
+  # waiting on each other, and two at once took 21 min on 2 cores against 24 one by one. A
+  # module whose costly fixture is shared is kept on one worker (pytest.mark.xdist_group).
+  test) ruff check . && exec python -m pytest -q -n "${ELASTIC_TEST_PROCS:-2}" --dist loadgroup "$@" ;;
   bench) exec python bench/recovery.py "$@" ;;
   gpu-wheels) exec python bench/gpu_wheels.py prepare "${1:-gpu-wheels}" ;;
   *) echo "usage: ./dev.sh run|test|bench|gpu-wheels|gpu-proof [args...]" >&2; exit 2 ;;

@@ -28,6 +28,10 @@ from elastic import config
 
 from .conftest import Gate, back_after_restart
 
+# Under pytest-xdist (--dist loadgroup) this module stays on one worker: the fault-free run,
+# a module fixture, is computed once.
+pytestmark = pytest.mark.xdist_group("test_convergence")
+
 # The top-1 both runs must reach on the 740 held-out scans after 8 epochs (chance: 10 %), and
 # how far apart their final top-1 may be. Measured on a 2-core machine (2026-11-26), final top-1
 # of the fault-free run / of the run with a node killed at epoch 4 and back 0.7-0.9 epochs

@@ -20,6 +20,10 @@ import pytest
 
 from .conftest import REPO, load_bench
 
+# Under pytest-xdist (--dist loadgroup) this module stays on one worker: the wheels, a module
+# fixture, are fetched once.
+pytestmark = pytest.mark.xdist_group("test_gpu_wheels")
+
 gpu_wheels = load_bench("gpu_wheels")
 WheelsError = gpu_wheels.WheelsError
 
