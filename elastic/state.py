@@ -147,6 +147,23 @@ class TrainState:
         return set(self._names.values())
 
 
+def sync_key(progress: Progress | None, trained_round: int) -> list[int]:
+    """How a rank's state ranks in :func:`sync_state`: the round it last trained in, its step,
+    the evaluations it completed, and a fingerprint of its whole progress record.
+
+    A replica that trained in a later round is on the job's current line of history, whatever
+    its step count. At the same step, one that completed an evaluation the round's break cut
+    short on a peer is newer: the evaluation averaged its batch-norm statistics, and a rank that
+    kept its own record would evaluate again while its peers trained on, so that their
+    collectives crossed (gloo aborts the process on the mismatch). The fingerprint makes
+    "every rank holds the same state" mean the whole record (a cut save can leave
+    ``checkpoint_every`` apart too), and breaks any remaining tie alike on every rank."""
+    if progress is None:
+        return [-1, -1, -1, -1]
+    record = json.dumps(progress.to_dict(), sort_keys=True).encode()
+    return [trained_round, progress.step, progress.evaluated, zlib.crc32(record)]
+
+
 def sync_state(
     tensors: dict[str, torch.Tensor],
     progress: Progress | None,
@@ -155,15 +172,12 @@ def sync_state(
 ) -> tuple[Progress | None, int]:
     """Make every rank hold the newest state any rank of this round holds; a collective.
 
-    States are ordered by (the round they were last trained in, step): a replica that trained in
-    a later round is on the job's current line of history, whatever its step count. Returns the
-    progress and the rank it came from, or ``(None, -1)`` when no rank holds a state (a fresh job
-    or a whole restart: the caller then loads the newest checkpoint). When every rank already
-    holds the same state, nothing is sent: that is the common case of survivors after a shrink.
+    States are ordered by :func:`sync_key`. Returns the progress and the rank it came from, or
+    ``(None, -1)`` when no rank holds a state (a fresh job or a whole restart: the caller then
+    loads the newest checkpoint). When every rank already holds the same state, nothing is sent:
+    that is the common case of survivors after a shrink.
     """
-    key = torch.tensor(
-        [trained_round, progress.step] if progress else [-1, -1], dtype=torch.int64, device=device
-    )
+    key = torch.tensor(sync_key(progress, trained_round), dtype=torch.int64, device=device)
     keys = [torch.empty_like(key) for _ in range(dist.get_world_size())]
     dist.all_gather(keys, key)
     ranked = [tuple(k.tolist()) for k in keys]
