@@ -54,10 +54,15 @@ from launcher.torchrun.backend import (
 
 # A node sends a heartbeat every second and is dead after three missed ones; a round that has
 # its minimum of nodes waits 3 s for more (time for a node that syncs once a second to come).
+# The close keeps torch's default of 30 s: it is a compare-and-set that loses to every heartbeat
+# written between its read and its write, so when a write takes as long as the heartbeat
+# interval it loses again and again. A 5 s close failed so in CI on 2 loaded cores. With every
+# write of this file's handlers delayed by 1 s, the close timed out after 5.4 s: of 13 writes,
+# the 4 that landed were heartbeats; with delays up to 0.6 s it closed within 0.9 s.
 FAST_CONF = {
     "join_timeout": "20",
     "last_call_timeout": "3",
-    "close_timeout": "5",
+    "close_timeout": "30",
     "heartbeat_timeout": "5",
     "keep_alive_interval": "1",
     "keep_alive_max_attempt": "3",
