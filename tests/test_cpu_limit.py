@@ -12,6 +12,11 @@ import pytest
 from chaos.cpu_limit import CgroupLimit, DutyCycle, cpu_controller, limit_cpu, used_cores
 
 BUSY = "while True: pass"
+# What a busy loop that runs at all gets, whatever else the machine runs: the bound that tells
+# "running again" from "never woke up" (a task moved out of a throttled group can sleep for
+# ever). A share of a core would be a timing bound: beside the suite's other tests on 2 cores,
+# a busy loop freed from a quarter-core quota was measured at 0.26 cores (CI, 2026-11-28).
+RUNS = 0.05
 
 
 @pytest.fixture
@@ -33,10 +38,10 @@ def test_a_duty_cycle_stops_a_busy_process_for_most_of_the_time_and_resumes_it(
         during = used_cores([busy], seconds=1.0)
     finally:
         limit.end()
-    assert before > 0.5, f"the busy loop used {before:.2f} cores"  # a sanity bound
+    assert before > RUNS, f"the busy loop used {before:.2f} cores"
     assert during < before / 2, (before, during)
     assert busy.status() != psutil.STATUS_STOPPED
-    assert used_cores([busy]) > 0.5  # running again
+    assert used_cores([busy]) > RUNS  # running again
 
 
 @pytest.mark.skipif(cpu_controller() is None, reason="no writable cgroup CPU controller here")
@@ -50,5 +55,5 @@ def test_a_cgroup_quota_holds_a_busy_process_to_its_share_and_is_removed(
     finally:
         limit.end()
     assert during < 0.5, (during, limit.how)  # about a quarter of a core
-    assert not limit.group.exists()
-    assert used_cores([busy]) > 0.5
+    assert not limit.group.exists()  # removed, so empty: the process went back home
+    assert used_cores([busy]) > RUNS  # running again
