@@ -15,7 +15,7 @@ import pytest
 
 from elastic.events import read_events
 
-from .conftest import FAST_JOB, PATCH_HOOKS, Gate, back_after_restart, launch, output
+from .conftest import FAST_JOB, PATCH_HOOKS, RESNET18, Gate, back_after_restart, launch, output
 from .test_e2e import wait_event
 
 CAMPAIGN_TIMEOUT_S = 600
@@ -54,6 +54,7 @@ def test_a_scripted_campaign_keeps_the_invariants_and_reports_each_fault_and_the
         tmp_path,
         "campaign=scripted",
         "cluster.nodes=3",
+        RESNET18,  # the script's steps and its slowed node are timed for ResNet-18's
         "trainer.epochs=16",
         "health.straggler_every=2",
         "health.straggler_windows=2",

@@ -17,7 +17,7 @@ from chaos import netns
 from chaos.injectors import heal, node_with_rank, partition, throttle, unthrottle
 from launcher.rendezvous.embedded_etcd import EmbeddedEtcd
 
-from .conftest import FAST_JOB, Gate, output
+from .conftest import FAST_JOB, RESNET18, Gate, output
 from .test_e2e import RECORD, assert_invariants, wait_event, wait_exit
 
 WHY_NOT = netns.available()
@@ -39,6 +39,7 @@ def start_node(
         "job_id=partitioned",
         f"run_dir={run_dir}",
         *FAST_JOB,
+        RESNET18,  # SLOW_MBIT slows its all-reduce
         f"trainer.epochs={EPOCHS}",
         f"rendezvous.pg_timeout_s={PG_TIMEOUT_S}",
         RECORD,

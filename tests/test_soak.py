@@ -16,7 +16,7 @@ from elastic.events import read_events
 from launcher.agent.decisions import Reach
 from launcher.agent.peers import WHY_EVICTED
 
-from .conftest import FAST_JOB, Gate, back_after_restart, load_bench
+from .conftest import FAST_JOB, RESNET18, Gate, back_after_restart, load_bench
 
 soak = load_bench("soak")
 
@@ -52,6 +52,7 @@ def test_survivors_keep_their_descriptors_and_threads_and_agents_their_memory_ac
             "--ckpt-every=5",
             "--epochs=17",
             *(a for a in FAST_JOB if not a.startswith("checkpoint.")),
+            RESNET18,  # 50 of its steps outlast a restart: the node is back before its next kill
             "optim.policy=keep_global_batch",
         ]
     )
