@@ -98,7 +98,7 @@ def survive_the_cut(comm: Any) -> dict[str, Any]:
     device afterwards."""
     import torch
 
-    from elastic.communicator import RoundAborted
+    from elastic.round_end import RoundAborted
 
     aborted: dict[str, Any] = {}
     done = threading.Event()

@@ -29,8 +29,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic import event_types as ev
 from elastic.checkpoint import CheckpointManager, Plan, SaveAbandoned, SaveFailed
-from elastic.communicator import RoundAborted
 from elastic.events import EventLog
+from elastic.round_end import RoundAborted
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ completes with the all-reduce, or fails as soon as :meth:`Communicator.abort` is
 agent announced a new round), so a stuck step is abandoned at once. Whether a round broke is a
 fact the communicator records, never a guess from an error's text: every collective of a round
 runs through it, the first one that fails is kept as :attr:`Communicator.failure`, and an
-exception raised anywhere else is the worker's own fault (:func:`round_end`).
+exception raised anywhere else is the worker's own fault (:func:`elastic.round_end.round_end`).
 """
 
 # No ``from __future__ import annotations`` here: DDP checks the comm hook's annotations at run
@@ -17,11 +17,8 @@ import inspect
 import logging
 import threading
 import time
-import traceback
 from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import timedelta
-from enum import Enum
 from typing import Any
 
 import torch
@@ -30,6 +27,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from elastic import nccl_settings
 from elastic.control import Assignment
+from elastic.nccl_group import (
+    REBUILD,
+    SHRINK,
+    agreed_to_shrink,
+    can_shrink,
+    healthy,
+    must_abort,
+)
+from elastic.round_end import CollectiveFailure, RoundAborted
 
 log = logging.getLogger(__name__)
 
@@ -44,30 +50,6 @@ BUFFERS_PER_REPLICA = (
 
 MEET_FIRST_PAUSE_S = 0.005  # a rank waiting for its round's peers looks again after this,
 MEET_POLL_S = 0.1  # doubling up to this: how soon it sees an abort
-SHRINK, REBUILD = b"shrink", b"rebuild"  # what a rank offers at the meet
-
-
-class RoundAborted(RuntimeError):
-    """The agent moved this worker out of its round (a new round was formed, or standby)."""
-
-
-class RoundEnd(Enum):
-    """Why a worker's round ended before the job was trained."""
-
-    LEFT = "left"  # the agent moved it to a newer round, or to standby
-    PEER_LOST = "peer_lost"  # a collective of the round failed: a peer died or the group broke
-    LOCAL_FAULT = "local_fault"  # neither: the worker's own fault
-
-
-@dataclass(frozen=True)
-class CollectiveFailure:
-    """A collective of the current round that failed: a peer died or the group broke."""
-
-    what: str  # which collective: "gradient all-reduce", "group set-up", "state sync", ...
-    error: str  # the exception, as the transport reported it (for people, never parsed)
-
-    def __str__(self) -> str:
-        return f"the {self.what} failed ({self.error})"
 
 
 def pick_device(requested: str, local_rank: int) -> torch.device:
@@ -115,7 +97,7 @@ class Communicator:
         self._failure: CollectiveFailure | None = None
         self._group_aborted = False  # the current group's NCCL communicator was aborted (freed)
         self._open_blocks = 0  # collective() blocks running now
-        # On CUDA, an event recorded after the last collective() block: its collectives were
+        # On NCCL, an event recorded after the last collective() block: its collectives were
         # waited on by the current stream, so it completes only once they have on the device.
         self._block_mark: torch.cuda.Event | None = None
         self.buckets_this_step = 0  # hook calls since begin_step(): how far backward got
@@ -168,7 +150,8 @@ class Communicator:
 
     def _meet(self, assignment: Assignment, offer: bool) -> bool:
         """Wait until every rank of the round has reached its set-up, abortably; whether every
-        rank ``offer``-ed to shrink its previous group (:func:`agreed_to_shrink`).
+        rank ``offer``-ed to shrink its previous group
+        (:func:`elastic.nccl_group.agreed_to_shrink`).
 
         The group's own set-up cannot be interrupted: begun while a peer is frozen (a node
         stopped just before its round was formed), it waits out the whole
@@ -249,7 +232,7 @@ class Communicator:
 
     def _can_shrink(self, excluded: list[int] | None) -> bool:
         """Whether this rank can make the new round's group by shrinking its current one
-        (:func:`can_shrink`): what it offers at the meet."""
+        (:func:`elastic.nccl_group.can_shrink`): what it offers at the meet."""
         live = dist.is_initialized() and not self._group_aborted
         supported = live and (
             dist.distributed_c10d._get_default_group()._get_backend(self.device).supports_shrinking
@@ -292,19 +275,16 @@ class Communicator:
         self._abort_group_if_needed()
 
     def _abort_group_if_needed(self) -> None:
-        """Abort the NCCL communicator unless it is idle and healthy (:func:`must_abort`).
-
-        An abort is what frees a kernel stuck on a dead peer, but it costs 0.5-1 s: NCCL's proxy
-        threads see its flag only when their 500 ms poll returns. A communicator with nothing in
-        flight and no error is destroyed instead (:meth:`close`), in milliseconds; one with a
-        failed collective is never destroyed without an abort, since the destroy may wait for
-        the failed kernel (a survivor hung so on the GPU machine, 2026-11-28)."""
+        """Abort the NCCL communicator unless it is idle and healthy
+        (:func:`elastic.nccl_group.must_abort`: an abort costs 0.5-1 s, a destroy milliseconds);
+        one with a failed collective is never destroyed without an abort, since the destroy may
+        wait for the failed kernel (a survivor hung so on the GPU machine, 2026-11-28)."""
         if self.backend != "nccl" or not dist.is_initialized():
             return
         with self._lock:
             idle = self._idle()
         group = dist.distributed_c10d._get_default_group()
-        if must_abort(self.backend, self._group_aborted, idle, _healthy(group, self.device)):
+        if must_abort(self.backend, self._group_aborted, idle, healthy(group, self.device)):
             group.abort()
             self._group_aborted = True  # freed: it can be destroyed, never shrunk
 
@@ -337,8 +317,8 @@ class Communicator:
             with self._recorded(what):
                 yield
         finally:
-            mark = None
-            if self.device.type == "cuda" and torch.cuda.is_initialized():
+            mark = None  # only NCCL's idleness is asked (_abort_group_if_needed)
+            if self.backend == "nccl" and torch.cuda.is_initialized():
                 mark = torch.cuda.Event()
                 mark.record()
             with self._lock:
@@ -359,8 +339,9 @@ class Communicator:
     def _idle(self) -> bool:
         """Whether no collective of the round may still run: no block open, every tracked work
         completed, the last block's device mark reached; with the lock held. Errors are the
-        backend's to report (:func:`_healthy`): ``Work.exception()`` cannot be called from
-        Python (torch 2.11 to 2.14: pybind11 cannot convert its ``exception_ptr``)."""
+        backend's to report (:func:`elastic.nccl_group.healthy`): ``Work.exception()`` cannot be
+        called from Python (torch 2.11 to 2.14: pybind11 cannot convert its ``exception_ptr``).
+        """
         if self._open_blocks:
             return False
         if not all(w.is_completed() for w in self._works):
@@ -589,82 +570,3 @@ def _failed(exc: Exception) -> torch.futures.Future[torch.Tensor]:
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_exception(exc)
     return fut
-
-
-def must_abort(backend: str, aborted: bool, idle: bool, healthy: bool) -> bool:
-    """Whether a round's group must be aborted before it is destroyed: on NCCL, unless it was
-    already, or nothing of it may still run (``idle``) and it reports no error (``healthy``).
-    gloo has no abort: its collectives end at their timeout (see :meth:`Communicator.close`)."""
-    return backend == "nccl" and not aborted and not (idle and healthy)
-
-
-def _healthy(group: dist.ProcessGroup, device: torch.device) -> bool:
-    """Whether the group's backend reports no error (a failed collective, a lost peer, a
-    timeout); unknown (a torch without ``get_error``) counts as not."""
-    backend = group._get_backend(device)
-    if not hasattr(backend, "get_error"):
-        return False
-    return backend.get_error() == torch._C._distributed_c10d.ErrorType.SUCCESS
-
-
-def agreed_to_shrink(offers: list[bytes], world_size: int) -> bool:
-    """Whether every rank of the round offered to shrink at the meet (the values of its keys)."""
-    return len(offers) == world_size and all(o == SHRINK for o in offers)
-
-
-def can_shrink(backend: str, excluded: list[int] | None, live: bool, supported: bool) -> bool:
-    """Whether a round's group may be the previous one shrunk: only NCCL shrinks, only a round
-    that removed ranks and added none (``excluded``), and only a communicator that still lives
-    (``live``: ncclCommShrink needs its parent, which an abort frees) and can (``supported``)."""
-    return backend == "nccl" and excluded is not None and live and supported
-
-
-def is_device_fault(error: BaseException | None) -> bool:
-    """Whether ``error`` is, or was raised from, an error of the device itself (torch's
-    ``AcceleratorError``: a device-side assert, an illegal address). CUDA keeps such an error
-    in the process's context, so every later call fails too: only a new process recovers."""
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, torch.AcceleratorError):
-            return True
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return False
-
-
-def release(error: BaseException) -> None:
-    """Let go of the frames that ``error`` (and the exceptions it was raised from) hold.
-
-    A collective that failed or was aborted under :meth:`Communicator.all_reduce` (an
-    evaluation, the state sync, a barrier) raises the exception its future keeps:
-    ``torch.futures.Future.set_exception`` stores the object and raises that same object at
-    every wait, so the traceback it gathers on its way up holds every frame of the round: the
-    DDP instance, its reducer and gradient buckets, the process group with its threads,
-    sockets and store connection. The future holds the exception from C++, where Python's
-    collector cannot see the cycle (frame, work, future, exception, traceback, frame), so
-    nothing of such a round was ever freed: 3 threads, 5 descriptors and about 40 MB
-    (ResNet-18) for each round a killed peer broke in an evaluation. Called once the round's end
-    is recorded."""
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if error.__traceback__ is not None:
-            traceback.clear_frames(error.__traceback__)  # the executing ones are left alone
-        error.__traceback__ = None
-        error = error.__cause__ or error.__context__
-
-
-def round_end(
-    aborted: bool, failure: CollectiveFailure | None, error: BaseException | None = None
-) -> RoundEnd:
-    """Why a round ended with ``error``, from its type and what the communicator recorded: a
-    device fault is local whatever else happened (the worker must be replaced, its node struck);
-    then the agent's abort (the failure it causes is expected), then a failed collective;
-    anything else is local."""
-    if is_device_fault(error):
-        return RoundEnd.LOCAL_FAULT
-    if aborted:
-        return RoundEnd.LEFT
-    if failure is not None:
-        return RoundEnd.PEER_LOST
-    return RoundEnd.LOCAL_FAULT

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from elastic.communicator import RoundAborted
 from elastic.pipeline import Prefetcher
+from elastic.round_end import RoundAborted
 
 TOP_K = 5
 # Sums a tensor over the round's ranks in place; ``what`` names it if it fails. The trainer's is
@@ -135,7 +135,7 @@ def evaluate(
     one all-reduce adds up ``[loss, top-1, top-5, count]`` in float64 (exact counts far beyond
     ImageNet's size). Call :func:`average_bn_stats` first. ``stop`` is asked before every batch:
     when the agent has moved this rank to another round, the evaluation ends at once with
-    :class:`~elastic.communicator.RoundAborted` (the next round redoes it). The model is back in
+    :class:`~elastic.round_end.RoundAborted` (the next round redoes it). The model is back in
     training mode afterwards, whatever happened.
     """
     num_samples = len(dataset)  # type: ignore[arg-type]

@@ -68,7 +68,7 @@ class EvalContext:
     """What an evaluation needs from the runtime: this rank's place in the round, the round's
     all-reduce (which a lost peer or a new round breaks, as any collective), the precision's
     autocast, and ``stop``, which says the round was left (raise
-    :class:`~elastic.communicator.RoundAborted`; the next round redoes the evaluation)."""
+    :class:`~elastic.round_end.RoundAborted`; the next round redoes the evaluation)."""
 
     rank: int
     world_size: int

@@ -5,7 +5,7 @@ A worker outlives rounds, so that a broken round costs at most the step in fligh
 keep their state in memory and carry on from it. Read it top to bottom: :func:`main` builds what
 does not depend on the round and loops over the agent's assignments, :func:`train_round` is one
 round, and :func:`train_step` one optimizer step. A round ends in one of three ways, told apart by
-what the communicator recorded and the error's type (:func:`elastic.communicator.round_end`), never
+what the communicator recorded and the error's type (:func:`elastic.round_end.round_end`), never
 by an error's text: the agent announced a new round, a collective failed (a peer died: the worker
 tells its agent, which finds the dead peer), or this worker failed by itself (neither of those, or a
 fault of its device): it exits with :data:`~elastic.control.EXIT_FAILED`. A checkpoint that cannot
@@ -43,14 +43,7 @@ from elastic import event_types as ev
 from elastic.async_checkpoint import WAIT_POLL_S, BackgroundSaver, Started
 from elastic.checkpoint import CheckpointManager
 from elastic.checkpoint_interval import Measured, choose_interval
-from elastic.communicator import (
-    Communicator,
-    RoundAborted,
-    RoundEnd,
-    pick_device,
-    release,
-    round_end,
-)
+from elastic.communicator import Communicator, pick_device
 from elastic.control import (
     EXIT_FAILED,
     EXIT_PEER_LOST,
@@ -78,6 +71,7 @@ from elastic.optim import step_settings
 from elastic.pipeline import Prefetcher, loader_workers, make_loader
 from elastic.precision import MixedPrecision, dtype_of, resolve_precision
 from elastic.replicas import checksum, judge
+from elastic.round_end import RoundAborted, RoundEnd, release, round_end
 from elastic.sampler import ElasticSampler, StepPlan
 from elastic.state import Progress, TrainState, sync_state
 from elastic.stragglers import StragglerWatch

@@ -25,22 +25,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from elastic.communicator import (
-    REBUILD,
-    SHRINK,
+from elastic.communicator import Communicator
+from elastic.control import Assignment
+from elastic.nccl_group import REBUILD, SHRINK, agreed_to_shrink, can_shrink, must_abort
+from elastic.nccl_settings import ERROR_HANDLING, NONBLOCKING_TIMEOUT, apply, survivor_settings
+from elastic.round_end import (
     CollectiveFailure,
-    Communicator,
     RoundAborted,
     RoundEnd,
-    agreed_to_shrink,
-    can_shrink,
     is_device_fault,
-    must_abort,
     release,
     round_end,
 )
-from elastic.control import Assignment
-from elastic.nccl_settings import ERROR_HANDLING, NONBLOCKING_TIMEOUT, apply, survivor_settings
 from tests.conftest import served_store
 
 

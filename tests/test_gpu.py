@@ -45,7 +45,7 @@ from torch.utils.data import TensorDataset
 
 from elastic.async_checkpoint import BackgroundSaver
 from elastic.checkpoint import CheckpointManager
-from elastic.communicator import Communicator, pick_device, round_end
+from elastic.communicator import Communicator, pick_device
 from elastic.config import Config, ConfigError, ModelConfig, OptimConfig, Precision
 from elastic.control import Assignment
 from elastic.evaluate import evaluate
@@ -55,6 +55,7 @@ from elastic.model import build_model
 from elastic.optim import build_optimizer
 from elastic.pipeline import Prefetcher, image_mover, make_loader
 from elastic.precision import MixedPrecision, resolve_channels_last, resolve_precision
+from elastic.round_end import round_end
 from elastic.state import TrainState, sync_state
 from launcher.agent.slots import local_slots
 from tests.conftest import served_store
