@@ -169,9 +169,11 @@ def of_sweep(dcfg: DictConfig, num: int, began: str) -> DictConfig:
 
 def outcome(ended: list[Ended]) -> int:
     """The process's exit code: a single job's own, or for a sweep 0 when every job ended 0
-    and 1 otherwise, after a line per job."""
+    and 1 otherwise, after a line per job. No job at all: Hydra answered a flag of its own
+    (``--help``, ``--cfg job``, ``--info``) and launched nothing, which is no failure (a config
+    it cannot compose, or a job that raised, ends the process in Hydra with 1)."""
     if not any(e.swept for e in ended):
-        return ended[-1].code if ended else 1
+        return ended[-1].code if ended else 0
     failed = [e for e in ended if e.code]
     shared = set.intersection(*(set(e.overrides) for e in ended))
     print(f"\nsweep: {len(ended)} job(s), {len(failed)} failed")

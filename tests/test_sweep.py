@@ -1,7 +1,7 @@
 """Hydra's ``--multirun`` on ``python -m launcher``: every job of a sweep runs, with its own job
 id, run directory and exit status, and the sweep's outcome is summarised at the end (the task
 function's ``sys.exit`` once ended a sweep after its first job). A sweep that trains is in the
-README (``./dev.sh run --multirun trainer.epochs=1 optim.lr=0.1,0.2``)."""
+docs/configuration.md (``./dev.sh run --multirun trainer.epochs=1 optim.lr=0.1,0.2``)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from omegaconf import OmegaConf
 
 from launcher.cli import Ended, of_sweep, outcome
@@ -64,3 +65,29 @@ def test_a_single_job_exits_with_its_own_code_and_a_sweep_with_1_if_any_failed(c
     assert outcome([ok, bad]) == 1
     printed = capsys.readouterr().out
     assert "optim.lr=0.2  (/r/1)" in printed and "x=1" not in printed  # what the sweep varied
+
+
+@pytest.mark.parametrize(
+    ("flags", "printed"),
+    [
+        (["--help"], "Powered by Hydra"),
+        (["--cfg", "job"], "rendezvous:"),
+        (["--cfg", "job", "--resolve", "job_id=x"], "job_id: x"),
+        (["--info"], "Config search path"),
+        (["cluster.min_nodes=9"], "cluster.min_nodes=9: more than the most nodes"),
+    ],
+)
+def test_hydras_own_flags_exit_0_and_a_bad_config_2(
+    flags: list[str], printed: str, tmp_path: Path
+) -> None:
+    """A script that composes the config to check it reads the exit code (Hydra's flags launch
+    no job, which the sweep's outcome once took for a failure)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "launcher", *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert done.returncode == (2 if flags[0].startswith("cluster") else 0), done.stderr[-2000:]
+    assert printed in done.stdout + done.stderr
