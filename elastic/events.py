@@ -21,8 +21,8 @@ inode with the path's and reopens the path when they differ: a line goes whole i
 the next, never lost, in each writer's order. ``trainer.events_keep`` rotated files are kept per
 node, 0 (the default) keeping them all: the invariant checker, ``curves.png`` and the goodput
 verdict read the whole log, and a week at 1 step/s writes about 175 MB of it on rank 0's node,
-little next to the checkpoints (README, "Disk use"); a bound is there for runs that log far more
-(``trainer.record_samples``).
+little next to the checkpoints (docs/operations.md, "Disk use"); a bound is there for runs that
+log far more (``trainer.record_samples``).
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ from launcher.rendezvous.keys import JobKeys
 DB_SIZE_WARN_BYTES = DEFAULT_QUOTA_BYTES // 2
 # A history this long with nothing compacted means etcd does not compact it: with
 # --auto-compaction-retention=1h it would have to be written within the hour, and a training job
-# writes about 700 an hour (README, "An external etcd").
+# writes about 700 an hour (docs/bare-metal.md, "An external etcd").
 UNCOMPACTED_WARN_REVISIONS = 10_000
 COMPACTION_FLAGS = "--auto-compaction-mode=periodic --auto-compaction-retention=1h"
 

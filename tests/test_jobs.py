@@ -1,7 +1,8 @@
 """Jobs other than the ImageNet classifier: the contract's checks (a wrong ``job._target_`` or
 ``job.*`` refused, naming what is missing), the language model job's data and loss, the
 language model trained through a SIGKILLed node with every invariant checked, and a user's job
-(the README's example) launched from a package of its own, through a kill and a resume."""
+(the example in docs/your-own-job.md) launched from a package of its own, through a kill and a
+resume."""
 
 from __future__ import annotations
 
@@ -165,17 +166,17 @@ def test_the_language_model_trains_through_a_killed_node_with_every_invariant(
 
 
 def test_the_readme_shows_the_example_job_as_it_is() -> None:
-    blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "docs/your-own-job.md").read_text(), re.S)
     assert EXAMPLE.read_text() in blocks
 
 
 def test_a_users_job_from_its_own_package_survives_a_kill_and_resumes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The README's example job, copied into a folder of its own as a user's package and named
-    by ``job._target_``: a node SIGKILLed, the invariants hold, the job's own state (an average
-    of the weights) is in its checkpoints, and a second launch resumes from the last one and
-    trains one more epoch."""
+    """The example job of docs/your-own-job.md, copied into a folder of its own as a user's
+    package and named by ``job._target_``: a node SIGKILLed, the invariants hold, the job's own
+    state (an average of the weights) is in its checkpoints, and a second launch resumes from the
+    last one and trains one more epoch."""
     package = tmp_path / "user_code"
     package.mkdir()
     shutil.copy(EXAMPLE, package / "my_jobs.py")

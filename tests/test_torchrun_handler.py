@@ -110,7 +110,7 @@ def test_a_stale_token_loses_and_the_winner_is_returned(etcd_endpoint: str, job_
     results = [backend.set_state(b"mine", newer), rival.set_state(b"theirs", newer)]
     assert [r[2] for r in results] == [True, False]
     assert results[1][:2] == (b"mine", results[0][1])
-    # etcd's client URL serves as well as host:port (README: the endpoint forms).
+    # etcd's client URL serves as well as host:port (docs/bare-metal.md: the endpoint forms).
     via_url, _ = create_backend(params(f"http://{etcd_endpoint}", job_id))
     assert via_url.get_state() == (b"mine", results[0][1])
 

@@ -150,7 +150,7 @@ class ChaosConfig:
     """Whether this job's agents carry out fault requests (``python -m chaos campaign.attach``).
 
     Off by default: with it on, anyone who can write the job's etcd prefix can stop, freeze or
-    kill this job's processes (README, "Chaos on bare metal").
+    kill this job's processes (docs/chaos.md, "Chaos on bare metal").
     """
 
     allow: bool = False

@@ -71,6 +71,7 @@ class TrainerConfig:
     events_rotate_mb: float = bounded(64.0, gt=0, fix="set trainer.events_rotate_mb=64")
     # Rotated event files kept per node, the oldest deleted first; 0 keeps every one, because the
     # invariant checker, curves.png and the goodput verdict read the whole log, and at 1 step/s
-    # rank 0's node writes about 25 MB of events a day, the others a few kB (README, "Disk use").
+    # rank 0's node writes about 25 MB of events a day, the others a few kB
+    # (docs/operations.md, "Disk use").
     # Set it to bound a node's events at (keep + 1) x events_rotate_mb, e.g. with record_samples.
     events_keep: int = bounded(0, ge=0, fix="set trainer.events_keep=0 to keep every file")

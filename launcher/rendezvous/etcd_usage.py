@@ -106,8 +106,8 @@ def nospace_fix(endpoint: str, revision: int) -> str:
         f"free space, then disarm the alarm: etcdctl {e} compact {revision}; etcdctl {e} defrag "
         f"--cluster; etcdctl {e} alarm disarm. Then keep it bounded: run every etcd member with "
         "--auto-compaction-mode=periodic --auto-compaction-retention=1h and a "
-        "--quota-backend-bytes that fits (etcd's default is 2 GiB, at most 8 GiB; README, "
-        '"An external etcd")'
+        "--quota-backend-bytes that fits (etcd's default is 2 GiB, at most 8 GiB; "
+        'docs/bare-metal.md, "An external etcd")'
     )
 
 
