@@ -17,146 +17,12 @@ from typing import IO, Any
 from tqdm import tqdm
 
 from elastic import event_types as ev
-from elastic.control import EXIT_UNSAVED
 from elastic.curves import TENSORBOARD_DIR
 from elastic.eta import Pace, as_text
+from elastic.event_lines import accuracy, crashed, describe
 from elastic.events import read_events
 from elastic.final_save import unsaved_steps
 from launcher.curves_png import CURVES_PNG
-
-# A worker's exit codes that are no failure of its own: the job trained (its final state saved, or
-# not: the final save's lines say so), or the exit not known.
-ENDED = (0, None, EXIT_UNSAVED)
-
-
-def describe(e: dict[str, Any]) -> str | None:
-    """One human line for an event worth showing, or None."""
-    if ev.STEP.matches(e):
-        metrics = "".join(f"{name} {v:.4g} | " for name, v in e.get("metrics", {}).items())
-        return (
-            f"step {e['step']:>6} | epoch {e['epoch']} | loss {e['loss']:.4f} | {metrics}"
-            f"{e['samples_per_s']:7.1f} samples/s | world {e['world_size']} | "
-            f"lr {e['lr']:.5f}"
-        )
-    if ev.ROUND_FORMED.matches(e):
-        return (
-            f"round {e['round']} formed: world size {e['world_size']} ({', '.join(e['members'])})"
-        )
-    if ev.TRAINING_STARTED.matches(e):
-        if e["in_place"]:
-            origin = f"state of step {e['step']} kept in memory"
-        elif e["resumed_from"] is not None:
-            origin = f"resumed from the checkpoint of step {e['resumed_from']}"
-        else:
-            origin = "from scratch"
-        return (
-            f"training at world size {e['world_size']}, {origin} "
-            f"({e['samples_seen']}/{e['total_samples']} samples)"
-        )
-    if ev.RECOVERED.matches(e):
-        return (
-            f"recovered in place at world size {e['world_size']}: rendezvous "
-            f"{e['rendezvous_s']:.2f} s, rebuild {e['rebuild_s']:.2f} s, state sync "
-            f"{e['sync_s']:.2f} s, first step {e['first_step_s']:.2f} s"
-        )
-    if ev.STRAGGLER.matches(e):
-        return (
-            f"{e['node']}: rank {e['rank']} is a straggler at step {e['step']}, computing "
-            f"{e['slowdown']:.1f}x slower than the median ({e['compute_s']:.3f} s a step against "
-            f"{e['median_s']:.3f} s)"
-        )
-    if ev.PEER_EVICTED.matches(e):
-        return f"{e['node']}: evicted {e['peer']} ({e['reason']})"
-    if ev.WORKER_FROZEN.matches(e):
-        return f"{e['node']}: worker {e['local_rank']} frozen ({e['reason']})"
-    if ev.LR_CHANGED.matches(e):
-        return (
-            f"{e['optimizer']} LR {e['old_lr']:.5f} -> {e['lr']:.5f} for world size "
-            f"{e['old_world_size']} -> {e['world_size']} ({e['policy']})"
-        )
-    if ev.EVALUATED.matches(e):
-        return f"validation after epoch {e['epoch']:g} (step {e['step']}): " + accuracy(e)
-    if ev.CHECKPOINT_SAVED.matches(e):
-        return f"checkpoint of step {e['step']} saved in {e['seconds']:.2f} s"
-    if ev.CHECKPOINT_FAILED.matches(e):
-        return (
-            f"checkpoint of step {e['step']} FAILED: {e['reason']}. Fix: {e['fix']}. "
-            "Training goes on; the newest good checkpoint is kept"
-        )
-    if ev.CURVES_OFF.matches(e):
-        return f"{e['node']}: TensorBoard curves off ({e['reason']})"
-    if ev.WORKER_FAILED.matches(e):
-        return f"{e['node']}: worker rank {e['rank']} failed: {e['error']}"
-    if ev.CHECKPOINT_SKIPPED.matches(e):
-        return f"checkpoint {e['url']} skipped: {e['reason']}"
-    if ev.WORKER_EXITED.matches(e) and e["code"] not in ENDED and not e["stopped_by_agent"]:
-        return f"{e['node']}: worker {e['local_rank']} exited with code {e['code']}"
-    if ev.RESTART_LIMIT.matches(e):
-        return (
-            f"{e['node']}: workers crashed {e['crashes']} times "
-            f"(cluster.max_restarts={e['max_restarts']}); it leaves the job"
-        )
-    if ev.FAILURE_REPORTED.matches(e):
-        return f"{e['node']}: reported a failure ({e['reason']})"
-    if ev.FENCED.matches(e):
-        return f"{e['node']}: fenced ({e['reason']})"
-    if ev.HEALTH_CHECKED.matches(e) and e["ok"]:
-        counts = ", ".join(f"{n} {s}" for s, n in e["counts"].items() if n)
-        warned = "".join(f"; warning: {w}" for w in e["warnings"])
-        return f"{e['node']}: health checks passed in {e['seconds']:.1f} s ({counts}){warned}"
-    if ev.HEALTH_FAILED.matches(e):
-        until = e["quarantined_until"]
-        quarantine = (
-            f"; quarantined until {time.strftime('%H:%M:%S', time.localtime(until))}"
-            if until
-            else ""
-        )
-        return (
-            f"{e['node']}: failed its health checks and does not join{quarantine}:\n  "
-            + "\n  ".join(e["failures"])
-        )
-    if ev.QUARANTINED.matches(e):
-        return (
-            f"{e['peer']} quarantined until "
-            f"{time.strftime('%H:%M:%S', time.localtime(e['until']))} by {e['by']} "
-            f"({'; '.join(e['reasons'])})"
-        )
-    if ev.QUARANTINE_WAIT.matches(e):
-        return f"{e['node']}: quarantined, waiting {e['left_s']:.0f} s before checking again"
-    if ev.NODE_LEFT.matches(e):
-        why = f": {e['reason']}" if e.get("reason") else ""
-        return f"{e['node']}: left the job (exit code {e['code']}){why}"
-    if ev.ETCD_UNREACHABLE.matches(e):
-        return (
-            f"{e['node']}: etcd does not answer ({e['error']}); training goes on, retrying for "
-            f"up to {e['grace_s']:g} s"
-        )
-    if ev.ETCD_REACHABLE.matches(e):
-        return f"{e['node']}: etcd answers again after {e['down_s']:.1f} s"
-    if ev.ETCD_LOST.matches(e):
-        return f"{e['node']}: {e['reason']}. Fix: {e['fix']}"
-    if ev.TRAINING_DONE.matches(e):
-        return f"training done: step {e['step']}, {e['samples_seen']} samples"
-    if ev.FINAL_SAVE_RETRY.matches(e):
-        return (
-            f"the final checkpoint (step {e['step']}) did not commit: the trained state is kept "
-            f"and the save retried in {e['retry_in_s']:.0f} s, for up to {e['left_s']:.0f} s "
-            "more (checkpoint.final_retry_s)"
-        )
-    if ev.FINAL_SAVE_FAILED.matches(e):
-        return (
-            f"the final checkpoint (step {e['step']}) could not be written in "
-            f"{e['waited_s']:.0f} s: {unsaved_steps(e['saved_step'], e['step'])} NOT SAVED"
-        )
-    return None
-
-
-def accuracy(e: dict[str, Any]) -> str:
-    """An ``evaluated`` event's figures, as the progress line and the summary print them."""
-    return (
-        f"top-1 {100 * e['top1']:.2f} %, top-5 {100 * e['top5']:.2f} %, loss {e['loss']:.4f} "
-        f"({e['count']} evaluated, {e['seconds']:.1f} s)"
-    )
 
 
 class ProgressDisplay:
@@ -251,11 +117,7 @@ def summary(run_dir: Path, checkpoint_url: str, job_id: str, since: float = 0.0)
     done = next((e for e in reversed(events) if ev.TRAINING_DONE.matches(e)), None)
     saved = ev.CHECKPOINT_SAVED.of(events)
     rounds = ev.ROUND_FORMED.of(events)
-    crashed = [
-        e
-        for e in events
-        if ev.WORKER_EXITED.matches(e) and e["code"] not in ENDED and not e["stopped_by_agent"]
-    ]
+    failures = [e for e in events if crashed(e)]
     lines = []
     if done:
         took = done["ts"] - events[0]["ts"] if events else 0.0
@@ -278,7 +140,7 @@ def summary(run_dir: Path, checkpoint_url: str, job_id: str, since: float = 0.0)
         lines.append(f"validation at step {last['step']}: " + accuracy(last))
     failed_saves = sum(ev.CHECKPOINT_FAILED.matches(e) for e in events)
     lines.append(
-        f"rounds formed: {len(rounds)}, worker failures seen: {len(crashed)}, "
+        f"rounds formed: {len(rounds)}, worker failures seen: {len(failures)}, "
         f"checkpoints saved: {len(saved)}"
         + (f", checkpoints failed: {failed_saves}" if failed_saves else "")
     )

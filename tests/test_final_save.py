@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 
 from elastic import event_types as ev
+from elastic.event_lines import describe
 from elastic.final_save import backoff, retry_in, unsaved_steps
-from launcher.progress import describe, not_saved
+from launcher.progress import not_saved
 
 
 def event(kind: ev.EventType, **fields: Any) -> dict[str, Any]:
