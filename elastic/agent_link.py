@@ -1,0 +1,117 @@
+"""The worker's end of its agent's control channel (:mod:`elastic.control`): assignments in,
+heartbeats and reports out.
+
+Why a thread of its own: a new assignment must reach a worker whose training thread is stuck in a
+collective on a peer that will never answer; the reader aborts the communicator, which pulls the
+training thread out. A planned leave is instead carried out by the training thread between two
+steps (:meth:`AgentLink.switch_due`), so that no step in flight is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+from elastic.communicator import Communicator
+from elastic.control import Assignment, Channel
+
+log = logging.getLogger("elastic.trainer")
+
+HEARTBEAT_S = 0.5  # how often the worker tells its agent its phase and step
+
+
+class AgentLink:
+    """The control channel's reader and heartbeat, and the planned switch between steps."""
+
+    # Phases in which this worker trains in a round: a switch "after step N" waits for the
+    # step loop; in any other phase there is no step to finish, and the switch is at once.
+    IN_ROUND = frozenset({"joining", "step", "evaluate", "checkpoint"})
+
+    def __init__(self, channel: Channel, comm: Communicator) -> None:
+        self.channel = channel
+        self.comm = comm
+        self.status: dict[str, Any] = {"phase": "starting", "step": 0, "round": 0}
+        self._inbox: queue.Queue[Assignment | None] = queue.Queue()
+        self._lock = threading.Lock()
+        # A planned switch: (after step, reason, the new round, the standby's number or 0)
+        self._switch: tuple[int, str, int | None, int] | None = None
+        channel.serve(self._on_message, name="agent-link")
+        threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
+
+    def _on_message(self, msg: dict[str, Any]) -> None:
+        kind = msg["type"]
+        if kind == "eof":
+            # How the agent stops its worker: SIGTERM is ignored (see main), so that a stop
+            # signal sent to the whole node reaches the agent's planned leave and not this.
+            log.info("the agent closed the control channel; exiting")
+            os._exit(1)
+        if kind == "assign":
+            assignment = Assignment.from_message(msg)
+            self._inbox.put(assignment)
+            reason = f"round {assignment.round} was formed"
+            self._leave_round(assignment.after_step, reason, assignment.round)
+        elif kind == "standby":
+            self._inbox.put(None)
+            reason = "this node is not in the current round"
+            self._leave_round(msg.get("after_step", 0), reason, stood_by=msg.get("seq", 0))
+        elif kind == "leave":
+            in_round = self.status["phase"] in self.IN_ROUND
+            # Peers may have started the step after the one in flight: stop after that one.
+            self.channel.send("leaving", after_step=self.status["step"] + 1 if in_round else 0)
+
+    def _leave_round(
+        self, after_step: int, reason: str, before_round: int | None = None, stood_by: int = 0
+    ) -> None:
+        """Abort the current round now, or leave it to the training thread after ``after_step``.
+        ``stood_by``: the number of the agent's ``standby``, echoed once it is carried out."""
+        with self._lock:
+            if after_step and self.status["phase"] in self.IN_ROUND:
+                self._switch = (after_step, reason, before_round, stood_by)
+                return
+            self._switch = None
+        self._abort(reason, before_round, stood_by)
+
+    def _abort(self, reason: str, before_round: int | None, stood_by: int) -> None:
+        self.comm.abort(reason, before_round=before_round)
+        if stood_by:
+            # Said at once: a draining agent stops this worker when it has left its round.
+            self.status["stood_by"] = stood_by
+            self.channel.send("status", waiting=False, **self.status)
+
+    def switch_due(self, step: int) -> bool:
+        """Called by the training thread between steps, with the last step trained: leave the
+        round now if a planned switch is due (the communicator is aborted, as by a message)."""
+        with self._lock:
+            if self._switch is None or step < self._switch[0]:
+                return False
+            _, reason, before_round, stood_by = self._switch
+            self._switch = None
+        self._abort(f"{reason} (after step {step}, as planned)", before_round, stood_by)
+        return True
+
+    def next_assignment(self, after: int, timeout: float) -> Assignment | None:
+        """The newest assignment to a round later than ``after``; None on timeout."""
+        deadline = time.monotonic() + timeout
+        newest: Assignment | None = None
+        while True:
+            try:
+                block = newest is None
+                item = self._inbox.get(block, max(0.0, deadline - time.monotonic()) if block else 0)
+            except queue.Empty:
+                if newest is not None or time.monotonic() >= deadline:
+                    return newest
+                continue
+            if item is None:
+                newest = None  # standby: wait for the agent's next round
+            elif item.round > after:
+                newest = item
+
+    def _heartbeat(self) -> None:
+        while self.channel.send(
+            "status", waiting=self.comm.waiting_for_peers, **self.status
+        ) and not self.channel.closed.wait(HEARTBEAT_S):
+            pass
