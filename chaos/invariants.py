@@ -71,7 +71,7 @@ def attempts_of(events: list[dict[str, Any]]) -> dict[int, dict[tuple[int, int],
     """Every step's ``samples`` records, by attempt: ``(round, rollbacks)``, where ``rollbacks``
     counts the ``rolled_back`` events its writer had written in that round before it (every
     rank of a round rolls back alike; a later round starts from none). A round that rolled
-    back (:func:`elastic.trainer.roll_back`) trains the steps after the checkpoint again: a
+    back (:func:`elastic.step_checks.roll_back`) trains the steps after the checkpoint again: a
     new attempt, as a later round's would be."""
     rollbacks: Counter[tuple[str, int, int]] = Counter()  # (node, pid, round)
     attempts: dict[int, dict[tuple[int, int], list]] = defaultdict(lambda: defaultdict(list))

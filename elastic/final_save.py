@@ -6,7 +6,7 @@ older, because the last saves failed (a full disk, a store that is down), would 
 trained since. So at the end every rank keeps the trained state in memory, and the ranks retry
 the save together after the pauses of :func:`retry_in`, for up to ``checkpoint.final_retry_s``;
 each pause is decided from rank 0's clock, shared with every rank by the same all-reduce that
-shares whether the save committed (:func:`elastic.trainer.final_save`), so that no rank retries
+shares whether the save committed (:func:`elastic.saving.final_save`), so that no rank retries
 alone. A run that still could not save it ends with :data:`elastic.control.EXIT_UNSAVED`, its
 ``final_save_failed`` naming :func:`unsaved_steps`.
 """
