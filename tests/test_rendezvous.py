@@ -149,7 +149,9 @@ def test_a_rounds_member_keys_are_fenced_read_one_each_and_their_stale_folders_d
     fenced head; a losing proposal's keys and an older round's go; a node reads only its own
     key with each round (O(1) bytes whatever the job's size) and all of them on demand."""
     monkeypatch.setattr(leader, "MEMBERS_PER_TXN", 2)  # three members: two batches
-    a, b, c = make("a"), make("b"), make("c")
+    a = make("a")  # leads before b and c are made: either could win the claim under load
+    assert a.wait(lambda v: bool(v.leader), timeout=10) is not None and a.leads
+    b, c = make("b"), make("c")
     view = a.wait(lambda v: v.round is not None and v.round.world_size == 3, timeout=10)
     assert view is not None and view.round is not None and view.round.whole  # a leads
     folders = JobKeys("/elastic", job_id).round_parts
@@ -158,6 +160,9 @@ def test_a_rounds_member_keys_are_fenced_read_one_each_and_their_stale_folders_d
         return sorted(m.key.decode()[len(folders) :] for _, m in etcd_client.get_prefix(folders))
 
     members = list(view.nodes.values())
+    # c's reads are measured from here: it must have read the round it is in already (its watch
+    # may deliver that round late on a loaded machine, and the read would count below).
+    assert c.wait(round_number(view.round.number), timeout=10)
     assert a.propose(view, members)
     assert not b.propose(view, members)  # the same stale view loses, and its keys go
     number = view.round.number + 1
