@@ -136,9 +136,9 @@ def unslow_node(run_dir: str | os.PathLike[str], node_id: str, limit: CpuLimit) 
 
 def corrupt_replica(run_dir: str | os.PathLike[str], node_id: str) -> float:
     """SIGUSR1 to a node's first worker: with ``chaos.allow`` it flips one bit of a parameter
-    between two steps (:func:`elastic.chaos_hooks.flip_one_bit`), a silent memory fault that the
-    replica check must find and repair. Without it the signal would kill the worker: the
-    caller checks."""
+    between two steps (:meth:`elastic.chaos_hooks.ChaosHooks.before_step`), a silent memory
+    fault that the replica check must find and repair. Without it the signal would kill the
+    worker: the caller checks."""
     started = _newest(Path(run_dir), ev.WORKER_STARTED, node=node_id, local_rank=0)
     try:
         proc = psutil.Process(started["worker_pid"])

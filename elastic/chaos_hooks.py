@@ -1,27 +1,54 @@
-"""The faults ``python -m chaos`` asks a worker to make in itself, only with ``chaos.allow``: a
-NaN loss at chosen steps (``chaos.nan_steps``) and a bit flipped in a parameter (SIGUSR1)."""
+"""The faults ``python -m chaos`` asks a worker to make in itself: a NaN loss at chosen steps
+(``chaos.nan_steps``) and a bit flipped in a parameter (SIGUSR1, ``corrupt_replica``).
+
+One seam, :class:`ChaosHooks`, which the trainer calls before and during each step. Without
+``chaos.allow`` it installs no signal handler and its calls do nothing, so a production job
+cannot be made to corrupt itself by a stray signal or a leftover setting."""
 
 from __future__ import annotations
 
+import signal
+import threading
+from dataclasses import dataclass, field
+
 from elastic import event_types as ev
-from elastic.worker import Worker
+from elastic.config import ChaosConfig
+from elastic.events import EventLog
+from elastic.state import TrainState
 
 FLIPPED_BIT = 20  # a mantissa bit: seen by a checksum, harmless to training
 
 
-def poisoned(w: Worker, rank: int, step: int) -> bool:
-    """Whether chaos.nan_steps makes this rank's loss NaN at ``step``: each listed step once,
-    on rank chaos.nan_rank, so that the steps a rollback trains again are clean."""
-    c = w.cfg.chaos
-    if rank != c.nan_rank or step not in c.nan_steps or step in w.poisoned:
-        return False
-    w.poisoned.add(step)
-    return True
+@dataclass
+class ChaosHooks:
+    """The worker's fault hooks; inert unless ``allow``."""
 
+    cfg: ChaosConfig
+    flip: threading.Event = field(default_factory=threading.Event)  # SIGUSR1 arrived
+    poisoned: set[int] = field(default_factory=set)  # chaos.nan_steps already made NaN
 
-def flip_one_bit(w: Worker, step: int) -> None:
-    """chaos's corrupt_replica (SIGUSR1, only with chaos.allow), between two steps, so that no
-    collective sees half of it (:meth:`TrainState.flip_bit`)."""
-    w.flip_bit.clear()
-    name = w.state.flip_bit(FLIPPED_BIT)
-    w.events.emit(ev.BIT_FLIPPED, step=step, param=name, index=0, bit=FLIPPED_BIT)
+    @classmethod
+    def install(cls, cfg: ChaosConfig) -> ChaosHooks:
+        """The hooks of ``cfg``; with ``chaos.allow``, SIGUSR1 asks for a bit flip."""
+        hooks = cls(cfg)
+        if cfg.allow:
+            signal.signal(signal.SIGUSR1, lambda signum, frame: hooks.flip.set())
+        return hooks
+
+    def before_step(self, state: TrainState, events: EventLog, step: int) -> None:
+        """Flip the bit SIGUSR1 asked for, between two steps, so that no collective sees half
+        of it (:meth:`TrainState.flip_bit`)."""
+        if not (self.cfg.allow and self.flip.is_set()):
+            return
+        self.flip.clear()
+        name = state.flip_bit(FLIPPED_BIT)
+        events.emit(ev.BIT_FLIPPED, step=step, param=name, index=0, bit=FLIPPED_BIT)
+
+    def poison(self, rank: int, step: int) -> bool:
+        """Whether this rank's loss is made NaN at ``step``: each of chaos.nan_steps once, on
+        rank chaos.nan_rank, so that the steps a rollback trains again are clean."""
+        c = self.cfg
+        if not c.allow or rank != c.nan_rank or step not in c.nan_steps or step in self.poisoned:
+            return False
+        self.poisoned.add(step)
+        return True

@@ -1,13 +1,24 @@
-"""The checks a worker runs between steps, each on every rank alike: a non-finite step skipped
-and a run of them rolled back (:mod:`elastic.nonfinite`), the replicas compared and a minority
-repaired (:mod:`elastic.replicas`), and this rank's compute compared with its peers'
-(:mod:`elastic.stragglers`)."""
+"""What a worker does after each step, on every rank alike and in one order (some of it is a
+collective): :data:`AFTER_STEP`, an ordered list of small checks, each of which reads the step
+just trained (:class:`StepDone`) and the round's training (:class:`Steps`) and returns an
+:class:`Action` the loop acts on, the way torch elastic's rendezvous operations return an
+``_Action``.
+
+The checks: a non-finite step skipped and a run of them rolled back (:mod:`elastic.nonfinite`),
+this rank's compute compared with its peers' (:mod:`elastic.stragglers`), the replicas
+compared and a minority repaired (:mod:`elastic.replicas`), the step reported, a due
+evaluation run (:func:`evaluate_if_due`) and a due checkpoint started (:mod:`elastic.saving`).
+"""
 
 from __future__ import annotations
 
 import logging
 import math
 import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from enum import Enum, auto
 
 import torch
 import torch.distributed as dist
@@ -16,9 +27,13 @@ from elastic import config
 from elastic import event_types as ev
 from elastic.checkpoint import CheckpointManager
 from elastic.control import Assignment
+from elastic.evaluate import due_evaluation
+from elastic.job import EvalContext
 from elastic.nonfinite import Verdict, first_producer
 from elastic.replicas import checksum, judge
-from elastic.round_entry import fit_world
+from elastic.round_entry import RoundStart, fit_world, report_recovery
+from elastic.sampler import StepPlan
+from elastic.saving import checkpoint_every, save
 from elastic.state import Progress
 from elastic.stragglers import StragglerWatch
 from elastic.worker import Worker
@@ -145,3 +160,217 @@ def compare_compute(
             median_s=round(median, 4),
         )
         w.link.channel.send("straggler", step=step, slowdown=found[a.rank])  # the agent decides
+
+
+class Action(Enum):
+    """What the loop does after a check."""
+
+    GO_ON = auto()  # the next check, then the next step
+    ROLL_BACK = auto()  # train again from Steps.progress, a checkpoint's (every rank alike)
+
+
+@dataclass(frozen=True)
+class StepDone:
+    """The step just trained, as the checks after it read it."""
+
+    plan: StepPlan
+    lr: float
+    loss: float  # this rank's mean over its real samples
+    metrics: dict[str, float]  # the job's, the same way
+    taken: bool  # whether the optimizer stepped
+    finite: bool  # whether the averaged gradients were finite
+
+
+@dataclass
+class Steps:
+    """One round's training as the loop and the checks share it: where it stands, the last
+    save, and the counters the reports and comparisons keep between steps."""
+
+    a: Assignment
+    ckpt: CheckpointManager
+    start: RoundStart
+    progress: Progress
+    saved: Progress  # the newest progress a checkpoint holds (or was started for)
+    first_step: bool = True  # of the round: its recovery is reported after it
+    watch: StragglerWatch | None = None
+    computed: list[float] = field(default_factory=list)  # compute times since the comparison
+    t_log: float = 0.0  # when the last step event was written, and the samples seen then
+    samples_log: int = 0
+    t_saved: float = 0.0  # when the last save started, and its step
+    step_saved: int = 0
+
+    def restart(self, cfg: config.HealthConfig) -> None:
+        """Begin a stretch of steps (the round's, or after a rollback): its comparisons and
+        rates count from here."""
+        self.watch, self.computed = straggler_watch(cfg, self.a.world_size), []
+        self.t_log = self.t_saved = time.perf_counter()
+        self.samples_log, self.step_saved = self.progress.samples_seen, self.progress.step
+
+
+def nonfinite(w: Worker, s: Steps, done: StepDone) -> Action:
+    """A step with non-finite gradients was skipped: count it, and roll back after a run."""
+    if done.finite:
+        w.nonfinite.update(True)
+        return Action.GO_ON
+    if skip_nonfinite(w, s.a, done.loss, s.progress.step) is Verdict.ROLL_BACK:
+        return rolled_back(w, s, "non-finite steps in a row")
+    return Action.GO_ON
+
+
+def stragglers(w: Worker, s: Steps, done: StepDone) -> Action:
+    """Keep this step's compute time; compare every ``health.straggler_every`` steps."""
+    if s.watch is not None:
+        s.computed.append(w.comm.last_compute_s)
+        if s.progress.step % w.cfg.health.straggler_every == 0:
+            compare_compute(w, s.a, s.watch, s.computed, s.progress.step)
+            s.computed = []
+    return Action.GO_ON
+
+
+def replicas(w: Worker, s: Steps, done: StepDone) -> Action:
+    """Every ``health.replica_check_every`` steps, compare the replicas; roll back when no
+    majority agrees."""
+    every = w.cfg.health.replica_check_every
+    if not every or s.a.world_size < 2 or s.progress.step % every:
+        return Action.GO_ON
+    if check_replicas(w, s.a):
+        return Action.GO_ON
+    return rolled_back(w, s, "replicas differ, and no majority agrees")
+
+
+def rolled_back(w: Worker, s: Steps, why: str) -> Action:
+    """Roll back to the newest checkpoint (:func:`roll_back`), or go on if there is none."""
+    back = roll_back(w, s.a, s.ckpt, s.progress, why)
+    if back is None:
+        return Action.GO_ON
+    s.progress = s.saved = back
+    return Action.ROLL_BACK
+
+
+def fp16_skipped(w: Worker, s: Steps, done: StepDone) -> Action:
+    """Say (rank 0) that fp16's loss scaler skipped the step."""
+    if s.a.rank == 0 and not done.taken and done.finite:
+        w.events.emit(
+            ev.STEP_SKIPPED,
+            f"step {s.progress.step}: inf/nan in the fp16 gradients; the optimizer step was "
+            "skipped on every rank and the loss scale lowered",
+            level=logging.WARNING,
+            step=s.progress.step,
+            scale=w.precision.scaler.get_scale(),
+        )
+    return Action.GO_ON
+
+
+def recovery(w: Worker, s: Steps, done: StepDone) -> Action:
+    """After a round's first step, say (rank 0) how long the recovery that began it took."""
+    if s.a.rank == 0 and s.first_step and w.interrupted_at is not None:
+        report_recovery(w, s.a, s.start, s.progress.step)
+    s.first_step = False
+    return Action.GO_ON
+
+
+def step_event(w: Worker, s: Steps, done: StepDone) -> Action:
+    """Every ``trainer.log_every`` steps, rank 0 writes the step's event (loss, LR, rate)."""
+    if s.a.rank or s.progress.step % w.cfg.trainer.log_every:
+        return Action.GO_ON
+    now, p = time.perf_counter(), s.progress
+    scaler = w.precision.scaler  # fp16: the loss scale, a run's health
+    w.events.emit(
+        ev.STEP,
+        step=p.step,
+        samples=p.samples_seen,
+        step_samples=done.plan.global_count,
+        global_batch=p.global_batch,
+        epoch=p.sampler.epoch,
+        loss=done.loss,
+        lr=done.lr,
+        world_size=s.a.world_size,
+        samples_per_s=(p.samples_seen - s.samples_log) / (now - s.t_log),
+        **({"loss_scale": scaler.get_scale()} if scaler.is_enabled() else {}),
+        **({"metrics": done.metrics} if done.metrics else {}),
+    )
+    s.t_log, s.samples_log = now, p.samples_seen
+    return Action.GO_ON
+
+
+def evaluation(w: Worker, s: Steps, done: StepDone) -> Action:
+    """Run the evaluation due after this step, before the save, which records it."""
+    s.progress = evaluate_if_due(w, s.a, s.progress)
+    return Action.GO_ON
+
+
+def checkpoint(w: Worker, s: Steps, done: StepDone) -> Action:
+    """Start the checkpoint due after this step; none within a run of non-finite steps, whose
+    state may be spoiled (batch norm)."""
+    due = s.progress.step % checkpoint_every(w.cfg.checkpoint, s.progress) == 0
+    if due and w.nonfinite.streak == 0:
+        now = time.perf_counter()
+        step_s = (now - s.t_saved) / max(1, s.progress.step - s.step_saved)
+        s.progress = s.saved = w.progress = save(w, s.ckpt, s.progress, s.a, step_s)
+        s.t_saved, s.step_saved = now, s.progress.step
+    return Action.GO_ON
+
+
+Check = Callable[[Worker, Steps, StepDone], Action]
+# In this order on every rank: the collectives among them must meet.
+AFTER_STEP: tuple[Check, ...] = (
+    nonfinite,
+    stragglers,
+    replicas,
+    fp16_skipped,
+    recovery,
+    step_event,
+    evaluation,
+    checkpoint,
+)
+
+
+def evaluate_if_due(w: Worker, a: Assignment, progress: Progress) -> Progress:
+    """Run the validation that is due after ``progress`` (a collective), if any; the progress
+    that records it.
+
+    Which evaluation is due is a pure function of the progress record
+    (:func:`elastic.evaluate.due_evaluation`), which travels with the state: an evaluation a
+    broken round cut short is due again in the next round, and a completed one is never redone.
+    Every rank evaluates its shard of the validation set; one all-reduce adds them up.
+    """
+    cfg = w.cfg
+    due = due_evaluation(
+        progress.samples_seen,
+        progress.evaluated,
+        len(w.dataset),
+        cfg.trainer.eval_every_epochs,
+        w.total,
+    )
+    if due is None or not w.job.has_validation():
+        return progress
+    w.link.status["phase"] = "evaluate"
+    if a.rank == 0:
+        w.events.emit(ev.EVALUATION_STARTED, evaluation=due, step=progress.step)
+    t0 = time.perf_counter()
+    ctx = EvalContext(
+        a.rank,
+        a.world_size,
+        w.device,
+        cfg.data.batch_size,
+        w.loader_workers,
+        all_reduce=w.comm.all_reduce,
+        autocast=w.precision.autocast,
+        stop=lambda: w.comm.aborted,
+    )
+    result = w.job.evaluate(w.state.model, ctx)
+    if a.rank == 0:
+        w.events.emit(
+            ev.EVALUATED,
+            evaluation=due,
+            epoch=round(progress.samples_seen / len(w.dataset), 4),
+            step=progress.step,
+            top1=result.top1,
+            top5=result.top5,
+            loss=result.loss,
+            count=result.count,
+            seconds=time.perf_counter() - t0,
+        )
+    w.link.status["phase"] = "step"
+    w.progress = replace(progress, evaluated=due)
+    return w.progress

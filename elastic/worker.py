@@ -3,7 +3,6 @@ builds once, and the state and progress every round trains on."""
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +12,7 @@ from torch.utils.data import Dataset
 from elastic import config
 from elastic.agent_link import AgentLink
 from elastic.async_checkpoint import BackgroundSaver
+from elastic.chaos_hooks import ChaosHooks
 from elastic.communicator import Communicator
 from elastic.control import WorkerEnv
 from elastic.events import EventLog
@@ -43,12 +43,11 @@ class Worker:
     precision: MixedPrecision
     loader_workers: int  # per training worker (data.loader_workers resolved)
     saver: BackgroundSaver
+    chaos: ChaosHooks  # inert unless chaos.allow
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     progress: Progress | None = None  # None until this process holds a state
     trained_round: int = -1  # the round this state was last trained or synced in
     interrupted_at: float | None = None  # when the previous round broke for this worker
     nonfinite: NonFiniteSteps = field(default_factory=lambda: NonFiniteSteps(3))
-    flip_bit: threading.Event = field(default_factory=threading.Event)  # chaos: SIGUSR1
-    poisoned: set[int] = field(default_factory=set)  # chaos.nan_steps already made NaN
     buffers: BufferBackup | None = None  # the model's buffers before the step in flight
     params: list[torch.nn.Parameter] = field(default_factory=list)  # the model's, in order
