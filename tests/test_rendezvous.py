@@ -29,6 +29,15 @@ def ids(rdzv: Rendezvous, view: JobView) -> list[str]:
     return [m.node_id for m in whole.members]
 
 
+def leading(make, node_id: str, **kwargs):  # type: ignore[no-untyped-def]
+    """A node made first and left to claim the lead before the test makes another. A test that
+    reads other members' rows from this node's view needs it to lead: a node that does not
+    lead keeps only its own row, and under load a node made next can win the claim."""
+    rdzv = make(node_id, **kwargs)
+    assert rdzv.wait(lambda v: bool(v.leader), timeout=10) is not None and rdzv.leads
+    return rdzv
+
+
 def round_number(n: int):  # type: ignore[no-untyped-def]
     return lambda v: v.round is not None and v.round.number >= n
 
@@ -149,8 +158,7 @@ def test_a_rounds_member_keys_are_fenced_read_one_each_and_their_stale_folders_d
     fenced head; a losing proposal's keys and an older round's go; a node reads only its own
     key with each round (O(1) bytes whatever the job's size) and all of them on demand."""
     monkeypatch.setattr(leader, "MEMBERS_PER_TXN", 2)  # three members: two batches
-    a = make("a")  # leads before b and c are made: either could win the claim under load
-    assert a.wait(lambda v: bool(v.leader), timeout=10) is not None and a.leads
+    a = leading(make, "a")
     b, c = make("b"), make("c")
     view = a.wait(lambda v: v.round is not None and v.round.world_size == 3, timeout=10)
     assert view is not None and view.round is not None and view.round.whole  # a leads
@@ -186,7 +194,7 @@ def test_a_rounds_member_keys_are_fenced_read_one_each_and_their_stale_folders_d
 
 
 def test_report_failure_brings_a_new_round_with_the_new_incarnation(make) -> None:
-    a = make("a", max_nodes=2)
+    a = leading(make, "a", max_nodes=2)  # b's row is read from its view
     b = make("b", max_nodes=2)
     assert a.wait(round_number(1), timeout=10)
     b.record.report_failure("test")
@@ -198,7 +206,7 @@ def test_report_failure_brings_a_new_round_with_the_new_incarnation(make) -> Non
 
 
 def test_an_evicted_node_fences_itself_and_the_others_go_on(make) -> None:
-    a = make("a", max_nodes=2)
+    a = leading(make, "a", max_nodes=2)  # b's row is read from its view
     b = make("b", max_nodes=2)
     view = a.wait(lambda v: v.round is not None and v.round.world_size == 2, timeout=10)
     assert view is not None
