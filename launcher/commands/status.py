@@ -1,4 +1,4 @@
-"""``python -m launcher.status``: one screen for an operator of a running job.
+"""``python -m launcher.commands.status``: one screen for an operator of a running job.
 
 It shows the members (host, ranks, readiness, health report, quarantine), the round and its
 leader, the newest step rank 0's agent published (:mod:`launcher.agent.progress_key`) with the
@@ -393,7 +393,7 @@ class Reader:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m launcher.status",
+        prog="python -m launcher.commands.status",
         description="One screen on a running job: members, round, progress, checkpoint. The "
         "job and its etcd come from the launch's Hydra overrides, e.g. job_id=resnet50-run1 "
         "cluster.etcd_endpoints=[10.0.0.1:2379]; a local run needs only job_id= (or nothing: "
