@@ -32,7 +32,7 @@ from chaos.invariants import (
     replica_violations,
     sample_violations,
 )
-from chaos.report import recovery
+from chaos.recovery_figures import recovery
 from chaos.requests import request_fault
 from elastic import config
 from elastic.control import EXIT_FAILED, EXIT_PEER_LOST, EXIT_UNSAVED

@@ -25,7 +25,7 @@ from elastic import event_types as ev
 from elastic.event_types import EventType
 from elastic.events import EventLog, read_events
 from launcher.commands.doctor import etcd_compaction_row, etcd_space_row
-from launcher.health.report import Status
+from launcher.health.node_report import Status
 from launcher.rendezvous.embedded_etcd import EmbeddedEtcd
 from launcher.rendezvous.etcd import connect
 from launcher.rendezvous.etcd_usage import compacted, revisions_per_hour, usage

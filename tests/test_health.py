@@ -29,7 +29,7 @@ from launcher.health.checks import (
     checkpoints_to_fit,
 )
 from launcher.health.gpu import _read_lines, gpu_checks, judge_nvml, judge_probes, run_probe
-from launcher.health.report import CheckResult, HealthReport, Status
+from launcher.health.node_report import CheckResult, HealthReport, Status
 
 from .conftest import REPO, with_limit
 

@@ -16,7 +16,7 @@ import pytest
 from elastic.events import EventLog
 from launcher.agent.progress_key import ProgressPublisher, progress_record
 from launcher.commands import status
-from launcher.health.report import CheckResult, HealthReport, Status
+from launcher.health.node_report import CheckResult, HealthReport, Status
 from launcher.rendezvous.keys import JobKeys
 from launcher.rendezvous.membership import NodeRecord, Round, leader_value
 

@@ -31,8 +31,8 @@ from elastic.config import Config
 from launcher.agent.slots import local_slots
 from launcher.compose import UsageError, compose, finalize
 from launcher.health.checks import run_checks
+from launcher.health.node_report import CheckResult, Status
 from launcher.health.quarantine import Quarantine, clear_command
-from launcher.health.report import CheckResult, Status
 from launcher.rendezvous.etcd import EtcdUnavailable, connect, etcd_errors, etcd_security
 from launcher.rendezvous.etcd_usage import (
     DEFAULT_QUOTA_BYTES,

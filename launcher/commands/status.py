@@ -24,7 +24,7 @@ from typing import Any
 from elastic import config
 from elastic.eta import as_text
 from launcher.compose import UsageError, compose, finalize
-from launcher.health.report import HealthReport
+from launcher.health.node_report import HealthReport
 from launcher.local_cluster import ENDPOINTS_FILE
 from launcher.rendezvous.keys import JobKeys
 from launcher.rendezvous.membership import NodeRecord, Round, leader_value

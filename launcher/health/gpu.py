@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastic.config import Config, HealthConfig
-from launcher.health.report import CheckResult, Status
+from launcher.health.node_report import CheckResult, Status
 
 # NVML clock event reasons (nvmlClocksEventReason*) that mean the hardware is slowing itself
 # down; power capping and idle are normal and are not listed.

@@ -21,7 +21,7 @@ from elastic import event_types as ev
 from elastic.config import ClusterConfig, HealthConfig
 from elastic.event_types import EventType
 from elastic.events import EventLog
-from launcher.health.report import HealthReport
+from launcher.health.node_report import HealthReport
 from launcher.rendezvous.keys import JobKeys
 
 CLEAR_POLL_S = 1.0  # how soon a waiting node notices that an operator cleared it
