@@ -15,7 +15,8 @@ set from the H100 run of 2026-11-28, where nccl-ranks and throughput ran past 45
 ====================  ======  ===========================================================
 environment               20  torch, CUDA, NCCL (the library torch loaded, the wheels'
                               versions), the GPUs and the driver
-doctor                    30  ``python -m launcher.doctor --json``: NVML checks, limits
+doctor                    30  ``python -m launcher.commands.doctor --json``: NVML checks,
+                              limits
 gpu-tests                 85  ``pytest -m gpu``: every CUDA branch of elastic/ and launcher/
 nccl-lifecycle            40  ``bench/nccl_lifecycle.py``: create, all-reduce, abort, rebuild,
                               20 times; nothing may grow
@@ -149,7 +150,7 @@ def environment_headline(output: str, ctx: Context) -> str:
 
 
 def doctor_argv(ctx: Context) -> list[str]:
-    return [ctx.python, "-m", "launcher.doctor", "--json", f"cluster.device={ctx.device}"]
+    return [ctx.python, "-m", "launcher.commands.doctor", "--json", f"cluster.device={ctx.device}"]
 
 
 def doctor_headline(output: str, ctx: Context) -> str:
@@ -340,7 +341,13 @@ PARTS = (
     Part(
         "environment", "torch, CUDA, NCCL, GPUs, driver", 20, environment_argv, environment_headline
     ),
-    Part("doctor", "python -m launcher.doctor on this node", 30, doctor_argv, doctor_headline),
+    Part(
+        "doctor",
+        "python -m launcher.commands.doctor on this node",
+        30,
+        doctor_argv,
+        doctor_headline,
+    ),
     Part("gpu-tests", "pytest -m gpu", 85, tests_argv, tests_headline),
     Part(
         "nccl-lifecycle", "group life cycle: create, all-reduce, abort, rebuild", 40, lifecycle_argv

@@ -25,14 +25,15 @@ The peer runs twice for each fault (bench/torchrun_peer.py): at torchrun's defau
 users run) and tuned as a careful user would (no shared rendezvous store, keep-alives every 1 s
 with 3 missed allowed, a 1 s last call, a 10 s gloo timeout). Its node0 is started first and
 its other nodes once node0's agent serves the c10d store, so ``kill_rank0`` kills the store's
-node. Stall and redone steps are defined the same way for both (chaos/report.py): from the fault
-until a survivor completes a step beyond the one in flight; steps trained again because the job
-rolled back. Both checkpoint every ``--ckpt-every`` steps and see the fault
+node. Stall and redone steps are defined the same way for both (chaos/recovery_figures.py): from
+the fault until a survivor completes a step beyond the one in flight; steps trained again because
+the job rolled back. Both checkpoint every ``--ckpt-every`` steps and see the fault
 at step ``--kill-at``. Step time: the peer's step is padded with ``STEP_SLEEP`` to our measured
 step time (the peer trains a small MLP on random data; ours the default ResNet-18 on JPEGs, whose
 state is larger, so a state transfer costs us more than it would cost the peer). The stall
 counts the step in flight as lost, which a planned leave does not lose; ours is also given as
-the time lost against the pace before the fault (chaos/report.py), which the peer does not report.
+the time lost against the pace before the fault (chaos/recovery_figures.py), which the peer does
+not report.
 
     ./dev.sh bench                                  # everything: 6 kinds x 5 faults x 3 rows
     ./dev.sh bench --faults kill,kill_rank0,freeze --repeats 3   # the peer comparisons
@@ -72,7 +73,7 @@ from chaos.injectors import (  # noqa: E402
     thaw_node,
 )
 from chaos.netns import PEER_LINK, LocalNetwork, available  # noqa: E402
-from chaos.report import Recovery, recovery  # noqa: E402
+from chaos.recovery_figures import Recovery, recovery  # noqa: E402
 from elastic import event_types as ev  # noqa: E402
 from elastic.events import EventFollower, read_events  # noqa: E402
 from launcher.rendezvous.embedded_etcd import EmbeddedEtcd  # noqa: E402

@@ -57,7 +57,7 @@ from chaos.resources import METRICS, WARMUP, Growth, ResourceWatch, Sample, grow
 from elastic import event_types as ev  # noqa: E402
 from elastic.config import load  # noqa: E402
 from elastic.events import EventFollower  # noqa: E402
-from launcher.disk_usage import PARTS, usage  # noqa: E402
+from launcher.commands.disk_usage import PARTS, usage  # noqa: E402
 
 FAULTS_PER_DAY = 3.0  # a 128-node run at Meta's 7.9 h MTTF per 1,024 GPUs
 KINDS = "kill_node,kill_worker,leave_node,freeze_node"

@@ -1,4 +1,5 @@
-"""Start-up cost: an agent from process start to ``node_ready``, and ``python -m launcher.doctor``.
+"""Start-up cost: an agent from process start to ``node_ready``, and ``python -m
+launcher.commands.doctor``.
 
 A node's agent imports its dependencies, connects to etcd, runs the health checks, registers and
 starts its workers; ``node_ready`` is the moment its workers wait for a round. The peer is
@@ -94,7 +95,7 @@ def train_to_first_checkpoint(workdir: Path, job_id: str, extra: list[str]) -> N
 def doctor_wall(workdir: Path) -> float:
     t0 = time.perf_counter()
     subprocess.run(
-        [sys.executable, "-m", "launcher.doctor"],
+        [sys.executable, "-m", "launcher.commands.doctor"],
         cwd=workdir,
         stdout=subprocess.DEVNULL,
         timeout=TIMEOUT_S,
@@ -149,7 +150,7 @@ def main() -> int:
     print(f"agent start to node_ready ({kind}): {agent:.2f} s (median of {args.repeats})")
     print(f"  of which the health checks:      {check:.2f} s")
     print(f"torchrun start to its worker:      {peer:.2f} s; ours / torchrun = {agent / peer:.1f}x")
-    print(f"python -m launcher.doctor:         {doctor:.2f} s")
+    print(f"python -m launcher.commands.doctor: {doctor:.2f} s")
     return 0
 
 

@@ -6,7 +6,7 @@ The benches start node0 first and the others only once its agent serves the stor
 node0 hosts it (started at once, any agent may win the race for the port; the shared ``run.sh``
 staggers its starts by 0.3 s, less than an agent's start-up). Its step log lines (``step N
 wall_time world``, ``start wall_time world= rank= from_step= ...``) give the stall and the redone
-steps after a fault by the definitions of :mod:`chaos.report`, and the job's own pace.
+steps after a fault by the definitions of :mod:`chaos.recovery_figures`, and the job's own pace.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from chaos.invariants import (
     replica_violations,
     sample_violations,
 )
-from chaos.report import recovery
+from chaos.recovery_figures import recovery
 from elastic import config
 from elastic import event_types as ev
 from elastic.config import Config
@@ -247,9 +247,9 @@ def invariants(events: list[dict[str, Any]], cfg: Config) -> dict[str, list[str]
 
 
 def fault_results(events: list[dict[str, Any]]) -> list[FaultResult]:
-    """Each fault's recovery (:func:`chaos.report.recovery`). A fault on a node that was not in
-    the round (it was still starting, or rejoining) stopped nothing: its detection and
-    breakdown would be those of some later round, so they are left out."""
+    """Each fault's recovery (:func:`chaos.recovery_figures.recovery`). A fault on a node that
+    was not in the round (it was still starting, or rejoining) stopped nothing: its detection
+    and breakdown would be those of some later round, so they are left out."""
     injected = [e for e in events if ev.FAULT_INJECTED.matches(e) and e.get("role") == "chaos"]
     rounds = ev.ROUND_FORMED.of(events)
     results = []

@@ -1,7 +1,8 @@
 """The time a run has left: the samples still to train over the recent pace.
 
 For the launcher's progress display and for the ``progress`` key that ``python -m
-launcher.status`` reads, both fed with rank 0's ``step`` events (their time and samples seen).
+launcher.commands.status`` reads, both fed with rank 0's ``step`` events (their time and samples
+seen).
 The pace is measured over the last :data:`WINDOW_S` seconds: not since the start, which rounds of
 another world size and stalls long past would skew, nor over one step, whose rate jumps with every
 checkpoint and evaluation; a stall or a smaller world shows in the estimate within a minute.

@@ -54,7 +54,7 @@ def run_local(
         etcd = EmbeddedEtcd(run_dir / "etcd", logs / "etcd.log", members).start()
         endpoints = etcd.endpoints
         log.info("embedded etcd (%d member(s)) at %s", members, ", ".join(endpoints))
-        # How the commands beside a running job find it (python -m launcher.status job_id=...).
+        # How the commands beside a running job find it (launcher.commands.status job_id=...).
         (run_dir / ENDPOINTS_FILE).write_text(",".join(endpoints) + "\n")
 
     stop: list[int] = []

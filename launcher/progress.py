@@ -148,7 +148,7 @@ def summary(run_dir: Path, checkpoint_url: str, job_id: str, since: float = 0.0)
     if unfit:
         lines.append(
             f"failed their health checks and stayed out: {', '.join(unfit)} (the reasons are "
-            "above and in their logs; python -m launcher.doctor runs the checks by hand)"
+            "above and in their logs; python -m launcher.commands.doctor runs the checks by hand)"
         )
     slow = ev.STRAGGLER.of(events)
     if slow:

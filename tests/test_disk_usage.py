@@ -1,4 +1,4 @@
-"""A run directory's disk use by part (launcher/disk_usage.py), on real files."""
+"""A run directory's disk use by part (launcher/commands/disk_usage.py), on real files."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from elastic.events import EventLog
-from launcher.disk_usage import main, step_rate, usage
+from launcher.commands.disk_usage import main, step_rate, usage
 
 
 def test_each_part_counts_the_files_under_it_and_the_rest_is_other(tmp_path: Path) -> None:

@@ -32,7 +32,7 @@ from chaos.invariants import (
     replica_violations,
     sample_violations,
 )
-from chaos.report import recovery
+from chaos.recovery_figures import recovery
 from chaos.requests import request_fault
 from elastic import config
 from elastic.control import EXIT_FAILED, EXIT_PEER_LOST, EXIT_UNSAVED
@@ -146,9 +146,9 @@ def start_agent(
 
 
 def job_status(run_dir: Path, job_id: str, etcd_endpoint: str) -> dict:
-    """``python -m launcher.status --json`` of a running job, asked again (at most 5 times)
+    """``python -m launcher.commands.status --json`` of a running job, asked again (at most 5 times)
     until rank 0's progress and a checkpoint are there."""
-    argv = [sys.executable, "-m", "launcher.status", "--json", f"job_id={job_id}"]
+    argv = [sys.executable, "-m", "launcher.commands.status", "--json", f"job_id={job_id}"]
     argv += [f"run_dir={run_dir}", f"cluster.etcd_endpoints=[{etcd_endpoint}]"]
     for _ in range(5):
         shown = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True)
@@ -375,7 +375,8 @@ def test_a_planned_leave_and_a_drain_hand_over_between_two_steps(
     )
     wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["step"] >= 8)
     wait_event(run_dir, proc, lambda e: e["event"] == "checkpoint_saved")  # in the background
-    # The operator's screen (python -m launcher.status) of the running job, a checkpoint saved.
+    # The operator's screen (python -m launcher.commands.status) of the running job, a checkpoint
+    # saved.
     shown = job_status(run_dir, job_id, etcd_endpoint)
     members = shown["members"]
     assert [m["node"] for m in members] == shown["round"]["members"]
@@ -740,7 +741,7 @@ def test_unfit_node_stays_out_is_quarantined_and_joins_once_cleared(
             [
                 sys.executable,
                 "-m",
-                "launcher.quarantine",
+                "launcher.commands.quarantine",
                 "clear",
                 "node2",
                 f"job_id={job_id}",

@@ -25,7 +25,7 @@ import pytest
 
 from elastic.config import ClusterConfig, Config, EtcdTlsConfig, HealthConfig
 from launcher.health.checks import check_etcd_and_clock, check_etcd_certificates
-from launcher.health.report import Status
+from launcher.health.node_report import Status
 from launcher.rendezvous.credentials import credential_problems, etcd_security_problems
 from launcher.rendezvous.embedded_etcd import etcd_binary, free_port
 from launcher.rendezvous.etcd import EtcdRefused, EtcdSecurity, connect

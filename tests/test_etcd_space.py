@@ -24,8 +24,8 @@ import pytest
 from elastic import event_types as ev
 from elastic.event_types import EventType
 from elastic.events import EventLog, read_events
-from launcher.doctor import etcd_compaction_row, etcd_space_row
-from launcher.health.report import Status
+from launcher.commands.doctor import etcd_compaction_row, etcd_space_row
+from launcher.health.node_report import Status
 from launcher.rendezvous.embedded_etcd import EmbeddedEtcd
 from launcher.rendezvous.etcd import connect
 from launcher.rendezvous.etcd_usage import compacted, revisions_per_hour, usage
@@ -140,7 +140,7 @@ def test_a_full_etcd_is_named_nospace_with_the_fix_and_the_fix_works(
 def test_the_doctor_names_a_full_etcd(small_etcd: EmbeddedEtcd) -> None:
     fill(connect(small_etcd.endpoints))
     doctor = subprocess.run(
-        [sys.executable, "-m", "launcher.doctor", "--json", "cluster=bare_metal",
+        [sys.executable, "-m", "launcher.commands.doctor", "--json", "cluster=bare_metal",
          "cluster.device=cpu", f"cluster.etcd_endpoints=[{small_etcd.endpoint}]"],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip

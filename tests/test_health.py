@@ -29,7 +29,7 @@ from launcher.health.checks import (
     checkpoints_to_fit,
 )
 from launcher.health.gpu import _read_lines, gpu_checks, judge_nvml, judge_probes, run_probe
-from launcher.health.report import CheckResult, HealthReport, Status
+from launcher.health.node_report import CheckResult, HealthReport, Status
 
 from .conftest import REPO, with_limit
 
@@ -89,7 +89,7 @@ def test_doctor_prints_a_failing_report_and_exits_non_zero() -> None:
     """The doctor with a lowered open-file limit: JSON, one failure, the GPU checks skipped."""
     proc = subprocess.run(
         with_limit(
-            [sys.executable, "-m", "launcher.doctor", "--json", "cluster.device=cpu"],
+            [sys.executable, "-m", "launcher.commands.doctor", "--json", "cluster.device=cpu"],
             "RLIMIT_NOFILE",
             256,
             256,
@@ -105,7 +105,7 @@ def test_doctor_prints_a_failing_report_and_exits_non_zero() -> None:
     assert [r.name for r in report.failures] == ["open_files"]
     assert status["gpu"] is Status.SKIP and status["etcd"] is Status.PASS
     table = subprocess.run(
-        [sys.executable, "-m", "launcher.doctor", "cluster.device=cpu"],
+        [sys.executable, "-m", "launcher.commands.doctor", "cluster.device=cpu"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -117,7 +117,7 @@ def test_doctor_prints_a_failing_report_and_exits_non_zero() -> None:
 
 def test_doctor_refuses_an_unknown_key() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "launcher.doctor", "health.min_open_file=1"],
+        [sys.executable, "-m", "launcher.commands.doctor", "health.min_open_file=1"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -278,8 +278,8 @@ def test_doctor_imports_no_torch_on_a_cpu_node(tmp_path: Path) -> None:
         runs.append((["cluster.device=auto"], env))  # no GPU here: auto must see it unaided
     for overrides, run_env in runs:
         proc = subprocess.run(
-            [sys.executable, "-X", "importtime", "-m", "launcher.doctor", "--json", *overrides,
-             f"checkpoint.url=file://{tmp_path}/ck"],
+            [sys.executable, "-X", "importtime", "-m", "launcher.commands.doctor", "--json",
+             *overrides, f"checkpoint.url=file://{tmp_path}/ck"],
             cwd=REPO, env=run_env, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]

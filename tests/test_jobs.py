@@ -19,7 +19,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.utils.data import default_collate
 
 from chaos.injectors import kill_node, node_with_rank
-from chaos.report import recovery
+from chaos.recovery_figures import recovery
 from elastic.config import ConfigError
 from elastic.job import Job
 from elastic.job_target import build_job, job_class, job_problems, job_settings

@@ -107,7 +107,8 @@ def test_the_decisions_import_no_module_that_does_io() -> None:
 
 
 # The launcher's roles, lowest first: a role imports only from roles below it (and elastic/, the
-# lowest of all); the operator's commands at the top of launcher/ may import any role.
+# lowest of all); the launch at the top of launcher/ and the operator's commands
+# (launcher/commands/) may import any role.
 ROLES = ("launcher.rendezvous", "launcher.torchrun", "launcher.health", "launcher.agent")
 MAY_IMPORT = {
     "launcher.rendezvous": set(),
@@ -118,7 +119,7 @@ MAY_IMPORT = {
 
 
 def role_of(module: str) -> str:
-    """The role a module of launcher/ belongs to, or ``launcher`` for the commands."""
+    """The role a module of launcher/ belongs to, or ``launcher`` for the launch and commands."""
     return next((r for r in ROLES if module == r or module.startswith(r + ".")), "launcher")
 
 
@@ -138,7 +139,7 @@ def test_each_role_of_the_launcher_imports_only_the_roles_below_it() -> None:
 
 def test_the_role_check_sees_an_upward_import() -> None:
     assert role_of("launcher.rendezvous.keys") == "launcher.rendezvous"
-    assert role_of("launcher.status") == "launcher"
+    assert role_of("launcher.commands.status") == "launcher"
     assert "launcher.agent" not in MAY_IMPORT[role_of("launcher.rendezvous.leader")]
 
 

@@ -75,7 +75,7 @@ def operator(etcd_endpoint: str, job_id: str, *args: str) -> subprocess.Complete
         [
             sys.executable,
             "-m",
-            "launcher.quarantine",
+            "launcher.commands.quarantine",
             *args,
             f"job_id={job_id}",
             f"cluster.etcd_endpoints=[{etcd_endpoint}]",
@@ -95,13 +95,13 @@ def test_operator_adds_lists_and_clears(etcd_endpoint: str, job_id: str) -> None
     assert [(e["node_id"], e["by"], e["reasons"]) for e in listed] == [("n3", "operator", ["disk"])]
     assert 590 < listed[0]["left_s"] <= 600
     doctor = subprocess.run(
-        [sys.executable, "-m", "launcher.doctor", "--json", "--node-id", "n3",
+        [sys.executable, "-m", "launcher.commands.doctor", "--json", "--node-id", "n3",
          f"job_id={job_id}", f"cluster.etcd_endpoints=[{etcd_endpoint}]"],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert doctor.returncode == 1, doctor.stderr
     (row,) = [r for r in json.loads(doctor.stdout)["results"] if r["status"] == "fail"]
-    assert row["name"] == "quarantine" and "launcher.quarantine clear n3" in row["message"]
+    assert row["name"] == "quarantine" and "launcher.commands.quarantine clear n3" in row["message"]
     cleared = operator(etcd_endpoint, job_id, "clear", "--all")
     assert cleared.returncode == 0 and cleared.stdout.strip() == "n3: cleared"
     assert json.loads(operator(etcd_endpoint, job_id, "list", "--json").stdout) == []
@@ -144,7 +144,8 @@ def test_leader_drops_a_member_put_in_quarantine(make, etcd_endpoint: str, job_i
 def test_the_printed_clear_command_carries_the_etcd_security_settings_but_no_password() -> None:
     plain = clear_command("n3", "job1", ["10.0.0.1:2379"], ClusterConfig())
     assert plain == (
-        "python -m launcher.quarantine clear n3 job_id=job1 cluster.etcd_endpoints=[10.0.0.1:2379]"
+        "python -m launcher.commands.quarantine clear n3 job_id=job1 "
+        "cluster.etcd_endpoints=[10.0.0.1:2379]"
     )
     secured = ClusterConfig(
         etcd_tls=EtcdTlsConfig(ca="/pki/ca.pem", cert="/pki/n.pem", key="/pki/n.key"),

@@ -1,6 +1,7 @@
-"""``python -m launcher.status`` and the ``progress`` key: the screen and its data on literal
-keys, the newest checkpoint from manifests, the publisher on a real event file, and the errors
-against a real etcd. The screen during a real job is checked in tests/test_e2e.py (SIGTERM)."""
+"""``python -m launcher.commands.status`` and the ``progress`` key: the screen and its data on
+literal keys, the newest checkpoint from manifests, the publisher on a real event file, and the
+errors against a real etcd. The screen during a real job is checked in tests/test_e2e.py
+(SIGTERM)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from elastic.events import EventLog
-from launcher import status
 from launcher.agent.progress_key import ProgressPublisher, progress_record
-from launcher.health.report import CheckResult, HealthReport, Status
+from launcher.commands import status
+from launcher.health.node_report import CheckResult, HealthReport, Status
 from launcher.rendezvous.keys import JobKeys
 from launcher.rendezvous.membership import NodeRecord, Round, leader_value
 

@@ -20,8 +20,8 @@ from elastic.events import EventLog
 from launcher.agent import decisions as decide
 from launcher.agent.peers import probe
 from launcher.health.checks import run_checks
+from launcher.health.node_report import Status
 from launcher.health.quarantine import Entry, Quarantine, clear_command
-from launcher.health.report import Status
 from launcher.rendezvous.etcd import etcd_errors
 from launcher.rendezvous.lease import ETCD_LOST_FIX
 from launcher.rendezvous.rendezvous import EtcdDenied, EtcdFull, EtcdLost, NodeIdInUse, Rendezvous

@@ -420,7 +420,7 @@ class Agent:
         )
         evict = isinstance(step, decide.Evict)
         found = {"slowdown": msg.slowdown, "step": msg.step, "at": time.time(), "evicted": evict}
-        with contextlib.suppress(*etcd_errors()):  # for launcher.status; the events keep it too
+        with contextlib.suppress(*etcd_errors()):  # for the status command; the events keep it too
             self.rdzv.put_under_lease(self.rdzv.keys.straggler(self.node_id), json.dumps(found))
         if isinstance(step, decide.Evict):
             # The watch brings the quarantine to the view, and the loop drains the node.

@@ -473,11 +473,11 @@ def join_timed_out(waiting_since: float, now: float, limit_s: float) -> bool:
     return now - waiting_since > limit_s
 
 
-# --- the job's progress in etcd (python -m launcher.status) --------------------------------------
+# --- the job's progress in etcd (python -m launcher.commands.status) -----------------------------
 
 # The ``progress`` key is written at most this often: each put is one etcd revision, kept until
 # etcd compacts it, and at once a second it was all but every revision a running job wrote
-# (3,600 an hour). launcher.status shows the step with its age, which this bounds.
+# (3,600 an hour). launcher.commands.status shows the step with its age, which this bounds.
 PROGRESS_EVERY_S = 5.0
 
 

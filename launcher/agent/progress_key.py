@@ -1,5 +1,5 @@
 """The job's ``progress`` key in etcd: written by the agent whose node holds global rank 0, read
-by ``python -m launcher.status``.
+by ``python -m launcher.commands.status``.
 
 The rank-0 worker already logs every step to its node's event file (``step`` events, see
 :mod:`elastic.events`); its agent follows that one file and, at most every

@@ -36,7 +36,7 @@ from elastic.config import Config, ConfigError, HealthConfig
 from elastic.job_target import job_class
 from elastic.manifest import committed, manifest_bytes, newest_manifest
 from launcher.health.gpu import gpu_checks
-from launcher.health.report import CheckResult, HealthReport, Status
+from launcher.health.node_report import CheckResult, HealthReport, Status
 from launcher.rendezvous.embedded_etcd import etcd_binary
 from launcher.rendezvous.etcd import INSECURE, EtcdRefused, EtcdSecurity, etcd_security
 

@@ -6,7 +6,7 @@ new round each time it leaves and comes back. After ``health.max_strikes`` failu
 ``health.quarantine_s``, then checks itself again and may rejoin. The cooldown is an etcd lease
 that nobody keeps alive, so it ends on time even if the node died meanwhile, and the leader
 never places a quarantined node (:func:`launcher.rendezvous.round_plan.plan_round`). Operators
-use ``python -m launcher.quarantine`` (:mod:`launcher.quarantine`).
+use ``python -m launcher.commands.quarantine`` (:mod:`launcher.commands.quarantine`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from elastic import event_types as ev
 from elastic.config import ClusterConfig, HealthConfig
 from elastic.event_types import EventType
 from elastic.events import EventLog
-from launcher.health.report import HealthReport
+from launcher.health.node_report import HealthReport
 from launcher.rendezvous.keys import JobKeys
 
 CLEAR_POLL_S = 1.0  # how soon a waiting node notices that an operator cleared it
@@ -164,7 +164,7 @@ def clear_command(node_id: str, job_id: str, endpoints: list[str], cluster: Clus
     etcd security settings, so that it works against a secured etcd as printed (the password
     stays in its file or the environment)."""
     words = [
-        f"python -m launcher.quarantine clear {node_id} job_id={job_id}",
+        f"python -m launcher.commands.quarantine clear {node_id} job_id={job_id}",
         f"cluster.etcd_endpoints=[{','.join(endpoints)}]",
     ]
     tls = cluster.etcd_tls

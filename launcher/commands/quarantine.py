@@ -1,4 +1,5 @@
-"""``python -m launcher.quarantine list|clear|add``: an operator's view of a job's quarantine.
+"""``python -m launcher.commands.quarantine list|clear|add``: an operator's view of a job's
+quarantine.
 
 The job and its etcd come from the same Hydra overrides as the launch (:mod:`launcher.compose`),
 so ``job_id=... cluster.etcd_endpoints=[...]`` name the job as they did when it was started.
@@ -32,7 +33,7 @@ def _format_entries(entries: list[tuple[Entry, float]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m launcher.quarantine",
+        prog="python -m launcher.commands.quarantine",
         description="List, clear or add quarantined nodes of a running job. The job and its "
         "etcd come from the same Hydra overrides as the launch, e.g. job_id=resnet50-run1 "
         "cluster=bare_metal cluster.etcd_endpoints=[10.0.0.1:2379].",

@@ -5,7 +5,7 @@ events_rotate_mb``), the TensorBoard scalars, the logs and the embedded etcd; th
 pruned to ``checkpoint.keep``. :func:`usage` says how much each part holds, for the soak bench's
 disk use per simulated day (bench/soak.py) and for a person asking where a disk went:
 
-    .venv/bin/python -m launcher.disk_usage /tmp/diskcheck/run
+    .venv/bin/python -m launcher.commands.disk_usage /tmp/diskcheck/run
 
 prints each part and, for the parts that grow with the steps, bytes per trained step and, at the
 step rate the run's events show, per day. A short run's figures per step include its fixed costs
@@ -85,7 +85,7 @@ def report(run_dir: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m launcher.disk_usage", description=__doc__.split("\n\n")[0]
+        prog="python -m launcher.commands.disk_usage", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("run_dir", type=Path)
     args = parser.parse_args(argv)

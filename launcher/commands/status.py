@@ -1,4 +1,4 @@
-"""``python -m launcher.status``: one screen for an operator of a running job.
+"""``python -m launcher.commands.status``: one screen for an operator of a running job.
 
 It shows the members (host, ranks, readiness, health report, quarantine), the round and its
 leader, the newest step rank 0's agent published (:mod:`launcher.agent.progress_key`) with the
@@ -24,7 +24,7 @@ from typing import Any
 from elastic import config
 from elastic.eta import as_text
 from launcher.compose import UsageError, compose, finalize
-from launcher.health.report import HealthReport
+from launcher.health.node_report import HealthReport
 from launcher.local_cluster import ENDPOINTS_FILE
 from launcher.rendezvous.keys import JobKeys
 from launcher.rendezvous.membership import NodeRecord, Round, leader_value
@@ -69,6 +69,44 @@ def newest_checkpoint(url: str, now: float) -> dict[str, Any] | None:
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class JobRead:
+    """A job's keys decoded, each folder by node id: what :func:`gather` builds the status from."""
+
+    nodes: dict[str, NodeRecord]
+    reports: dict[str, HealthReport]
+    strikes: dict[str, Any]
+    quarantine: dict[str, Any]
+    stragglers: dict[str, Any]
+    round: Round | None
+    leader: str  # the leader's node id; "" for none
+    leads: str  # the leader key's value, which names the leader's registration too
+
+    @classmethod
+    def decode(cls, keys: Keys, job: JobKeys) -> JobRead:
+        """The job's folders and single keys from its range read, by full key."""
+
+        def under(folder: str) -> dict[str, tuple[bytes, int]]:
+            return {k[len(folder) :]: v for k, v in keys.items() if k.startswith(folder)}
+
+        raw_round = keys.get(job.round)
+        rnd = None
+        if raw_round:
+            parts = under(job.round_part_folder(json.loads(raw_round[0])["parts"]))
+            rnd = Round.from_values(raw_round[0], {n: v for n, (v, _) in parts.items()}, whole=True)
+        raw_leader = keys.get(job.leader)
+        return cls(
+            nodes={n: NodeRecord.from_json(v, rev) for n, (v, rev) in under(job.nodes).items()},
+            reports={n: HealthReport.from_json(v) for n, (v, _) in under(job.reports).items()},
+            strikes={n: json.loads(v) for n, (v, _) in under(job.strikes).items()},
+            quarantine={n: json.loads(v) for n, (v, _) in under(job.quarantine).items()},
+            stragglers={n: json.loads(v) for n, (v, _) in under(job.stragglers).items()},
+            round=rnd,
+            leader=json.loads(raw_leader[0])[0] if raw_leader else "",
+            leads=raw_leader[0].decode() if raw_leader else "",
+        )
+
+
 def gather(
     keys: Keys,
     prefix: str,
@@ -81,95 +119,90 @@ def gather(
     ``now``, with the newest checkpoint (:func:`newest_checkpoint`): the data that ``--json``
     prints."""
     job = JobKeys(prefix, job_id)
-
-    def under(folder: str) -> dict[str, tuple[bytes, int]]:
-        return {k[len(folder) :]: v for k, v in keys.items() if k.startswith(folder)}
-
-    nodes = {n: NodeRecord.from_json(v, rev) for n, (v, rev) in under(job.nodes).items()}
-    reports = {n: HealthReport.from_json(v) for n, (v, _) in under(job.reports).items()}
-    strikes = {n: json.loads(v) for n, (v, _) in under(job.strikes).items()}
-    quarantine = {n: json.loads(v) for n, (v, _) in under(job.quarantine).items()}
-    stragglers = {n: json.loads(v) for n, (v, _) in under(job.stragglers).items()}
-    raw_round = keys.get(job.round)
-    rnd = None
-    if raw_round:
-        parts = under(job.round_part_folder(json.loads(raw_round[0])["parts"]))
-        rnd = Round.from_values(raw_round[0], {n: v for n, (v, _) in parts.items()}, whole=True)
-    raw_leader = keys.get(job.leader)
-    leader = json.loads(raw_leader[0])[0] if raw_leader else ""
-    leads = raw_leader[0].decode() if raw_leader else ""
+    read = JobRead.decode(keys, job)
+    in_round = [m.node_id for m in read.round.members] if read.round else []
+    others = sorted((set(read.nodes) | set(read.reports) | set(read.quarantine)) - set(in_round))
     raw_progress = keys.get(job.progress)
     progress = json.loads(raw_progress[0]) if raw_progress else None
     if progress is not None:
         progress["age_s"] = round(now - progress["logged_at"], 1)
-
-    in_round = [m.node_id for m in rnd.members] if rnd else []
-    others = sorted((set(nodes) | set(reports) | set(quarantine)) - set(in_round))
-    members = []
-    for node_id in in_round + others:
-        record, report = nodes.get(node_id), reports.get(node_id)
-        m = rnd.member(node_id) if rnd else None
-        current = (
-            m is not None
-            and record is not None
-            and (record.joined_rev, record.incarnation) == (m.joined_rev, m.incarnation)
-        )
-        entry = quarantine.get(node_id)
-        recent = [s for s in strikes.get(node_id, []) if isinstance(s, dict)]
-        members.append(
-            {
-                "node": node_id,
-                "host": record.host if record else (report.host if report else ""),
-                "registered": record is not None,
-                "in_round": current,
-                "ranks": [m.first_rank, m.first_rank + m.slots - 1] if current and m else None,
-                "slots": record.slots if record else None,
-                "ready": record.ready if record else False,
-                "incarnation": record.incarnation if record else None,
-                "leaving_after": record.leaving_after if record else 0,
-                "leader": record is not None and leads == leader_value(node_id, record.joined_rev),
-                "health": None
-                if report is None
-                else {
-                    "ok": report.ok,
-                    "counts": {s: n for s, n in report.counts.items() if n},
-                    "failures": [f"{r.name}: {r.message}" for r in report.failures],
-                    "checked_at": report.checked_at,
-                    "age_s": round(now - report.checked_at, 1),
-                },
-                "quarantine": None
-                if entry is None
-                else {
-                    "until": entry["until"],
-                    "left_s": round(max(0.0, entry["until"] - now), 1),
-                    "by": entry["by"],
-                    "reasons": entry["reasons"],
-                },
-                "strikes": len(recent),
-                "straggler": stragglers.get(node_id),
-            }
-        )
     return {
         "job_id": job_id,
         "prefix": prefix,
         "endpoints": list(endpoints),
         "at": now,
         "done": job.done in keys,
-        "leader": leader,
-        "round": None
-        if rnd is None
-        else {
-            "number": rnd.number,
-            "world_size": rnd.world_size,
-            "members": in_round,
-            "formed_at": rnd.formed_at,
-            "age_s": round(now - rnd.formed_at, 1),
-            "after_step": rnd.after_step,
-            "store": f"{rnd.store_host}:{rnd.store_port}",
-        },
-        "members": members,
+        "leader": read.leader,
+        "round": _round_data(read.round, now),
+        "members": [_member_data(read, node_id, now) for node_id in in_round + others],
         "progress": progress,
         "checkpoint": checkpoint,
+    }
+
+
+def _round_data(rnd: Round | None, now: float) -> dict[str, Any] | None:
+    """The round's part of the status; None before the first round."""
+    if rnd is None:
+        return None
+    return {
+        "number": rnd.number,
+        "world_size": rnd.world_size,
+        "members": [m.node_id for m in rnd.members],
+        "formed_at": rnd.formed_at,
+        "age_s": round(now - rnd.formed_at, 1),
+        "after_step": rnd.after_step,
+        "store": f"{rnd.store_host}:{rnd.store_port}",
+    }
+
+
+def _member_data(read: JobRead, node_id: str, now: float) -> dict[str, Any]:
+    """One node's row: its record, its place in the round, health, quarantine and strikes."""
+    record, report = read.nodes.get(node_id), read.reports.get(node_id)
+    m = read.round.member(node_id) if read.round else None
+    current = (
+        m is not None
+        and record is not None
+        and (record.joined_rev, record.incarnation) == (m.joined_rev, m.incarnation)
+    )
+    recent = [s for s in read.strikes.get(node_id, []) if isinstance(s, dict)]
+    return {
+        "node": node_id,
+        "host": record.host if record else (report.host if report else ""),
+        "registered": record is not None,
+        "in_round": current,
+        "ranks": [m.first_rank, m.first_rank + m.slots - 1] if current and m else None,
+        "slots": record.slots if record else None,
+        "ready": record.ready if record else False,
+        "incarnation": record.incarnation if record else None,
+        "leaving_after": record.leaving_after if record else 0,
+        "leader": record is not None and read.leads == leader_value(node_id, record.joined_rev),
+        "health": None if report is None else _health_data(report, now),
+        "quarantine": _quarantine_data(read.quarantine.get(node_id), now),
+        "strikes": len(recent),
+        "straggler": read.stragglers.get(node_id),
+    }
+
+
+def _health_data(report: HealthReport, now: float) -> dict[str, Any]:
+    """A node's newest health report, as the status shows it."""
+    return {
+        "ok": report.ok,
+        "counts": {s: n for s, n in report.counts.items() if n},
+        "failures": [f"{r.name}: {r.message}" for r in report.failures],
+        "checked_at": report.checked_at,
+        "age_s": round(now - report.checked_at, 1),
+    }
+
+
+def _quarantine_data(entry: dict[str, Any] | None, now: float) -> dict[str, Any] | None:
+    """A node's quarantine entry with the time it has left; None when it is not quarantined."""
+    if entry is None:
+        return None
+    return {
+        "until": entry["until"],
+        "left_s": round(max(0.0, entry["until"] - now), 1),
+        "by": entry["by"],
+        "reasons": entry["reasons"],
     }
 
 
@@ -393,7 +426,7 @@ class Reader:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m launcher.status",
+        prog="python -m launcher.commands.status",
         description="One screen on a running job: members, round, progress, checkpoint. The "
         "job and its etcd come from the launch's Hydra overrides, e.g. job_id=resnet50-run1 "
         "cluster.etcd_endpoints=[10.0.0.1:2379]; a local run needs only job_id= (or nothing: "

@@ -1,4 +1,4 @@
-"""Recovery figures from a run's event log.
+"""The figures of one fault's recovery from a run's event log: stall, redone steps, time lost.
 
 The definitions are the ones shared with the torchrun peer baseline
 (``shared/bench/peer_torchrun``): the stall runs from the fault until a survivor completes a step

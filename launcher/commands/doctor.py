@@ -1,4 +1,4 @@
-"""``python -m launcher.doctor``: is this machine fit to join a job? Without joining one.
+"""``python -m launcher.commands.doctor``: is this machine fit to join a job? Without joining one.
 
 It runs the checks an agent runs before it joins (:func:`launcher.health.checks.run_checks`), with
 the thresholds and job of the same Hydra overrides as the launch, prints them as a table (``--json``
@@ -12,8 +12,8 @@ It is meant to be quick, so it loads no torch unless it probes GPUs: the device 
 without CUDA where there can be no GPU (:func:`launcher.agent.slots.local_slots`), and before the
 first checkpoint the disk check does not size the model (``run_checks(..., size_model=False)``).
 
-    python -m launcher.doctor
-    python -m launcher.doctor --json cluster=bare_metal job_id=resnet50-run1 \\
+    python -m launcher.commands.doctor
+    python -m launcher.commands.doctor --json cluster=bare_metal job_id=resnet50-run1 \\
         cluster.etcd_endpoints=[10.0.0.1:2379] checkpoint.url=file:///shared/ckpt/run1
 """
 
@@ -31,8 +31,8 @@ from elastic.config import Config
 from launcher.agent.slots import local_slots
 from launcher.compose import UsageError, compose, finalize
 from launcher.health.checks import run_checks
+from launcher.health.node_report import CheckResult, Status
 from launcher.health.quarantine import Quarantine, clear_command
-from launcher.health.report import CheckResult, Status
 from launcher.rendezvous.etcd import EtcdUnavailable, connect, etcd_errors, etcd_security
 from launcher.rendezvous.etcd_usage import (
     DEFAULT_QUOTA_BYTES,
@@ -196,7 +196,7 @@ def _or_skip(name: str, check: Callable[[], CheckResult]) -> CheckResult:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m launcher.doctor",
+        prog="python -m launcher.commands.doctor",
         description="Run the health checks a node passes before it joins a job, without "
         "joining. Any other argument is a Hydra override, as for python -m launcher.",
     )
