@@ -1,13 +1,14 @@
 """A worker's process group, rebuilt in place for every round, and abortable from any thread.
 
-The worker process lives across rounds; only its process group is replaced. Why a comm hook: DDP
-waits for its gradient all-reduce inside ``backward()``, and a collective blocked on a frozen
-peer would hold the worker until the group's timeout. The hook hands DDP a future of our own that
-completes with the all-reduce, or fails as soon as :meth:`Communicator.abort` is called (the
-agent announced a new round), so a stuck step is abandoned at once. Whether a round broke is a
-fact the communicator records, never a guess from an error's text: every collective of a round
-runs through it, the first one that fails is kept as :attr:`Communicator.failure`, and an
-exception raised anywhere else is the worker's own fault (:func:`elastic.round_end.round_end`).
+The worker process lives across rounds; only its process group is replaced (its set-up steps
+are :mod:`elastic.group_setup`'s). Why a comm hook: DDP waits for its gradient all-reduce inside
+``backward()``, and a collective blocked on a frozen peer would hold the worker until the group's
+timeout. The hook hands DDP a future of our own that completes with the all-reduce, or fails as
+soon as :meth:`Communicator.abort` is called (the agent announced a new round), so a stuck step
+is abandoned at once. Whether a round broke is a fact the communicator records, never a guess
+from an error's text: every collective of a round runs through it, the first one that fails is
+kept as :attr:`Communicator.failure`, and an exception raised anywhere else is the worker's own
+fault (:func:`elastic.round_end.round_end`).
 """
 
 # No ``from __future__ import annotations`` here: DDP checks the comm hook's annotations at run
@@ -27,14 +28,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from elastic import nccl_settings
 from elastic.control import Assignment
-from elastic.nccl_group import (
-    REBUILD,
-    SHRINK,
-    agreed_to_shrink,
-    can_shrink,
-    healthy,
-    must_abort,
-)
+from elastic.group_setup import init_group, meet, shrink
+from elastic.nccl_group import agreed_to_shrink, can_shrink, healthy, must_abort
 from elastic.round_end import CollectiveFailure, RoundAborted
 
 log = logging.getLogger(__name__)
@@ -47,9 +42,6 @@ BUFFERS_PER_REPLICA = (
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
     else {"broadcast_buffers": False}
 )
-
-MEET_FIRST_PAUSE_S = 0.005  # a rank waiting for its round's peers looks again after this,
-MEET_POLL_S = 0.1  # doubling up to this: how soon it sees an abort
 
 
 def pick_device(requested: str, local_rank: int) -> torch.device:
@@ -133,13 +125,16 @@ class Communicator:
             excluded = assignment.shrink_of(previous) if previous is not None else None
             # A shrink is a collective of every survivor: one rank shrinking while another
             # builds anew would wait for it forever. So the ranks agree at the meet.
-            agreed = self._meet(assignment, offer=self._can_shrink(excluded))
-            shrunk = agreed and excluded is not None and self._shrank(excluded)
+            offers = meet(assignment, self._can_shrink(excluded), self.timeout, self._aborted)
+            if offers is None:
+                raise RoundAborted(f"round {self._announced} was announced")
+            agreed = agreed_to_shrink(offers, assignment.world_size)
+            shrunk = agreed and excluded is not None and shrink(excluded)
             if not shrunk:
                 self.close()
             with self.collective("group set-up"):
                 if not shrunk:
-                    self._init_group(assignment)
+                    init_group(assignment, self.backend, self.device, self.timeout)
                 # Checkpoint saves run on a thread of their own: on the training group, their
                 # collectives would interleave with training's in a different order on each rank.
                 self.save_group = dist.new_group(
@@ -147,88 +142,6 @@ class Communicator:
                 )
         if self._aborted.is_set():
             raise RoundAborted(f"round {self._announced} was announced")
-
-    def _meet(self, assignment: Assignment, offer: bool) -> bool:
-        """Wait until every rank of the round has reached its set-up, abortably; whether every
-        rank ``offer``-ed to shrink its previous group
-        (:func:`elastic.nccl_group.agreed_to_shrink`).
-
-        The group's own set-up cannot be interrupted: begun while a peer is frozen (a node
-        stopped just before its round was formed), it waits out the whole
-        ``rendezvous.pg_timeout_s``, even when the agent has announced a newer round without that
-        peer a moment later. So the ranks first meet on the store, on a thread of their own (a
-        store client connecting to a frozen host hangs whatever its timeout), while this thread
-        watches for an abort; ranks that all met a moment ago set up at once.
-        """
-        met = threading.Event()
-        errors: list[BaseException] = []
-        offers: list[bytes] = []
-
-        def meet() -> None:
-            prefix = f"round{assignment.round}/arrived/"
-            keys = [f"{prefix}{rank}" for rank in range(assignment.world_size)]
-            pause = MEET_FIRST_PAUSE_S
-            try:
-                store = dist.TCPStore(
-                    assignment.store_host,
-                    assignment.store_port,
-                    is_master=False,
-                    timeout=self.timeout,
-                )
-                store.set(keys[assignment.rank], SHRINK if offer else REBUILD)
-                deadline = time.monotonic() + self.timeout.total_seconds()
-                while not store.check(keys) and not self._aborted.is_set():
-                    if time.monotonic() >= deadline:
-                        raise dist.DistStoreError(
-                            f"not every rank of round {assignment.round} reached its set-up "
-                            f"within {self.timeout.total_seconds():.0f} s"
-                        )
-                    time.sleep(pause)  # the peers' keys arrive at the store: look again
-                    pause = min(2 * pause, MEET_POLL_S)
-                if not self._aborted.is_set():
-                    offers.extend(store.multi_get(keys))
-            except dist.DistError as exc:
-                errors.append(exc)
-            met.set()
-
-        threading.Thread(target=meet, name=f"meet-round{assignment.round}", daemon=True).start()
-        while not met.wait(MEET_POLL_S):
-            if self._aborted.is_set():
-                break
-        if self._aborted.is_set():
-            raise RoundAborted(f"round {self._announced} was announced")
-        if errors:
-            raise errors[0]
-        return agreed_to_shrink(offers, assignment.world_size)
-
-    def _init_group(self, assignment: Assignment) -> None:
-        """Build the round's group on the c10d TCPStore that the agent of the round's first node
-        hosts, under a key prefix per round, so that groups of different rounds never mix even
-        on the same store."""
-        store = dist.TCPStore(
-            assignment.store_host, assignment.store_port, is_master=False, timeout=self.timeout
-        )
-        # torch names a process's groups, and their keys on the store, from a count of the
-        # groups it has created, set back to 0 only when the default group is destroyed. A
-        # set-up that failed (a peer lost while the group was built) leaves no group to destroy
-        # and the count advanced on this rank alone: its next groups would wait for keys under
-        # names no peer uses, round after round. No group exists here: count from 0, as the
-        # destroy would have.
-        dist.distributed_c10d._world.group_count = 0
-        options = None
-        if self.backend == "nccl":
-            # Non-blocking communicators let abort() return even when a kernel is stuck.
-            options = dist.ProcessGroupNCCL.Options()
-            options.config.blocking = False
-        dist.init_process_group(
-            self.backend,
-            store=dist.PrefixStore(f"round{assignment.round}/", store),
-            rank=assignment.rank,
-            world_size=assignment.world_size,
-            timeout=self.timeout,
-            device_id=self.device if self.backend == "nccl" else None,
-            pg_options=options,
-        )
 
     def _can_shrink(self, excluded: list[int] | None) -> bool:
         """Whether this rank can make the new round's group by shrinking its current one
@@ -238,18 +151,6 @@ class Communicator:
             dist.distributed_c10d._get_default_group()._get_backend(self.device).supports_shrinking
         )
         return can_shrink(self.backend, excluded, live, supported)
-
-    def _shrank(self, excluded: list[int]) -> bool:
-        """Shrink the group by ``excluded``, as every rank agreed to; whether it worked. A shrink
-        that fails is no failure of the round: the rank builds the group anew, and its peers'
-        set-up (bounded by the group's timeout) shows whether they did too."""
-        try:
-            # SHRINK_ABORT is not exported as torch.distributed.SHRINK_ABORT (2.11 to 2.14).
-            dist.shrink_group(excluded, shrink_flags=dist.distributed_c10d.SHRINK_ABORT)
-        except Exception as exc:  # any backend's: the full rebuild follows
-            log.warning("shrinking the group failed (%s: %s); building it anew", type(exc), exc)
-            return False
-        return True
 
     def abort(self, reason: str, before_round: int | None = None) -> None:
         """Make the step in flight fail now; callable from any thread. On NCCL it also aborts

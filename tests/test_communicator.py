@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic.communicator import Communicator
 from elastic.control import Assignment
+from elastic.group_setup import init_group
 from elastic.nccl_group import REBUILD, SHRINK, agreed_to_shrink, can_shrink, must_abort
 from elastic.nccl_settings import ERROR_HANDLING, NONBLOCKING_TIMEOUT, apply, survivor_settings
 from elastic.round_end import (
@@ -282,8 +283,8 @@ def _after_a_failed_set_up_main(rank: int, port: int, out: str) -> None:
         lonely = Assignment(
             round=1, rank=0, world_size=2, store_host="127.0.0.1", store_port=port, formed_at=0
         )
-        with pytest.raises(dist.DistError):  # past _meet: as when the peer vanished after it
-            Communicator(torch.device("cpu"), timeout_s=2)._init_group(lonely)
+        with pytest.raises(dist.DistError):  # past the meet: as when the peer vanished after it
+            init_group(lonely, "gloo", torch.device("cpu"), timedelta(seconds=2))
     c = Communicator(torch.device("cpu"), timeout_s=30)  # a slow start of the other's is no fault
     c.enter(
         Assignment(

@@ -50,6 +50,7 @@ from elastic.config import Config, ConfigError, ModelConfig, OptimConfig, Precis
 from elastic.control import Assignment
 from elastic.evaluate import evaluate
 from elastic.events import EventLog, read_events
+from elastic.group_setup import shrink
 from elastic.manifest import MANIFEST, folder
 from elastic.model import build_model
 from elastic.optim import build_optimizer
@@ -495,7 +496,7 @@ def shrink_probe(comm: Communicator, port: int) -> str:
     try:
         excluded = shrunk.shrink_of(current)
         assert excluded is not None and comm._can_shrink(excluded), "the path is not reached"
-        return f"returned {comm._shrank(excluded)}"
+        return f"returned {shrink(excluded)}"
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"[:300]
 
