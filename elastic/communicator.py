@@ -31,6 +31,7 @@ from elastic.control import Assignment
 from elastic.group_setup import init_group, meet, shrink
 from elastic.nccl_group import agreed_to_shrink, can_shrink, healthy, must_abort
 from elastic.round_end import CollectiveFailure, RoundAborted
+from elastic.save_group import SaveGroup
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ class Communicator:
         self._marked = False  # the last bucket's mark was recorded this step
         self.last_compute_s = 0.0  # the last step's compute time (see end_step)
         self._ddp: DistributedDataParallel | None = None  # this round's, until its buckets settle
-        self.save_group: dist.ProcessGroup | None = None  # this round's, for checkpoint saves
+        self.saves = SaveGroup(self.timeout)  # this round's group for checkpoint saves
 
     # --- rounds ------------------------------------------------------------------------------
 
@@ -135,11 +136,7 @@ class Communicator:
             with self.collective("group set-up"):
                 if not shrunk:
                     init_group(assignment, self.backend, self.device, self.timeout)
-                # Checkpoint saves run on a thread of their own: on the training group, their
-                # collectives would interleave with training's in a different order on each rank.
-                self.save_group = dist.new_group(
-                    backend="gloo", timeout=self.timeout, group_desc="checkpoint saves"
-                )
+                self.saves.open()
         if self._aborted.is_set():
             raise RoundAborted(f"round {self._announced} was announced")
 
@@ -279,9 +276,7 @@ class Communicator:
             self._kept = {}  # they may still write into the kept tensors: new ones for the next
         dist.destroy_process_group()
         self._group_aborted = False
-        # Destroyed with the rest, but a group lives (threads, sockets) while a reference does;
-        # a save still running holds its own.
-        self.save_group = None
+        self.saves.drop()  # destroyed with the rest
 
     # --- DDP ---------------------------------------------------------------------------------
 

@@ -514,7 +514,7 @@ def _nccl_main(tmp: Path, found: Findings) -> None:
             "device": [str(device), torch.cuda.current_device()],
             "backend": comm.backend,
             "default_group": dist.get_backend(),
-            "save_group": dist.get_backend(comm.save_group),
+            "save_group": dist.get_backend(comm.saves.group),
         }
 
         precision = MixedPrecision(resolve_precision(Precision.auto, device), device)
@@ -553,7 +553,7 @@ def _nccl_main(tmp: Path, found: Findings) -> None:
 
         saver = BackgroundSaver(events)
         expected = snapshot(tensors)
-        saver.start(ckpt, 3, tensors, {}, comm.save_group, 1, lambda: comm.aborted)
+        saver.start(ckpt, 3, tensors, {}, comm.saves.group, 1, lambda: comm.aborted)
         saver.wait(lambda: comm.aborted)
         committed = ckpt.committed(3)
         with torch.no_grad():
