@@ -1,30 +1,27 @@
 """A worker's process group, rebuilt in place for every round, and abortable from any thread.
 
-The worker process lives across rounds; only its process group is replaced (its set-up steps
-are :mod:`elastic.group_setup`'s). Why a comm hook: DDP waits for its gradient all-reduce inside
-``backward()``, and a collective blocked on a frozen peer would hold the worker until the group's
-timeout. The hook hands DDP a future of our own that completes with the all-reduce, or fails as
-soon as :meth:`Communicator.abort` is called (the agent announced a new round), so a stuck step
-is abandoned at once. Whether a round broke is a fact the communicator records, never a guess
-from an error's text: every collective of a round runs through it, the first one that fails is
-kept as :attr:`Communicator.failure`, and an exception raised anywhere else is the worker's own
-fault (:func:`elastic.round_end.round_end`).
+The worker process lives across rounds; only its process group is replaced (:meth:`enter`, the
+set-up steps in :mod:`elastic.group_setup`), with the round's checkpoint save group
+(:mod:`elastic.save_group`). Every collective of a round runs through the communicator, as a
+tracked all-reduce (:meth:`Communicator.all_reduce`, and the DDP comm hook's,
+:mod:`elastic.ddp_hook`) or in a recorded block (:meth:`Communicator.collective`), so that
+:meth:`Communicator.abort` (the agent announced a new round) makes the step in flight fail at
+once. Whether a round broke is a fact the communicator records, never a guess from an error's
+text: the first collective that fails is kept as :attr:`Communicator.failure`, and an exception
+raised anywhere else is the worker's own fault (:func:`elastic.round_end.round_end`).
 """
 
-# No ``from __future__ import annotations`` here: DDP checks the comm hook's annotations at run
-# time and wants the real GradBucket and Future types, not strings.
+from __future__ import annotations
+
 import contextlib
-import inspect
 import logging
 import threading
-import time
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from elastic import nccl_settings
 from elastic.control import Assignment
@@ -34,15 +31,6 @@ from elastic.round_end import CollectiveFailure, RoundAborted
 from elastic.save_group import SaveGroup
 
 log = logging.getLogger(__name__)
-
-# DDP's keyword for buffers that stay per replica (no broadcast before every forward): torch
-# 2.11's DDP has no forward_sync_buffers, and its broadcast_buffers=False means the same with
-# init_sync=False; later torch deprecates broadcast_buffers for forward_sync_buffers.
-BUFFERS_PER_REPLICA = (
-    {"forward_sync_buffers": False}
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
-    else {"broadcast_buffers": False}
-)
 
 
 def pick_device(requested: str, local_rank: int) -> torch.device:
@@ -64,28 +52,23 @@ def backend_for(device: torch.device, requested: str = "auto") -> str:
 
 
 class Communicator:
-    """Owns the default process group of the current round, and the DDP comm hook over it."""
+    """Owns the default process group of the current round: its set-up, its abortable
+    collectives and what failed in them, its abort and its close."""
 
-    def __init__(
-        self,
-        device: torch.device,
-        timeout_s: float,
-        grad_dtype: torch.dtype = torch.float32,
-        backend: str = "auto",
-    ) -> None:
+    def __init__(self, device: torch.device, timeout_s: float, backend: str = "auto") -> None:
         self.device = device
         self.backend = backend_for(device, backend)
         if self.backend == "nccl":  # before the process's first NCCL group reads them
             nccl_settings.apply(timeout_s)
-        self.grad_dtype = grad_dtype  # what gradients travel in (comm.grad_dtype)
         self.timeout = timedelta(seconds=timeout_s)
         self.assignment: Assignment | None = None
+        self.saves = SaveGroup(self.timeout)  # this round's group for checkpoint saves
         self._lock = threading.Lock()
         self._aborted = threading.Event()
         self._pending: list[torch.futures.Future[torch.Tensor]] = []
-        self._works: list[dist.Work] = []  # this round's hook all-reduces
-        self._kept: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}  # _wires
+        self._works: list[dist.Work] = []  # this round's tracked all-reduces
         self._retired: list[tuple[dist.ProcessGroup, list[dist.Work]]] = []
+        self.retired_busy = 0  # groups retired with collectives in flight (close), ever
         self._announced = 0  # the newest round the agent has announced
         self._failure: CollectiveFailure | None = None
         self._group_aborted = False  # the current group's NCCL communicator was aborted (freed)
@@ -93,16 +76,6 @@ class Communicator:
         # On NCCL, an event recorded after the last collective() block: its collectives were
         # waited on by the current stream, so it completes only once they have on the device.
         self._block_mark: torch.cuda.Event | None = None
-        self.buckets_this_step = 0  # hook calls since begin_step(): how far backward got
-        self.buckets_per_step = 0  # hook calls of the last complete step
-        self._step_began = self._handed_at = 0.0  # perf_counter: the step's start, its last bucket
-        # On a GPU the same two moments on the device's own timeline: the host only queues the
-        # kernels, so its clock would time the queueing, not a throttled GPU's compute.
-        self._marks: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-        self._marked = False  # the last bucket's mark was recorded this step
-        self.last_compute_s = 0.0  # the last step's compute time (see end_step)
-        self._ddp: DistributedDataParallel | None = None  # this round's, until its buckets settle
-        self.saves = SaveGroup(self.timeout)  # this round's group for checkpoint saves
 
     # --- rounds ------------------------------------------------------------------------------
 
@@ -119,7 +92,6 @@ class Communicator:
             self._aborted.clear()
             self._pending = []
             self._failure = None
-        self.buckets_per_step = 0  # DDP's buckets are rebuilt after its first step
         # The old group's teardown is no collective of the new round's: only the new group's
         # creation counts as one in flight (an abort then aborts it).
         with self._recorded("group set-up"):
@@ -273,115 +245,14 @@ class Communicator:
         if in_flight:
             log.info("retiring the old group with %d collective(s) in flight", len(in_flight))
             self._retired.append((group, in_flight))
-            self._kept = {}  # they may still write into the kept tensors: new ones for the next
+            self.retired_busy += 1  # they may still write into what they were given
         dist.destroy_process_group()
         self._group_aborted = False
         self.saves.drop()  # destroyed with the rest
 
-    # --- DDP ---------------------------------------------------------------------------------
+    # --- tracked all-reduces -----------------------------------------------------------------
 
-    def wrap(self, model: torch.nn.Module) -> DistributedDataParallel:
-        """DDP over this round's group, with the abortable all-reduce.
-
-        ``init_sync=False``: the replicas were made identical by the state sync just before, and
-        DDP's own broadcast from rank 0 would be wrong when rank 0 is a newcomer.
-        ``forward_sync_buffers=False``: buffers (batch-norm statistics) stay per replica between
-        syncs, which saves a blocking collective in every forward.
-        """
-        ddp = DistributedDataParallel(
-            model,
-            device_ids=[self.device.index] if self.device.type == "cuda" else None,
-            init_sync=False,
-            **BUFFERS_PER_REPLICA,
-        )
-        ddp.register_comm_hook(None, self._allreduce_hook)
-        self._ddp = ddp
-        return ddp
-
-    def begin_step(self) -> None:
-        self.buckets_this_step = 0
-        self._step_began = time.perf_counter()
-        self._handed_at = 0.0
-        if self.device.type == "cuda":
-            began, handed = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            began.record()
-            self._marks, self._marked = (began, handed), False
-        with self._lock:
-            self._works = [w for w in self._works if not w.is_completed()]
-            # Completed futures are abort()'s no longer: kept, one per bucket per step would pile
-            # up for the whole round.
-            self._pending = [f for f in self._pending if not f.done()]
-
-    def end_step(self) -> None:
-        """After the optimizer step. The first one of a round also settles DDP's buckets.
-
-        DDP re-buckets the gradients once, in the forward after its first backward, and agrees
-        on the new buckets with a broadcast from rank 0 that no hook sees: a peer lost then
-        would surface from ``forward()`` as if the model itself had failed. Running that
-        rebuild here, as a recorded collective, leaves the forward with nothing to exchange.
-        """
-        self.buckets_per_step = self.buckets_this_step
-        # Compute time: until backward handed its last bucket to the all-reduce; on a GPU by
-        # its events (the step's loss was read on the host, so they have completed).
-        self.last_compute_s = (self._handed_at or time.perf_counter()) - self._step_began
-        if self._marks is not None and self._marked:
-            began, handed = self._marks
-            handed.synchronize()
-            self.last_compute_s = began.elapsed_time(handed) / 1000
-        ddp, self._ddp = self._ddp, None
-        if ddp is not None and torch.is_grad_enabled():
-            with self.collective("DDP bucket rebuild"):
-                ddp.reducer._rebuild_buckets()  # a no-op at world size 1
-
-    @property
-    def waiting_for_peers(self) -> bool:
-        """Whether backward handed all its buckets to the network (so a stall is not ours).
-
-        In a round's first step the bucket count is not known yet, and any bucket handed over
-        counts: a rank whose peers are still joining must not be taken for frozen.
-        """
-        return self.buckets_this_step > 0 and self.buckets_per_step <= self.buckets_this_step
-
-    def _allreduce_hook(
-        self, state: Any, bucket: dist.GradBucket
-    ) -> torch.futures.Future[torch.Tensor]:
-        """Average ``bucket`` over the ranks, in :attr:`grad_dtype` on the network.
-
-        The bucket is divided by the world size in fp32, before the cast: the network then
-        carries each rank's share of the mean, which lies a world size further from fp16's
-        limit (65504) than the gradient, so a gradient or a sum whose mean fits does not turn
-        into inf on the way (torch's ``fp16_compress_hook`` divides after its cast, where a
-        large gradient has already overflowed). An inf would cost the whole step, which the
-        GradScaler then skips; what dividing first costs instead is that shares below fp16's
-        smallest subnormal (6e-8) flush to zero, which the GradScaler's loss scale keeps rare.
-        bf16 has fp32's range: for it the order changes nothing.
-
-        The mean travels in a tensor of this communicator's, one per bucket, kept across steps
-        and rounds (:meth:`_wires`), and our future completes with it (cast back, for a
-        narrower ``grad_dtype``); DDP reads the gradients from it. torch keeps the hook futures
-        of a step that a lost peer broke, with their tensors: had they been the bucket
-        buffers, every broken round would have kept the model's gradients' size (45 MB for
-        ResNet-18) for the life of the worker; a tensor used again keeps nothing more.
-        """
-        with self._lock:
-            self.buckets_this_step += 1
-            self._handed_at = time.perf_counter()
-            if self._marks is not None:
-                self._marks[1].record()  # on the stream backward queued this bucket on
-                self._marked = True
-        if self.aborted:
-            return _failed(RoundAborted("the round was left"))
-        buffer = bucket.buffer()
-        out, wire = self._wires(bucket.index(), buffer)
-        torch.div(buffer, dist.get_world_size(), out=out)
-        if wire is not out:
-            wire.copy_(out)
-        work = self._launch(wire, "gradient all-reduce")
-        if work is None:
-            return _failed(RoundAborted("the round was left"))
-        return self._track(work, "gradient all-reduce", out, wire)
-
-    def _launch(self, tensor: torch.Tensor, what: str) -> dist.Work | None:
+    def launch(self, tensor: torch.Tensor, what: str) -> dist.Work | None:
         """Start an all-reduce of ``tensor``, kept in this round's works; None once the round
         was left. Under the lock: :meth:`abort` then sees every collective begun before it, and
         none begins after it (a collective begun on a communicator it chose not to abort could
@@ -390,21 +261,11 @@ class Communicator:
             if self._aborted.is_set():
                 return None
             work = dist.all_reduce(tensor, async_op=True)
+            # Completed works are close()'s no longer: kept, one per bucket per step would pile
+            # up for the whole round.
+            self._works = [w for w in self._works if not w.is_completed()]
             self._works.append(work)  # retired with its group if still in flight (close)
             return work
-
-    def _wires(self, index: int, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Bucket ``index``'s kept tensors: the mean in the bucket's dtype, and the one the
-        network carries (the same tensor unless ``grad_dtype`` is narrower). A round's first
-        step has buckets of other sizes (DDP rebuilds them after it), so two sets are kept:
-        twice the gradients' size, allocated once for the worker's life."""
-        key = (index, buffer.numel(), buffer.dtype, self.grad_dtype)
-        kept = self._kept.get(key)
-        if kept is None:
-            out = torch.empty_like(buffer)
-            wire = out if out.dtype == self.grad_dtype else out.to(self.grad_dtype)
-            kept = self._kept[key] = (out, wire)
-        return kept
 
     def all_reduce(self, tensor: torch.Tensor, what: str) -> None:
         """Sum ``tensor`` over the round's ranks in place, abortably: a blocking all-reduce
@@ -412,16 +273,16 @@ class Communicator:
         rank in it until the peer came back or for the whole ``rendezvous.pg_timeout_s``.
         Raises :class:`RoundAborted` as soon as :meth:`abort` is called; a failure is recorded
         as ``what``'s."""
-        work = self._launch(tensor, what)
+        work = self.launch(tensor, what)
         if work is None:
             raise RoundAborted("the round was left")
-        self._track(work, what, tensor, tensor).wait()
+        self.track(work, what, tensor, tensor).wait()
 
     def barrier(self, what: str) -> None:
         """Wait until every rank of the round has got here, abortably (:meth:`all_reduce`)."""
         self.all_reduce(torch.zeros(1, device=self.device), what)
 
-    def _track(
+    def track(
         self, work: dist.Work, what: str, out: torch.Tensor, reduced: torch.Tensor
     ) -> torch.futures.Future[torch.Tensor]:
         """A future of ``work`` (a collective of this round in flight, writing ``reduced``) that
@@ -440,6 +301,9 @@ class Communicator:
             if self._aborted.is_set():
                 ours.set_exception(RoundAborted("the round was left"))
                 return ours
+            # Completed futures are abort()'s no longer: kept, one per bucket per step would
+            # pile up for the whole round.
+            self._pending = [f for f in self._pending if not f.done()]
             self._pending.append(ours)
 
         def finish(fut: torch.futures.Future[Any]) -> None:
@@ -460,9 +324,3 @@ class Communicator:
 
         work.get_future().add_done_callback(finish)
         return ours
-
-
-def _failed(exc: Exception) -> torch.futures.Future[torch.Tensor]:
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_exception(exc)
-    return fut

@@ -50,6 +50,7 @@ from elastic.control import (
     WorkerEnv,
 )
 from elastic.curves import Curves
+from elastic.ddp_hook import DDPHook
 from elastic.evaluate import due_evaluation
 from elastic.events import EventLog, Rotation
 from elastic.job import Batch, EvalContext, Loss
@@ -99,13 +100,9 @@ def main() -> int:
     )
     curves = Curves(events, env.run_dir, cfg.trainer.tensorboard)  # written while at rank 0
     device = pick_device(cfg.cluster.device, env.local_rank)
-    comm = Communicator(
-        device,
-        cfg.rendezvous.pg_timeout_s,
-        dtype_of(cfg.comm.grad_dtype),
-        backend=str(cfg.comm.backend),
-    )
-    link = AgentLink(Channel.from_environ(), comm)
+    comm = Communicator(device, cfg.rendezvous.pg_timeout_s, backend=str(cfg.comm.backend))
+    hook = DDPHook(comm, dtype_of(cfg.comm.grad_dtype))
+    link = AgentLink(Channel.from_environ(), comm, hook)
     precision = MixedPrecision(resolve_precision(cfg.trainer.precision, device), device)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed input sizes: pick the fastest kernels once
@@ -122,6 +119,7 @@ def main() -> int:
         events=events,
         device=device,
         comm=comm,
+        hook=hook,
         link=link,
         job=job,
         dataset=dataset,
@@ -212,7 +210,7 @@ def train_round(w: Worker, a: Assignment) -> bool:
     start = enter_round(w, a, ckpt)
     # An evaluation the previous round broke off, or the end's when nothing is left to train.
     progress = saved = maybe_evaluate(w, a, start.progress)
-    ddp = w.comm.wrap(w.state.model)
+    ddp = w.hook.wrap(w.state.model)
     first_step = True
     while True:
         progress, saved, first_step, rolled_back = train_steps(
@@ -301,7 +299,7 @@ def train_steps(
             if back is not None:
                 return back, back, first_step, True
         if watch is not None:
-            computed.append(w.comm.last_compute_s)
+            computed.append(w.hook.timing.last_compute_s)
             if progress.step % cfg.health.straggler_every == 0:
                 compare_compute(w, a, watch, computed, progress.step)
                 computed = []
@@ -430,7 +428,7 @@ def train_step(
     w.state.optimizer.zero_grad(set_to_none=True)
     assert w.buffers is not None
     w.buffers.save()
-    w.comm.begin_step()
+    w.hook.begin_step()
     total = 0.0
     sums: dict[str, torch.Tensor] = {}  # each metric's sum over the real samples
     micro = zip(*(t.tensor_split(n) for t in batch), strict=True)  # (part of each tensor)
@@ -453,7 +451,7 @@ def train_step(
         w.job.after_step(w.state.model)
     else:
         w.buffers.restore()  # a skipped step leaves no trace, batch-norm statistics included
-    w.comm.end_step()
+    w.hook.end_step()
     means = torch.stack(list(sums.values())).div(plan.real).tolist() if sums else []
     return total / plan.real, dict(zip(sums, means, strict=True)), taken, finite
 
