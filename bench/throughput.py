@@ -29,7 +29,7 @@ The runtimes:
   Each rank runs in a session of its own, as each of our workers does in its agent's: with
   autogroup scheduling (Linux's default) the CPU of a busy machine is shared among sessions.
 
-DDP at parity: the peer's ``DistributedDataParallel`` gets every option ``Communicator.wrap``
+DDP at parity: the peer's ``DistributedDataParallel`` gets every option ``DDPHook.wrap``
 gives ours, so that the overhead measured is the runtime's and not a DDP setting's:
 ``forward_sync_buffers=False`` (DDP's default broadcasts the buffers, batch-norm statistics,
 from rank 0 before every forward: a blocking collective per step that ours does not run) and
@@ -137,9 +137,9 @@ sys.path.insert(0, str(REPO))
 
 from elastic import config  # noqa: E402
 from elastic import event_types as ev  # noqa: E402
-from elastic.communicator import BUFFERS_PER_REPLICA  # noqa: E402
 from elastic.config import Config  # noqa: E402
 from elastic.data import imagenet_transform, train_root  # noqa: E402
+from elastic.ddp_hook import BUFFERS_PER_REPLICA  # noqa: E402
 from elastic.events import read_events  # noqa: E402
 from elastic.model import build_model  # noqa: E402
 from elastic.optim import build_optimizer  # noqa: E402
@@ -491,7 +491,7 @@ def plain_worker(rank: int, job: PlainJob) -> None:
         layout = torch.channels_last if job.channels_last else torch.preserve_format
         if job.channels_last:
             model = model.to(memory_format=torch.channels_last)
-        # Communicator.wrap's options (the module docstring says why), without its comm hook.
+        # DDPHook.wrap's options (the module docstring says why), without its comm hook.
         ddp = DistributedDataParallel(
             model,
             device_ids=[rank] if cuda else None,

@@ -18,6 +18,7 @@ from typing import Any
 
 from elastic.communicator import Communicator
 from elastic.control import Assignment, Channel
+from elastic.ddp_hook import DDPHook
 
 log = logging.getLogger("elastic.trainer")
 
@@ -31,9 +32,10 @@ class AgentLink:
     # step loop; in any other phase there is no step to finish, and the switch is at once.
     IN_ROUND = frozenset({"joining", "step", "evaluate", "checkpoint"})
 
-    def __init__(self, channel: Channel, comm: Communicator) -> None:
+    def __init__(self, channel: Channel, comm: Communicator, hook: DDPHook) -> None:
         self.channel = channel
         self.comm = comm
+        self.hook = hook  # whether backward waits for peers: said in every heartbeat
         self.status: dict[str, Any] = {"phase": "starting", "step": 0, "round": 0}
         self._inbox: queue.Queue[Assignment | None] = queue.Queue()
         self._lock = threading.Lock()
@@ -112,6 +114,6 @@ class AgentLink:
 
     def _heartbeat(self) -> None:
         while self.channel.send(
-            "status", waiting=self.comm.waiting_for_peers, **self.status
+            "status", waiting=self.hook.waiting_for_peers, **self.status
         ) and not self.channel.closed.wait(HEARTBEAT_S):
             pass

@@ -3,7 +3,7 @@
 A save holds the training thread only while it copies the state into a staged copy in host
 memory (pinned for a GPU), one per rank, allocated once and reused. A thread of its own then
 writes the copy out and commits it (:class:`elastic.checkpoint.CheckpointManager`) on the round's
-save group, a gloo group beside the training group (``Communicator.save_group``), so that the
+save group, a gloo group beside the training group (:mod:`elastic.save_group`), so that the
 save's collectives never interleave with training's and a peer frozen in the middle of a save
 holds only the save. One save runs at a time per rank, so the ranks enter the save group's
 collectives in the same order. Leaving a round abandons its save (:meth:`BackgroundSaver.abandon`),

@@ -1,55 +1,36 @@
 """A worker's process group, rebuilt in place for every round, and abortable from any thread.
 
-The worker process lives across rounds; only its process group is replaced. Why a comm hook: DDP
-waits for its gradient all-reduce inside ``backward()``, and a collective blocked on a frozen
-peer would hold the worker until the group's timeout. The hook hands DDP a future of our own that
-completes with the all-reduce, or fails as soon as :meth:`Communicator.abort` is called (the
-agent announced a new round), so a stuck step is abandoned at once. Whether a round broke is a
-fact the communicator records, never a guess from an error's text: every collective of a round
-runs through it, the first one that fails is kept as :attr:`Communicator.failure`, and an
-exception raised anywhere else is the worker's own fault (:func:`elastic.round_end.round_end`).
+The worker process lives across rounds; only its process group is replaced (:meth:`enter`, the
+set-up steps in :mod:`elastic.group_setup`), with the round's checkpoint save group
+(:mod:`elastic.save_group`). Every collective of a round runs through the communicator, as a
+tracked all-reduce (:meth:`Communicator.all_reduce`, and the DDP comm hook's,
+:mod:`elastic.ddp_hook`) or in a recorded block (:meth:`Communicator.collective`), so that
+:meth:`Communicator.abort` (the agent announced a new round) makes the step in flight fail at
+once. Whether a round broke is a fact the communicator records, never a guess from an error's
+text: the first collective that fails is kept as :attr:`Communicator.failure`, and an exception
+raised anywhere else is the worker's own fault (:func:`elastic.round_end.round_end`).
 """
 
-# No ``from __future__ import annotations`` here: DDP checks the comm hook's annotations at run
-# time and wants the real GradBucket and Future types, not strings.
+from __future__ import annotations
+
 import contextlib
-import inspect
 import logging
 import threading
-import time
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from elastic import nccl_settings
 from elastic.control import Assignment
-from elastic.nccl_group import (
-    REBUILD,
-    SHRINK,
-    agreed_to_shrink,
-    can_shrink,
-    healthy,
-    must_abort,
-)
+from elastic.group_setup import init_group, meet, shrink
+from elastic.nccl_group import agreed_to_shrink, can_shrink, healthy, must_abort
 from elastic.round_end import CollectiveFailure, RoundAborted
+from elastic.save_group import SaveGroup
 
 log = logging.getLogger(__name__)
-
-# DDP's keyword for buffers that stay per replica (no broadcast before every forward): torch
-# 2.11's DDP has no forward_sync_buffers, and its broadcast_buffers=False means the same with
-# init_sync=False; later torch deprecates broadcast_buffers for forward_sync_buffers.
-BUFFERS_PER_REPLICA = (
-    {"forward_sync_buffers": False}
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
-    else {"broadcast_buffers": False}
-)
-
-MEET_FIRST_PAUSE_S = 0.005  # a rank waiting for its round's peers looks again after this,
-MEET_POLL_S = 0.1  # doubling up to this: how soon it sees an abort
 
 
 def pick_device(requested: str, local_rank: int) -> torch.device:
@@ -71,28 +52,23 @@ def backend_for(device: torch.device, requested: str = "auto") -> str:
 
 
 class Communicator:
-    """Owns the default process group of the current round, and the DDP comm hook over it."""
+    """Owns the default process group of the current round: its set-up, its abortable
+    collectives and what failed in them, its abort and its close."""
 
-    def __init__(
-        self,
-        device: torch.device,
-        timeout_s: float,
-        grad_dtype: torch.dtype = torch.float32,
-        backend: str = "auto",
-    ) -> None:
+    def __init__(self, device: torch.device, timeout_s: float, backend: str = "auto") -> None:
         self.device = device
         self.backend = backend_for(device, backend)
         if self.backend == "nccl":  # before the process's first NCCL group reads them
             nccl_settings.apply(timeout_s)
-        self.grad_dtype = grad_dtype  # what gradients travel in (comm.grad_dtype)
         self.timeout = timedelta(seconds=timeout_s)
         self.assignment: Assignment | None = None
+        self.saves = SaveGroup(self.timeout)  # this round's group for checkpoint saves
         self._lock = threading.Lock()
         self._aborted = threading.Event()
         self._pending: list[torch.futures.Future[torch.Tensor]] = []
-        self._works: list[dist.Work] = []  # this round's hook all-reduces
-        self._kept: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}  # _wires
+        self._works: list[dist.Work] = []  # this round's tracked all-reduces
         self._retired: list[tuple[dist.ProcessGroup, list[dist.Work]]] = []
+        self.retired_busy = 0  # groups retired with collectives in flight (close), ever
         self._announced = 0  # the newest round the agent has announced
         self._failure: CollectiveFailure | None = None
         self._group_aborted = False  # the current group's NCCL communicator was aborted (freed)
@@ -100,16 +76,6 @@ class Communicator:
         # On NCCL, an event recorded after the last collective() block: its collectives were
         # waited on by the current stream, so it completes only once they have on the device.
         self._block_mark: torch.cuda.Event | None = None
-        self.buckets_this_step = 0  # hook calls since begin_step(): how far backward got
-        self.buckets_per_step = 0  # hook calls of the last complete step
-        self._step_began = self._handed_at = 0.0  # perf_counter: the step's start, its last bucket
-        # On a GPU the same two moments on the device's own timeline: the host only queues the
-        # kernels, so its clock would time the queueing, not a throttled GPU's compute.
-        self._marks: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-        self._marked = False  # the last bucket's mark was recorded this step
-        self.last_compute_s = 0.0  # the last step's compute time (see end_step)
-        self._ddp: DistributedDataParallel | None = None  # this round's, until its buckets settle
-        self.save_group: dist.ProcessGroup | None = None  # this round's, for checkpoint saves
 
     # --- rounds ------------------------------------------------------------------------------
 
@@ -126,109 +92,25 @@ class Communicator:
             self._aborted.clear()
             self._pending = []
             self._failure = None
-        self.buckets_per_step = 0  # DDP's buckets are rebuilt after its first step
         # The old group's teardown is no collective of the new round's: only the new group's
         # creation counts as one in flight (an abort then aborts it).
         with self._recorded("group set-up"):
             excluded = assignment.shrink_of(previous) if previous is not None else None
             # A shrink is a collective of every survivor: one rank shrinking while another
             # builds anew would wait for it forever. So the ranks agree at the meet.
-            agreed = self._meet(assignment, offer=self._can_shrink(excluded))
-            shrunk = agreed and excluded is not None and self._shrank(excluded)
+            offers = meet(assignment, self._can_shrink(excluded), self.timeout, self._aborted)
+            if offers is None:
+                raise RoundAborted(f"round {self._announced} was announced")
+            agreed = agreed_to_shrink(offers, assignment.world_size)
+            shrunk = agreed and excluded is not None and shrink(excluded)
             if not shrunk:
                 self.close()
             with self.collective("group set-up"):
                 if not shrunk:
-                    self._init_group(assignment)
-                # Checkpoint saves run on a thread of their own: on the training group, their
-                # collectives would interleave with training's in a different order on each rank.
-                self.save_group = dist.new_group(
-                    backend="gloo", timeout=self.timeout, group_desc="checkpoint saves"
-                )
+                    init_group(assignment, self.backend, self.device, self.timeout)
+                self.saves.open()
         if self._aborted.is_set():
             raise RoundAborted(f"round {self._announced} was announced")
-
-    def _meet(self, assignment: Assignment, offer: bool) -> bool:
-        """Wait until every rank of the round has reached its set-up, abortably; whether every
-        rank ``offer``-ed to shrink its previous group
-        (:func:`elastic.nccl_group.agreed_to_shrink`).
-
-        The group's own set-up cannot be interrupted: begun while a peer is frozen (a node
-        stopped just before its round was formed), it waits out the whole
-        ``rendezvous.pg_timeout_s``, even when the agent has announced a newer round without that
-        peer a moment later. So the ranks first meet on the store, on a thread of their own (a
-        store client connecting to a frozen host hangs whatever its timeout), while this thread
-        watches for an abort; ranks that all met a moment ago set up at once.
-        """
-        met = threading.Event()
-        errors: list[BaseException] = []
-        offers: list[bytes] = []
-
-        def meet() -> None:
-            prefix = f"round{assignment.round}/arrived/"
-            keys = [f"{prefix}{rank}" for rank in range(assignment.world_size)]
-            pause = MEET_FIRST_PAUSE_S
-            try:
-                store = dist.TCPStore(
-                    assignment.store_host,
-                    assignment.store_port,
-                    is_master=False,
-                    timeout=self.timeout,
-                )
-                store.set(keys[assignment.rank], SHRINK if offer else REBUILD)
-                deadline = time.monotonic() + self.timeout.total_seconds()
-                while not store.check(keys) and not self._aborted.is_set():
-                    if time.monotonic() >= deadline:
-                        raise dist.DistStoreError(
-                            f"not every rank of round {assignment.round} reached its set-up "
-                            f"within {self.timeout.total_seconds():.0f} s"
-                        )
-                    time.sleep(pause)  # the peers' keys arrive at the store: look again
-                    pause = min(2 * pause, MEET_POLL_S)
-                if not self._aborted.is_set():
-                    offers.extend(store.multi_get(keys))
-            except dist.DistError as exc:
-                errors.append(exc)
-            met.set()
-
-        threading.Thread(target=meet, name=f"meet-round{assignment.round}", daemon=True).start()
-        while not met.wait(MEET_POLL_S):
-            if self._aborted.is_set():
-                break
-        if self._aborted.is_set():
-            raise RoundAborted(f"round {self._announced} was announced")
-        if errors:
-            raise errors[0]
-        return agreed_to_shrink(offers, assignment.world_size)
-
-    def _init_group(self, assignment: Assignment) -> None:
-        """Build the round's group on the c10d TCPStore that the agent of the round's first node
-        hosts, under a key prefix per round, so that groups of different rounds never mix even
-        on the same store."""
-        store = dist.TCPStore(
-            assignment.store_host, assignment.store_port, is_master=False, timeout=self.timeout
-        )
-        # torch names a process's groups, and their keys on the store, from a count of the
-        # groups it has created, set back to 0 only when the default group is destroyed. A
-        # set-up that failed (a peer lost while the group was built) leaves no group to destroy
-        # and the count advanced on this rank alone: its next groups would wait for keys under
-        # names no peer uses, round after round. No group exists here: count from 0, as the
-        # destroy would have.
-        dist.distributed_c10d._world.group_count = 0
-        options = None
-        if self.backend == "nccl":
-            # Non-blocking communicators let abort() return even when a kernel is stuck.
-            options = dist.ProcessGroupNCCL.Options()
-            options.config.blocking = False
-        dist.init_process_group(
-            self.backend,
-            store=dist.PrefixStore(f"round{assignment.round}/", store),
-            rank=assignment.rank,
-            world_size=assignment.world_size,
-            timeout=self.timeout,
-            device_id=self.device if self.backend == "nccl" else None,
-            pg_options=options,
-        )
 
     def _can_shrink(self, excluded: list[int] | None) -> bool:
         """Whether this rank can make the new round's group by shrinking its current one
@@ -238,18 +120,6 @@ class Communicator:
             dist.distributed_c10d._get_default_group()._get_backend(self.device).supports_shrinking
         )
         return can_shrink(self.backend, excluded, live, supported)
-
-    def _shrank(self, excluded: list[int]) -> bool:
-        """Shrink the group by ``excluded``, as every rank agreed to; whether it worked. A shrink
-        that fails is no failure of the round: the rank builds the group anew, and its peers'
-        set-up (bounded by the group's timeout) shows whether they did too."""
-        try:
-            # SHRINK_ABORT is not exported as torch.distributed.SHRINK_ABORT (2.11 to 2.14).
-            dist.shrink_group(excluded, shrink_flags=dist.distributed_c10d.SHRINK_ABORT)
-        except Exception as exc:  # any backend's: the full rebuild follows
-            log.warning("shrinking the group failed (%s: %s); building it anew", type(exc), exc)
-            return False
-        return True
 
     def abort(self, reason: str, before_round: int | None = None) -> None:
         """Make the step in flight fail now; callable from any thread. On NCCL it also aborts
@@ -375,117 +245,14 @@ class Communicator:
         if in_flight:
             log.info("retiring the old group with %d collective(s) in flight", len(in_flight))
             self._retired.append((group, in_flight))
-            self._kept = {}  # they may still write into the kept tensors: new ones for the next
+            self.retired_busy += 1  # they may still write into what they were given
         dist.destroy_process_group()
         self._group_aborted = False
-        # Destroyed with the rest, but a group lives (threads, sockets) while a reference does;
-        # a save still running holds its own.
-        self.save_group = None
+        self.saves.drop()  # destroyed with the rest
 
-    # --- DDP ---------------------------------------------------------------------------------
+    # --- tracked all-reduces -----------------------------------------------------------------
 
-    def wrap(self, model: torch.nn.Module) -> DistributedDataParallel:
-        """DDP over this round's group, with the abortable all-reduce.
-
-        ``init_sync=False``: the replicas were made identical by the state sync just before, and
-        DDP's own broadcast from rank 0 would be wrong when rank 0 is a newcomer.
-        ``forward_sync_buffers=False``: buffers (batch-norm statistics) stay per replica between
-        syncs, which saves a blocking collective in every forward.
-        """
-        ddp = DistributedDataParallel(
-            model,
-            device_ids=[self.device.index] if self.device.type == "cuda" else None,
-            init_sync=False,
-            **BUFFERS_PER_REPLICA,
-        )
-        ddp.register_comm_hook(None, self._allreduce_hook)
-        self._ddp = ddp
-        return ddp
-
-    def begin_step(self) -> None:
-        self.buckets_this_step = 0
-        self._step_began = time.perf_counter()
-        self._handed_at = 0.0
-        if self.device.type == "cuda":
-            began, handed = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            began.record()
-            self._marks, self._marked = (began, handed), False
-        with self._lock:
-            self._works = [w for w in self._works if not w.is_completed()]
-            # Completed futures are abort()'s no longer: kept, one per bucket per step would pile
-            # up for the whole round.
-            self._pending = [f for f in self._pending if not f.done()]
-
-    def end_step(self) -> None:
-        """After the optimizer step. The first one of a round also settles DDP's buckets.
-
-        DDP re-buckets the gradients once, in the forward after its first backward, and agrees
-        on the new buckets with a broadcast from rank 0 that no hook sees: a peer lost then
-        would surface from ``forward()`` as if the model itself had failed. Running that
-        rebuild here, as a recorded collective, leaves the forward with nothing to exchange.
-        """
-        self.buckets_per_step = self.buckets_this_step
-        # Compute time: until backward handed its last bucket to the all-reduce; on a GPU by
-        # its events (the step's loss was read on the host, so they have completed).
-        self.last_compute_s = (self._handed_at or time.perf_counter()) - self._step_began
-        if self._marks is not None and self._marked:
-            began, handed = self._marks
-            handed.synchronize()
-            self.last_compute_s = began.elapsed_time(handed) / 1000
-        ddp, self._ddp = self._ddp, None
-        if ddp is not None and torch.is_grad_enabled():
-            with self.collective("DDP bucket rebuild"):
-                ddp.reducer._rebuild_buckets()  # a no-op at world size 1
-
-    @property
-    def waiting_for_peers(self) -> bool:
-        """Whether backward handed all its buckets to the network (so a stall is not ours).
-
-        In a round's first step the bucket count is not known yet, and any bucket handed over
-        counts: a rank whose peers are still joining must not be taken for frozen.
-        """
-        return self.buckets_this_step > 0 and self.buckets_per_step <= self.buckets_this_step
-
-    def _allreduce_hook(
-        self, state: Any, bucket: dist.GradBucket
-    ) -> torch.futures.Future[torch.Tensor]:
-        """Average ``bucket`` over the ranks, in :attr:`grad_dtype` on the network.
-
-        The bucket is divided by the world size in fp32, before the cast: the network then
-        carries each rank's share of the mean, which lies a world size further from fp16's
-        limit (65504) than the gradient, so a gradient or a sum whose mean fits does not turn
-        into inf on the way (torch's ``fp16_compress_hook`` divides after its cast, where a
-        large gradient has already overflowed). An inf would cost the whole step, which the
-        GradScaler then skips; what dividing first costs instead is that shares below fp16's
-        smallest subnormal (6e-8) flush to zero, which the GradScaler's loss scale keeps rare.
-        bf16 has fp32's range: for it the order changes nothing.
-
-        The mean travels in a tensor of this communicator's, one per bucket, kept across steps
-        and rounds (:meth:`_wires`), and our future completes with it (cast back, for a
-        narrower ``grad_dtype``); DDP reads the gradients from it. torch keeps the hook futures
-        of a step that a lost peer broke, with their tensors: had they been the bucket
-        buffers, every broken round would have kept the model's gradients' size (45 MB for
-        ResNet-18) for the life of the worker; a tensor used again keeps nothing more.
-        """
-        with self._lock:
-            self.buckets_this_step += 1
-            self._handed_at = time.perf_counter()
-            if self._marks is not None:
-                self._marks[1].record()  # on the stream backward queued this bucket on
-                self._marked = True
-        if self.aborted:
-            return _failed(RoundAborted("the round was left"))
-        buffer = bucket.buffer()
-        out, wire = self._wires(bucket.index(), buffer)
-        torch.div(buffer, dist.get_world_size(), out=out)
-        if wire is not out:
-            wire.copy_(out)
-        work = self._launch(wire, "gradient all-reduce")
-        if work is None:
-            return _failed(RoundAborted("the round was left"))
-        return self._track(work, "gradient all-reduce", out, wire)
-
-    def _launch(self, tensor: torch.Tensor, what: str) -> dist.Work | None:
+    def launch(self, tensor: torch.Tensor, what: str) -> dist.Work | None:
         """Start an all-reduce of ``tensor``, kept in this round's works; None once the round
         was left. Under the lock: :meth:`abort` then sees every collective begun before it, and
         none begins after it (a collective begun on a communicator it chose not to abort could
@@ -494,21 +261,11 @@ class Communicator:
             if self._aborted.is_set():
                 return None
             work = dist.all_reduce(tensor, async_op=True)
+            # Completed works are close()'s no longer: kept, one per bucket per step would pile
+            # up for the whole round.
+            self._works = [w for w in self._works if not w.is_completed()]
             self._works.append(work)  # retired with its group if still in flight (close)
             return work
-
-    def _wires(self, index: int, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Bucket ``index``'s kept tensors: the mean in the bucket's dtype, and the one the
-        network carries (the same tensor unless ``grad_dtype`` is narrower). A round's first
-        step has buckets of other sizes (DDP rebuilds them after it), so two sets are kept:
-        twice the gradients' size, allocated once for the worker's life."""
-        key = (index, buffer.numel(), buffer.dtype, self.grad_dtype)
-        kept = self._kept.get(key)
-        if kept is None:
-            out = torch.empty_like(buffer)
-            wire = out if out.dtype == self.grad_dtype else out.to(self.grad_dtype)
-            kept = self._kept[key] = (out, wire)
-        return kept
 
     def all_reduce(self, tensor: torch.Tensor, what: str) -> None:
         """Sum ``tensor`` over the round's ranks in place, abortably: a blocking all-reduce
@@ -516,16 +273,16 @@ class Communicator:
         rank in it until the peer came back or for the whole ``rendezvous.pg_timeout_s``.
         Raises :class:`RoundAborted` as soon as :meth:`abort` is called; a failure is recorded
         as ``what``'s."""
-        work = self._launch(tensor, what)
+        work = self.launch(tensor, what)
         if work is None:
             raise RoundAborted("the round was left")
-        self._track(work, what, tensor, tensor).wait()
+        self.track(work, what, tensor, tensor).wait()
 
     def barrier(self, what: str) -> None:
         """Wait until every rank of the round has got here, abortably (:meth:`all_reduce`)."""
         self.all_reduce(torch.zeros(1, device=self.device), what)
 
-    def _track(
+    def track(
         self, work: dist.Work, what: str, out: torch.Tensor, reduced: torch.Tensor
     ) -> torch.futures.Future[torch.Tensor]:
         """A future of ``work`` (a collective of this round in flight, writing ``reduced``) that
@@ -544,6 +301,9 @@ class Communicator:
             if self._aborted.is_set():
                 ours.set_exception(RoundAborted("the round was left"))
                 return ours
+            # Completed futures are abort()'s no longer: kept, one per bucket per step would
+            # pile up for the whole round.
+            self._pending = [f for f in self._pending if not f.done()]
             self._pending.append(ours)
 
         def finish(fut: torch.futures.Future[Any]) -> None:
@@ -564,9 +324,3 @@ class Communicator:
 
         work.get_future().add_done_callback(finish)
         return ours
-
-
-def _failed(exc: Exception) -> torch.futures.Future[torch.Tensor]:
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_exception(exc)
-    return fut

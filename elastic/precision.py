@@ -6,8 +6,8 @@ need no scaling. fp16 does: small gradients underflow to zero, so the loss is mu
 dynamic scale before backward, and a step whose gradients overflowed to inf/nan is skipped and
 the scale halved. That scale is training state like the weights (:meth:`MixedPrecision.tensors`):
 checkpoints and the state sync carry it, so a resumed or resized job goes on with the scale it
-had. The gradient all-reduce dtype (``comm.grad_dtype``) is separate: the communicator's hook
-casts each bucket to it (:class:`elastic.communicator.Communicator`).
+had. The gradient all-reduce dtype (``comm.grad_dtype``) is separate: the DDP comm hook casts
+each bucket to it (:class:`elastic.ddp_hook.DDPHook`).
 """
 
 from __future__ import annotations

@@ -163,13 +163,13 @@ def start_save(
     w: Worker, ckpt: CheckpointManager, progress: Progress, a: Assignment, step_s: float
 ) -> Started:
     """Start the background save of ``progress``'s state (:meth:`BackgroundSaver.start`)."""
-    assert w.comm.save_group is not None  # set up with the round
+    assert w.comm.saves.group is not None  # set up with the round
     return w.saver.start(
         ckpt,
         progress.step,
         w.tensors,
         {"progress": progress.to_dict(), "round": a.round},
-        w.comm.save_group,
+        w.comm.saves.group,
         a.round,
         lambda: w.comm.aborted,
         {"step_s": step_s},

@@ -4,7 +4,7 @@ A GPU that throttles or a host whose memory degrades does not fail: it slows eve
 rank, since the gradient all-reduce waits for the slowest. Every ``health.straggler_every``
 steps the ranks of a round sum a vector holding each one's mean compute time per step since the
 last comparison (forward and backward, up to the gradient all-reduce:
-:attr:`elastic.communicator.Communicator.last_compute_s`, timed by CUDA events on a GPU), one
+:attr:`elastic.step_timing.StepTiming.last_compute_s`, timed by CUDA events on a GPU), one
 small all-reduce. Every rank then sees the same figures and reaches the same verdict
 (:class:`StragglerWatch`, a pure function of them), so the straggling rank itself says so in a
 ``straggler`` event that names its node.

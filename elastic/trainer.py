@@ -53,6 +53,7 @@ from elastic.control import (
     WorkerEnv,
 )
 from elastic.curves import Curves
+from elastic.ddp_hook import DDPHook
 from elastic.events import EventLog, Rotation
 from elastic.job import Batch, Loss
 from elastic.job_target import build_job
@@ -128,12 +129,8 @@ def build_worker(cfg: config.Config, env: WorkerEnv, events: EventLog) -> Worker
     """Everything that outlives a round: the communicator and the agent link, the job and its
     data, model and optimizer, and the runtime around them (sampler, LR policy, precision)."""
     device = pick_device(cfg.cluster.device, env.local_rank)
-    comm = Communicator(
-        device,
-        cfg.rendezvous.pg_timeout_s,
-        dtype_of(cfg.comm.grad_dtype),
-        backend=str(cfg.comm.backend),
-    )
+    comm = Communicator(device, cfg.rendezvous.pg_timeout_s, backend=str(cfg.comm.backend))
+    hook = DDPHook(comm, dtype_of(cfg.comm.grad_dtype))
     precision = MixedPrecision(resolve_precision(cfg.trainer.precision, device), device)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed input sizes: pick the fastest kernels once
@@ -149,7 +146,8 @@ def build_worker(cfg: config.Config, env: WorkerEnv, events: EventLog) -> Worker
         events=events,
         device=device,
         comm=comm,
-        link=AgentLink(Channel.from_environ(), comm),
+        hook=hook,
+        link=AgentLink(Channel.from_environ(), comm, hook),
         job=job,
         dataset=dataset,
         sampler=ElasticSampler(len(dataset), cfg.data.batch_size, cfg.trainer.seed),
@@ -218,7 +216,7 @@ def train_round(w: Worker, a: Assignment) -> bool:
     # An evaluation the previous round broke off, or the end's when nothing is left to train.
     progress = evaluate_if_due(w, a, start.progress)
     steps = Steps(a, ckpt, start, progress=progress, saved=progress)
-    ddp = w.comm.wrap(w.state.model)
+    ddp = w.hook.wrap(w.state.model)
     while train_steps(w, steps, ddp) is Action.ROLL_BACK:
         pass
     progress = steps.progress
@@ -319,7 +317,7 @@ def train_step(
     w.state.optimizer.zero_grad(set_to_none=True)
     assert w.buffers is not None
     w.buffers.save()
-    w.comm.begin_step()
+    w.hook.begin_step()
     total = 0.0
     sums: dict[str, torch.Tensor] = {}  # each metric's sum over the real samples
     micro = zip(*(t.tensor_split(n) for t in batch), strict=True)  # (part of each tensor)
@@ -342,7 +340,7 @@ def train_step(
         w.job.after_step(w.state.model)
     else:
         w.buffers.restore()  # a skipped step leaves no trace, batch-norm statistics included
-    w.comm.end_step()
+    w.hook.end_step()
     means = torch.stack(list(sums.values())).div(plan.real).tolist() if sums else []
     return total / plan.real, dict(zip(sums, means, strict=True)), taken, finite
 

@@ -15,6 +15,7 @@ from elastic.async_checkpoint import BackgroundSaver
 from elastic.chaos_hooks import ChaosHooks
 from elastic.communicator import Communicator
 from elastic.control import WorkerEnv
+from elastic.ddp_hook import DDPHook
 from elastic.events import EventLog
 from elastic.job import Job
 from elastic.lr_policy import LRPolicy
@@ -33,6 +34,7 @@ class Worker:
     events: EventLog
     device: torch.device
     comm: Communicator
+    hook: DDPHook  # DDP over comm's group, and each step's buckets and compute time
     link: AgentLink
     job: Job[Any]
     dataset: Dataset[Any]  # the job's training set

@@ -1,5 +1,5 @@
-"""The communicator's round bookkeeping: which aborts apply, when backward waits on peers, and
-which failures it records.
+"""The communicator's round bookkeeping: which aborts apply, when backward waits on peers (the
+DDP hook's count), and which failures it records.
 
 Mostly pure logic; one test builds a real two-rank gloo group and loses a peer at each point of
 a step where DDP talks to it.
@@ -27,6 +27,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic.communicator import Communicator
 from elastic.control import Assignment
+from elastic.ddp_hook import DDPHook
+from elastic.group_setup import init_group
 from elastic.nccl_group import REBUILD, SHRINK, agreed_to_shrink, can_shrink, must_abort
 from elastic.nccl_settings import ERROR_HANDLING, NONBLOCKING_TIMEOUT, apply, survivor_settings
 from elastic.round_end import (
@@ -72,23 +74,23 @@ def test_entering_a_round_older_than_the_announced_one_is_refused() -> None:
 
 
 def test_in_a_rounds_first_step_any_bucket_handed_over_counts_as_waiting() -> None:
-    c = comm()
-    c.begin_step()
-    assert not c.waiting_for_peers  # still computing
-    c.buckets_this_step = 1
-    assert c.waiting_for_peers
+    h = DDPHook(comm())
+    h.begin_step()
+    assert not h.waiting_for_peers  # still computing
+    h.buckets_this_step = 1
+    assert h.waiting_for_peers
 
 
 def test_later_steps_wait_for_peers_only_once_every_bucket_is_handed_over() -> None:
-    c = comm()
-    c.begin_step()
-    c.buckets_this_step = 3
-    c.end_step()
-    c.begin_step()
-    c.buckets_this_step = 2
-    assert not c.waiting_for_peers  # backward still running: a hang here is this worker's
-    c.buckets_this_step = 3
-    assert c.waiting_for_peers
+    h = DDPHook(comm())
+    h.begin_step()
+    h.buckets_this_step = 3
+    h.end_step()
+    h.begin_step()
+    h.buckets_this_step = 2
+    assert not h.waiting_for_peers  # backward still running: a hang here is this worker's
+    h.buckets_this_step = 3
+    assert h.waiting_for_peers
 
 
 def test_a_failure_inside_a_collective_block_is_recorded_once_and_raised() -> None:
@@ -154,8 +156,9 @@ def _survivor_main(rank: int, port: int, leaves_before: tuple[int, str], out: st
     """Both ranks train until rank 1 exits before ``leaves_before`` (step, phase); rank 0 trains
     on until its step fails, and writes what it recorded."""
     c = round_of_two(rank, port, timeout_s=20)
+    h = DDPHook(c)
     torch.manual_seed(0)
-    ddp = c.wrap(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)))
+    ddp = h.wrap(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)))
 
     def leave_if(step: int, phase: str) -> None:
         if rank == 1 and (step, phase) == tuple(leaves_before):
@@ -164,11 +167,11 @@ def _survivor_main(rank: int, port: int, leaves_before: tuple[int, str], out: st
     result = {"failure": None, "error": None}
     for step in range(1, 5):
         try:
-            c.begin_step()
+            h.begin_step()
             leave_if(step, "step")
             ddp(torch.ones(4, 8)).sum().backward()
             leave_if(step, "end_step")
-            c.end_step()
+            h.end_step()
         except RuntimeError as exc:
             result = {"failure": c.failure and c.failure.what, "error": type(exc).__name__}
             break
@@ -197,17 +200,18 @@ def test_a_peer_lost_at_any_point_of_a_step_is_a_recorded_failure(
 
 def _reduced_survivor_main(rank: int, port: int, out: str) -> None:
     """Both ranks send bf16 gradients; rank 1 vanishes before its second backward."""
-    c = round_of_two(rank, port, timeout_s=20, grad_dtype=torch.bfloat16)
+    c = round_of_two(rank, port, timeout_s=20)
+    h = DDPHook(c, grad_dtype=torch.bfloat16)
     torch.manual_seed(0)
-    ddp = c.wrap(torch.nn.Linear(8, 1))
+    ddp = h.wrap(torch.nn.Linear(8, 1))
     result = {}
     for step in (1, 2):
         try:
-            c.begin_step()
+            h.begin_step()
             if rank == 1 and step == 2:
                 os._exit(0)
             ddp(torch.ones(4, 8)).sum().backward()
-            c.end_step()
+            h.end_step()
         except RuntimeError as exc:
             result = {"failure": c.failure and c.failure.what, "error": type(exc).__name__}
             break
@@ -282,8 +286,8 @@ def _after_a_failed_set_up_main(rank: int, port: int, out: str) -> None:
         lonely = Assignment(
             round=1, rank=0, world_size=2, store_host="127.0.0.1", store_port=port, formed_at=0
         )
-        with pytest.raises(dist.DistError):  # past _meet: as when the peer vanished after it
-            Communicator(torch.device("cpu"), timeout_s=2)._init_group(lonely)
+        with pytest.raises(dist.DistError):  # past the meet: as when the peer vanished after it
+            init_group(lonely, "gloo", torch.device("cpu"), timedelta(seconds=2))
     c = Communicator(torch.device("cpu"), timeout_s=30)  # a slow start of the other's is no fault
     c.enter(
         Assignment(
@@ -316,14 +320,15 @@ def gloo_threads() -> int:
 def _broken_round(c: Communicator, rank: int, breaks: str, kept: list[Any]) -> None:
     """A round as the trainer runs one (its DDP, a step, an evaluation's all-reduce) that rank 1
     leaves, as a killed node, before rank 0's ``breaks`` ("gradient" or "evaluation")."""
-    ddp = c.wrap(torch.nn.Linear(8, 1))
+    h = DDPHook(c)
+    ddp = h.wrap(torch.nn.Linear(8, 1))
     kept.append(weakref.ref(ddp))
     for step in (1, 2):
-        c.begin_step()
+        h.begin_step()
         if rank == 1 and (step, breaks) == (2, "gradient"):
             os._exit(0)
         ddp(torch.ones(4, 8)).sum().backward()
-        c.end_step()
+        h.end_step()
         if rank == 1 and (step, breaks) == (2, "evaluation"):
             os._exit(0)
         c.all_reduce(torch.ones(4), "evaluation all-reduce")

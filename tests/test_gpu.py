@@ -48,8 +48,10 @@ from elastic.checkpoint import CheckpointManager
 from elastic.communicator import Communicator, pick_device
 from elastic.config import Config, ConfigError, ModelConfig, OptimConfig, Precision
 from elastic.control import Assignment
+from elastic.ddp_hook import DDPHook
 from elastic.evaluate import evaluate
 from elastic.events import EventLog, read_events
+from elastic.group_setup import shrink
 from elastic.manifest import MANIFEST, folder
 from elastic.model import build_model
 from elastic.optim import build_optimizer
@@ -420,7 +422,7 @@ def assignment(number: int, port: int, **changes: Any) -> Assignment:
 
 
 def ddp_step(
-    comm: Communicator,
+    hook: DDPHook,
     ddp: nn.Module,
     state: TrainState,
     precision: MixedPrecision,
@@ -429,12 +431,12 @@ def ddp_step(
 ) -> float:
     """One step of the trainer's ``train_step`` with one micro-batch."""
     state.optimizer.zero_grad(set_to_none=True)
-    comm.begin_step()
+    hook.begin_step()
     with precision.autocast():
         loss = F.cross_entropy(ddp(images), labels)
     precision.backward(loss)
     precision.step(state.optimizer)
-    comm.end_step()
+    hook.end_step()
     return loss.item()
 
 
@@ -448,7 +450,7 @@ def stream_order(comm: Communicator, device: torch.device) -> list[float]:
     x.fill_(2.0)
     with comm.collective("stream order check"):
         work = dist.all_reduce(x, async_op=True)
-    future = comm._track(work, "stream order check", x, x)
+    future = comm.track(work, "stream order check", x, x)
     reader = torch.cuda.Stream(device)
     with torch.cuda.stream(reader):
         future.wait()
@@ -457,23 +459,23 @@ def stream_order(comm: Communicator, device: torch.device) -> list[float]:
     return seen.unique().tolist()
 
 
-def grads_through(comm: Communicator, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+def grads_through(hook: DDPHook, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     """DDP's gradients when they travel in ``dtype`` (``comm.grad_dtype``) at a world of one:
     the fp32 gradient cast to ``dtype`` and back, read by DDP only after the cast back."""
-    comm.grad_dtype = dtype
+    hook.grad_dtype = dtype
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8)).to(device)
     reference = copy.deepcopy(model)
     inputs = torch.randn(32, 64, device=device)
-    ddp = comm.wrap(model)
-    comm.begin_step()
+    ddp = hook.wrap(model)
+    hook.begin_step()
     ddp(inputs).square().mean().backward()
-    comm.end_step()
+    hook.end_step()
     reference(inputs).square().mean().backward()
     pairs = [
         (p.grad, r.grad) for p, r in zip(model.parameters(), reference.parameters(), strict=True)
     ]
-    comm.grad_dtype = torch.float32
+    hook.grad_dtype = torch.float32
     return {
         "in_dtype": all(torch.equal(g, g.to(dtype).float()) for g, _ in pairs),
         "relative_error": max(((g - r).abs().max() / r.abs().max()).item() for g, r in pairs),
@@ -495,7 +497,7 @@ def shrink_probe(comm: Communicator, port: int) -> str:
     try:
         excluded = shrunk.shrink_of(current)
         assert excluded is not None and comm._can_shrink(excluded), "the path is not reached"
-        return f"returned {comm._shrank(excluded)}"
+        return f"returned {shrink(excluded)}"
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"[:300]
 
@@ -508,12 +510,13 @@ def _nccl_main(tmp: Path, found: Findings) -> None:
     torch.backends.cudnn.benchmark = True  # as the trainer sets it on CUDA
     with served_store() as port:
         comm = Communicator(device, GROUP_TIMEOUT_S)
+        hook = DDPHook(comm)
         comm.enter(assignment(1, port))
         found["entered"] = {
             "device": [str(device), torch.cuda.current_device()],
             "backend": comm.backend,
             "default_group": dist.get_backend(),
-            "save_group": dist.get_backend(comm.save_group),
+            "save_group": dist.get_backend(comm.saves.group),
         }
 
         precision = MixedPrecision(resolve_precision(Precision.auto, device), device)
@@ -526,7 +529,7 @@ def _nccl_main(tmp: Path, found: Findings) -> None:
             progress, source = sync_state(tensors, None, -1, device)
         found["fresh_job"] = [progress is None, source, ckpt.restore(tensors) is None]
 
-        ddp = comm.wrap(state.model)
+        ddp = hook.wrap(state.model)
         dataset = TensorDataset(
             torch.randn(3 * BATCH, 3, 32, 32), torch.randint(0, 10, (3 * BATCH,))
         )
@@ -537,14 +540,14 @@ def _nccl_main(tmp: Path, found: Findings) -> None:
             batches.append(
                 images.is_cuda and images.is_contiguous(memory_format=torch.channels_last)
             )
-            losses.append(ddp_step(comm, ddp, state, precision, images, labels))
+            losses.append(ddp_step(hook, ddp, state, precision, images, labels))
         found["trained"] = {
             "precision": str(precision.precision),
             "pin_memory": loader.pin_memory,
             "channels_last_batches": batches,
             "losses": losses,
-            "buckets": comm.buckets_per_step,
-            "compute_s": comm.last_compute_s,  # timed by CUDA events
+            "buckets": hook.buckets_per_step,
+            "compute_s": hook.timing.last_compute_s,  # timed by CUDA events
             "pending": len(comm._pending),
             "off_layout": off_layout(state.model),
             "failure": str(comm.failure) if comm.failure else None,
@@ -552,7 +555,7 @@ def _nccl_main(tmp: Path, found: Findings) -> None:
 
         saver = BackgroundSaver(events)
         expected = snapshot(tensors)
-        saver.start(ckpt, 3, tensors, {}, comm.save_group, 1, lambda: comm.aborted)
+        saver.start(ckpt, 3, tensors, {}, comm.saves.group, 1, lambda: comm.aborted)
         saver.wait(lambda: comm.aborted)
         committed = ckpt.committed(3)
         with torch.no_grad():
@@ -569,7 +572,7 @@ def _nccl_main(tmp: Path, found: Findings) -> None:
 
         found["stream_order"] = stream_order(comm, device)
         found["grad_dtypes"] = {
-            str(dtype): grads_through(comm, device, dtype)
+            str(dtype): grads_through(hook, device, dtype)
             for dtype in (torch.float16, torch.bfloat16)
         }
 
@@ -587,14 +590,14 @@ def _nccl_main(tmp: Path, found: Findings) -> None:
         deadline = time.monotonic() + GROUP_TIMEOUT_S
         while not comm.aborted and time.monotonic() < deadline:
             try:
-                ddp_step(comm, ddp, state, precision, images, labels)
+                ddp_step(hook, ddp, state, precision, images, labels)
             except Exception as exc:  # the abort landed inside the step
                 interrupted = f"{type(exc).__name__}: {exc}"[:300]
                 break
             steps += 1
         link.join()
         try:
-            ddp_step(comm, ddp, state, precision, images, labels)
+            ddp_step(hook, ddp, state, precision, images, labels)
             refused = None
         except Exception as exc:
             refused = f"{type(exc).__name__}: {exc}"[:300]
@@ -607,8 +610,8 @@ def _nccl_main(tmp: Path, found: Findings) -> None:
 
         del ddp  # the trainer drops the round's DDP with the round
         comm.enter(assignment(2, port))
-        ddp = comm.wrap(state.model)
-        loss = ddp_step(comm, ddp, state, precision, images, labels)
+        ddp = hook.wrap(state.model)
+        loss = ddp_step(hook, ddp, state, precision, images, labels)
         value = torch.full((4,), 3.0, device=device)
         with comm.collective("round 2 all-reduce"):
             dist.all_reduce(value)
@@ -633,9 +636,10 @@ def nccl(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_a_round_on_nccl_trains_from_the_pinned_loader_in_channels_last(
     nccl: dict[str, Any],
 ) -> None:
-    """communicator.py's CUDA branches: pick_device sets the worker's GPU, the round's group is
-    NCCL bound to it (the save group gloo), DDP gets the device; the loader pins, the prefetcher
-    hands out channels_last batches on the GPU, and the steps train under autocast."""
+    """The CUDA branches of communicator.py, ddp_hook.py and step_timing.py: pick_device sets
+    the worker's GPU, the round's group is NCCL bound to it (the save group gloo), DDP gets the
+    device, CUDA events time the steps; the loader pins, the prefetcher hands out channels_last
+    batches on the GPU, and the steps train under autocast."""
     entered = need(nccl, "entered")
     assert entered["device"] == ["cuda:0", 0]
     assert entered["backend"] == entered["default_group"] == "nccl"

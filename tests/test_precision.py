@@ -3,7 +3,7 @@
 The decisions (which precision, which layout, which backend reduces which dtype) are pure and
 tested as such. What involves a process group runs on real two-rank gloo groups: the
 GradScaler's state through a checkpoint across a resize, a skipped fp16 step on every rank, and
-the communicator's hook reducing in bf16 and fp16. One job trains in fp16 through a node kill.
+the DDP hook reducing in bf16 and fp16. One job trains in fp16 through a node kill.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from elastic.checkpoint import CheckpointManager
 from elastic.communicator import Communicator
 from elastic.config import REDUCIBLE, ConfigError, GradDtype, Precision, grad_dtype_problem
 from elastic.control import Assignment
+from elastic.ddp_hook import DDPHook
 from elastic.events import read_events
 from elastic.precision import (
     MixedPrecision,
@@ -211,22 +212,23 @@ def test_the_scaler_state_saved_at_two_ranks_loads_at_one(tmp_path: Path) -> Non
 def _skip_main(rank: int, port: int, folder: str) -> None:
     """Step 1: rank 1's loss is inf; step 2: both losses are finite."""
     c = Communicator(CPU, timeout_s=20)
+    h = DDPHook(c)
     c.enter(assignment(rank, port))
     model = tiny_model(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     mixed = MixedPrecision(Precision.fp16, CPU)
-    ddp = c.wrap(model)
+    ddp = h.wrap(model)
     x, y = batch(rank)
     seen = {"params": [[p.detach().flatten().tolist() for p in model.parameters()]]}
     for step in (1, 2):
         opt.zero_grad()
-        c.begin_step()
+        h.begin_step()
         with mixed.autocast():
             out = ddp(x)
         loss = F.mse_loss(out.float(), y)
         mixed.backward(loss * float("inf") if (step, rank) == (1, 1) else loss)
         seen.setdefault("taken", []).append(mixed.step(opt))
-        c.end_step()
+        h.end_step()
         seen.setdefault("scale", []).append(mixed.scaler.get_scale())
         seen["params"].append([p.detach().flatten().tolist() for p in model.parameters()])
     Path(folder, f"skip{rank}.json").write_text(json.dumps(seen))
@@ -250,17 +252,18 @@ def test_an_inf_on_one_rank_skips_the_step_on_every_rank(tmp_path: Path) -> None
 
 
 def _hook_main(rank: int, port: int, grad_dtype: str, out: str) -> None:
-    """One backward through the communicator's hook in ``grad_dtype``; then a bare all-reduce of
+    """One backward through the DDP hook in ``grad_dtype``; then a bare all-reduce of
     that dtype, with values the dtype holds exactly."""
     dtype = dtype_of(GradDtype(grad_dtype))
-    c = Communicator(CPU, timeout_s=20, grad_dtype=dtype)
+    c = Communicator(CPU, timeout_s=20)
+    h = DDPHook(c, grad_dtype=dtype)
     c.enter(assignment(rank, port))
     model = tiny_model(0)
-    ddp = c.wrap(model)
+    ddp = h.wrap(model)
     x, y = batch(rank)
-    c.begin_step()
+    h.begin_step()
     F.mse_loss(ddp(x), y).backward()
-    c.end_step()
+    h.end_step()
     bare = torch.tensor([1.5, -2.25, 3.0, 0.125], dtype=dtype) * (rank + 1)
     dist.all_reduce(bare)
     torch.save(

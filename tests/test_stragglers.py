@@ -1,10 +1,15 @@
 """The straggler verdict, on literal figures: who is slower than the median by the factor, for how
-many comparisons running, and when it is said."""
+many comparisons running, and when it is said; and what a step's compute time counts."""
 
 from __future__ import annotations
 
-import pytest
+from types import SimpleNamespace
 
+import pytest
+import torch
+
+from elastic import step_timing
+from elastic.step_timing import StepTiming
 from elastic.stragglers import StragglerWatch, slowdowns
 
 
@@ -37,3 +42,21 @@ def test_two_ranks_need_a_wide_gap_and_one_rank_has_none() -> None:
     assert watch.update([0.2, 0.5]) == {}  # 0.5 / 0.35 = 1.43
     assert watch.update([0.2, 0.7]) == {1: pytest.approx(0.7 / 0.45)}
     assert StragglerWatch(factor=1.5, windows=1).update([9.0]) == {}
+
+
+def test_a_steps_compute_ends_with_its_last_bucket_handed_to_the_all_reduce(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """By the host's clock on the CPU: the wait for peers after the last bucket is not this
+    rank's compute; a step that handed no bucket over computed until its end."""
+    clock = iter([10.0, 10.2, 10.3, 20.0, 20.4])
+    monkeypatch.setattr(step_timing, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    timing = StepTiming(torch.device("cpu"))
+    timing.begin()  # 10.0
+    timing.bucket_handed()  # 10.2
+    timing.bucket_handed()  # 10.3; then the all-reduce waits for a slow peer
+    timing.end()
+    assert timing.last_compute_s == pytest.approx(0.3)
+    timing.begin()  # 20.0
+    timing.end()  # 20.4
+    assert timing.last_compute_s == pytest.approx(0.4)

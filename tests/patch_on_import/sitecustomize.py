@@ -34,8 +34,9 @@ _GATE_S = 300.0  # bounded too: past it, a held rank trains on (the test has fai
 _POLL_S = 0.05
 _import = builtins.__import__
 _pending = []  # (module name, the attribute it must hold, the patch to apply to the module)
-# This worker's communicator, whether it is held now, and the error that leaves a round.
-_gate = {"comm": None, "held": False, "aborted": RuntimeError}
+# This worker's DDP hook (its communicator says whether the round was left), whether it is held
+# now, and the error that leaves a round.
+_gate = {"hook": None, "held": False, "aborted": RuntimeError}
 _drops = {"calls": 0}
 
 
@@ -90,12 +91,12 @@ def _hold(step: int, left: int, size: int, w: object) -> None:
     saying meanwhile that it waits for its peers; :class:`RoundAborted` once its round is."""
     if not _gate_closed(step, left, size):
         return
-    comm = _gate["comm"]
+    hook = _gate["hook"]
     deadline = time.monotonic() + _GATE_S
     _gate["held"] = True
     try:
         while _gate_closed(step, left, size) and time.monotonic() < deadline:
-            if comm is not None and comm.aborted:
+            if hook is not None and hook.comm.aborted:
                 raise _gate["aborted"]("a new round was announced while held at the gate")
             if w.link._switch is not None:  # type: ignore[attr-defined]  # a planned leave
                 return  # the steps it needs go through
@@ -117,14 +118,14 @@ def _hold_at_the_gate(sampler: object) -> None:
     sampler.ElasticSampler.plan = holding  # type: ignore[attr-defined]
 
 
-def _watch_the_communicator(communicator: object) -> None:
-    cls = communicator.Communicator  # type: ignore[attr-defined]
+def _watch_the_hook(ddp_hook: object) -> None:
+    cls = ddp_hook.DDPHook  # type: ignore[attr-defined]
     init, waiting = cls.__init__, cls.waiting_for_peers
-    _gate["aborted"] = communicator.RoundAborted  # type: ignore[attr-defined]
+    _gate["aborted"] = ddp_hook.RoundAborted  # type: ignore[attr-defined]
 
     def recording(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         init(self, *args, **kwargs)
-        _gate["comm"] = self
+        _gate["hook"] = self
 
     cls.__init__ = recording
     cls.waiting_for_peers = property(lambda self: _gate["held"] or waiting.fget(self))
@@ -145,7 +146,7 @@ if _DROP_AT:
 if _HOLD_STEP and _HOLD_PATH:
     _pending.append(("elastic.checkpoint", "CheckpointManager", _hold_the_commit))
 if _GATE_PATH:
-    _pending.append(("elastic.communicator", "Communicator", _watch_the_communicator))
+    _pending.append(("elastic.ddp_hook", "DDPHook", _watch_the_hook))
     _pending.append(("elastic.sampler", "ElasticSampler", _hold_at_the_gate))
 if _pending:
     builtins.__import__ = _importing
