@@ -277,6 +277,9 @@ class Communicator:
         if work is None:
             raise RoundAborted("the round was left")
         self.track(work, what, tensor, tensor).wait()
+        # gloo completes a work's future, and so ours, just before it marks the work completed:
+        # returned, an all-reduce must count as done (:meth:`_idle`, which close() asks).
+        work.wait()
 
     def barrier(self, what: str) -> None:
         """Wait until every rank of the round has got here, abortably (:meth:`all_reduce`)."""
