@@ -216,26 +216,27 @@ def kill_embedded_etcd_member(run_dir: str | os.PathLike[str], member: int) -> f
 def corrupt_shard(run_dir: str | os.PathLike[str], url: str) -> float:
     """Flip one byte in the middle of the largest shard of the newest committed checkpoint at
     ``url``, as a disk or a copy gone bad would, then verify that checkpoint as every load does
-    (:meth:`CheckpointManager.verify`) and log the answer (``checkpoint_verified``): a load must
-    refuse it, and in-place recovery never loads one, so the fault is judged here (the verdict
-    also checks that no such checkpoint was loaded later)."""
-    from elastic.checkpoint import CheckpointManager  # torch: only for this fault
+    (:meth:`elastic.checkpoint_verify.Verifier.verify`) and log the answer
+    (``checkpoint_verified``): a load must refuse it, and in-place recovery never loads one, so
+    the fault is judged here (the verdict also checks that no such checkpoint was loaded later)."""
+    from elastic.checkpoint_store import CheckpointStore
+    from elastic.checkpoint_verify import Verifier  # torch: only for this fault
 
-    manager = CheckpointManager(url, keep=1)
-    for folder in candidates(manager.fs, manager.root):
+    store = CheckpointStore(url)
+    for folder in candidates(store.fs, store.root):
         try:
-            files = json.loads(manager.fs.cat_file(f"{folder}/{MANIFEST}"))["files"]
+            files = json.loads(store.fs.cat_file(f"{folder}/{MANIFEST}"))["files"]
         except (OSError, ValueError, KeyError):
             continue  # not committed
         name = max(files, key=lambda n: files[n]["size"])
-        data = bytearray(manager.fs.cat_file(f"{folder}/{name}"))
+        data = bytearray(store.fs.cat_file(f"{folder}/{name}"))
         if not data:
             continue
         data[len(data) // 2] ^= 0xFF
         target = f"{folder.rsplit('/', 1)[-1]}/{name}"
         sent = log_event(run_dir, ev.FAULT_INJECTED, kind="checkpoint", target=target)
-        manager.fs.pipe_file(f"{folder}/{name}", bytes(data))
-        refused = manager.verify(folder)
+        store.fs.pipe_file(f"{folder}/{name}", bytes(data))
+        refused = Verifier(store).verify(folder)
         log_event(
             run_dir, ev.CHECKPOINT_VERIFIED, kind="checkpoint", target=target, refused=refused
         )

@@ -2,10 +2,10 @@
 
 A save holds the training thread only while it copies the state into a staged copy in host
 memory (pinned for a GPU), one per rank, allocated once and reused. A thread of its own then
-writes the copy out and commits it (:class:`elastic.checkpoint.CheckpointManager`) on the round's
-save group, a gloo group beside the training group (:mod:`elastic.save_group`), so that the
-save's collectives never interleave with training's and a peer frozen in the middle of a save
-holds only the save. One save runs at a time per rank, so the ranks enter the save group's
+writes the copy out and commits it (:class:`elastic.checkpoint_save.CheckpointWriter`) on the
+round's save group, a gloo group beside the training group (:mod:`elastic.save_group`), so that
+the save's collectives never interleave with training's and a peer frozen in the middle of a
+save holds only the save. One save runs at a time per rank, so the ranks enter the save group's
 collectives in the same order. Leaving a round abandons its save (:meth:`BackgroundSaver.abandon`),
 and the end of training waits for the last one (:meth:`BackgroundSaver.wait`), which says whether
 it committed: the end is not the end until the final state is saved (:mod:`elastic.final_save`).
@@ -28,7 +28,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic import event_types as ev
-from elastic.checkpoint import CheckpointManager, Plan, SaveAbandoned, SaveFailed
+from elastic.checkpoint import CheckpointManager
+from elastic.checkpoint_save import Plan, SaveAbandoned, SaveFailed
 from elastic.events import EventLog
 from elastic.round_end import RoundAborted
 
@@ -39,7 +40,7 @@ WAIT_POLL_S = 0.05  # how soon a rank waiting for its previous save sees an abor
 
 @dataclass
 class _Save:
-    """One save in the background; its guard (``elastic.checkpoint.SaveGuard``)."""
+    """One save in the background; its guard (``elastic.checkpoint_save.SaveGuard``)."""
 
     step: int
     round: int
@@ -153,7 +154,7 @@ class BackgroundSaver:
         write: DCP splits the replicated tensors among the ranks the same way at every save of a
         round (a save that finds otherwise fails, and the next stages everything). It then writes
         them as DCP planned them at the round's first save, without DCP
-        (:class:`elastic.checkpoint.Plan`).
+        (:class:`elastic.checkpoint_save.Plan`).
         """
         t0 = time.perf_counter()
         previous = self._current
@@ -236,10 +237,10 @@ class BackgroundSaver:
         go.wait()
         step = save.step
         try:
-            written = manager.write(step, self._staged, group, save, shared, replay)
+            written = manager.writer.write(step, self._staged, group, save, shared, replay)
             save.gathered, save.wrote = written.gathered, frozenset(written.wrote)
             save.plan = written.plan
-            saved = manager.commit(written, meta, save) if rank == 0 else None
+            saved = manager.writer.commit(written, meta, save) if rank == 0 else None
         except SaveAbandoned:
             log.info("the checkpoint of step %d was abandoned with round %d", step, save.round)
         except SaveFailed as exc:

@@ -2,10 +2,11 @@
 
 A checkpoint is ``<url>/step_<9 digits>/`` and is committed once its ``manifest.json`` exists: a
 JSON object with the ``format``, the ``step`` and ``files: {name: record}``, where a file's
-record is its ``size`` and its digest (:class:`PieceDigest`; :mod:`elastic.checkpoint` writes and
-verifies the manifest). The layout lives here, with fsspec, hashlib and json only, because more
-than the trainer reads it: a node's health check sizes the disk it needs from the newest
-manifest, and importing torch for that would cost the agent and the doctor seconds at start-up.
+record is its ``size`` and its digest (:class:`PieceDigest`; :mod:`elastic.checkpoint_save`
+writes the manifest, :mod:`elastic.checkpoint_verify` verifies it). The layout lives here, with
+fsspec, hashlib and json only, because more than the trainer reads it: a node's health check
+sizes the disk it needs from the newest manifest, and importing torch for that would cost the
+agent and the doctor seconds at start-up.
 """
 
 from __future__ import annotations

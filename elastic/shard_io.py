@@ -83,7 +83,7 @@ class ShardWriter(FsspecWriter):
     planner made of it. Its digest is taken from that memory, in pieces on threads of its own,
     while the file is written (``elastic.manifest.PieceDigest``). The caller keeps the memory
     unchanged until the write returns (the staged copy of a background save is:
-    ``elastic.checkpoint.SaveGuard``).
+    ``elastic.checkpoint_save.SaveGuard``).
     """
 
     def __init__(self, url: str) -> None:
@@ -94,7 +94,7 @@ class ShardWriter(FsspecWriter):
 
     def storage_meta(self) -> StorageMeta | None:
         """None: DCP's ``.metadata`` then names no folder and no save, so that the same bytes
-        serve every save of a round (``elastic.checkpoint.Plan``); the manifest says which
+        serve every save of a round (``elastic.checkpoint_save.Plan``); the manifest says which
         step a checkpoint is."""
         return None
 

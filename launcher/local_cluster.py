@@ -47,15 +47,7 @@ def run_local(
     run_dir = Path(cfg.run_dir)
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    etcd = None
-    endpoints = list(cfg.cluster.etcd_endpoints)
-    if not endpoints:
-        members = cfg.cluster.embedded_etcd_members
-        etcd = EmbeddedEtcd(run_dir / "etcd", logs / "etcd.log", members).start()
-        endpoints = etcd.endpoints
-        log.info("embedded etcd (%d member(s)) at %s", members, ", ".join(endpoints))
-        # How the commands beside a running job find it (launcher.commands.status job_id=...).
-        (run_dir / ENDPOINTS_FILE).write_text(",".join(endpoints) + "\n")
+    etcd, endpoints = _etcd_for(cfg, run_dir, logs)
 
     stop: list[int] = []
 
@@ -66,64 +58,23 @@ def run_local(
     agents: dict[str, subprocess.Popen[bytes]] = {}
     display = ProgressDisplay()
     follower = EventFollower(run_dir, only_new=True)  # before any agent writes
-    try:
-        for node in node_ids(cfg.cluster.nodes):
-            with open(logs / f"{node}.log", "ab") as out:
-                agents[node] = subprocess.Popen(
-                    tied(
-                        [
-                            sys.executable,
-                            "-m",
-                            "launcher.agent",
-                            "--config",
-                            str(config_path),
-                            "--node-id",
-                            node,
-                            "--host",
-                            "127.0.0.1",
-                            "--etcd",
-                            ",".join(endpoints),
-                            "--nodes-on-machine",
-                            str(cfg.cluster.nodes),
-                        ]
-                    ),
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    start_new_session=True,
-                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                )
-        log.info("started %d nodes: %s (logs in %s)", len(agents), ", ".join(agents), logs)
-        finished_at: float | None = None
-        in_quarantine: set[str] = set()  # nodes waiting out a quarantine, from their events
-        while not stop and any(p.poll() is None for p in agents.values()):
-            events = follower.poll()
-            display.handle(events)
-            follow(events)
-            for e in events:
-                if ev.QUARANTINE_WAIT.matches(e):
-                    in_quarantine.add(e["node"])
-                elif ev.QUARANTINE_OVER.matches(e):
-                    in_quarantine.discard(e["node"])
-            codes = {node: p.poll() for node, p in agents.items()}
-            # Trained, its final state saved (0) or not (EXIT_UNSAVED): the job is over.
-            if finished_at is None and {0, EXIT_UNSAVED} & set(codes.values()):
-                finished_at = time.monotonic()
-            waiting = still_waiting(codes, finished_at, time.monotonic(), in_quarantine)
-            if waiting:
-                log.warning(
-                    "the job is trained; stopping %s, still waiting for what will not come "
-                    "(the end of a quarantine, a round)",
-                    ", ".join(waiting),
-                )
-                _shutdown({node: agents[node] for node in waiting})
-            time.sleep(DISPLAY_INTERVAL_S)
-        if stop:
-            log.warning("stopping: asking every node to leave the job")
-            _shutdown(agents)
+
+    def show() -> list[dict[str, Any]]:
+        """The nodes' new events, shown and passed to ``follow``."""
         events = follower.poll()
         display.handle(events)
         follow(events)
+        return events
+
+    try:
+        for node in node_ids(cfg.cluster.nodes):
+            agents[node] = _start_agent(cfg, config_path, node, endpoints, logs)
+        log.info("started %d nodes: %s (logs in %s)", len(agents), ", ".join(agents), logs)
+        _supervise(agents, show, stop)
+        if stop:
+            log.warning("stopping: asking every node to leave the job")
+            _shutdown(agents)
+        show()
     finally:
         display.close()
         _shutdown(agents)
@@ -135,6 +86,83 @@ def run_local(
     if stop:
         return 128 + stop[0]
     return 0
+
+
+def _etcd_for(cfg: Config, run_dir: Path, logs: Path) -> tuple[EmbeddedEtcd | None, list[str]]:
+    """The etcd the job uses: ``cluster.etcd_endpoints``, or else an embedded one started here
+    (returned too, for the caller to stop), with its endpoints."""
+    endpoints = list(cfg.cluster.etcd_endpoints)
+    if endpoints:
+        return None, endpoints
+    members = cfg.cluster.embedded_etcd_members
+    etcd = EmbeddedEtcd(run_dir / "etcd", logs / "etcd.log", members).start()
+    log.info("embedded etcd (%d member(s)) at %s", members, ", ".join(etcd.endpoints))
+    # How the commands beside a running job find it (launcher.commands.status job_id=...).
+    (run_dir / ENDPOINTS_FILE).write_text(",".join(etcd.endpoints) + "\n")
+    return etcd, etcd.endpoints
+
+
+def _start_agent(
+    cfg: Config, config_path: Path, node: str, endpoints: list[str], logs: Path
+) -> subprocess.Popen[bytes]:
+    """Start the agent of the simulated node ``node``, in a session of its own (a fault
+    injector kills the whole node with one signal), its output in ``<logs>/<node>.log``."""
+    with open(logs / f"{node}.log", "ab") as out:
+        return subprocess.Popen(
+            tied(
+                [
+                    sys.executable,
+                    "-m",
+                    "launcher.agent",
+                    "--config",
+                    str(config_path),
+                    "--node-id",
+                    node,
+                    "--host",
+                    "127.0.0.1",
+                    "--etcd",
+                    ",".join(endpoints),
+                    "--nodes-on-machine",
+                    str(cfg.cluster.nodes),
+                ]
+            ),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+
+def _supervise(
+    agents: dict[str, subprocess.Popen[bytes]],
+    show: Callable[[], list[dict[str, Any]]],
+    stop: list[int],
+) -> None:
+    """Until every agent has exited or a signal came (``stop``): show the nodes' new events
+    (``show``), and once the job is trained, stop the nodes still waiting for what will not
+    come (:func:`still_waiting`)."""
+    finished_at: float | None = None
+    in_quarantine: set[str] = set()  # nodes waiting out a quarantine, from their events
+    while not stop and any(p.poll() is None for p in agents.values()):
+        for e in show():
+            if ev.QUARANTINE_WAIT.matches(e):
+                in_quarantine.add(e["node"])
+            elif ev.QUARANTINE_OVER.matches(e):
+                in_quarantine.discard(e["node"])
+        codes = {node: p.poll() for node, p in agents.items()}
+        # Trained, its final state saved (0) or not (EXIT_UNSAVED): the job is over.
+        if finished_at is None and {0, EXIT_UNSAVED} & set(codes.values()):
+            finished_at = time.monotonic()
+        waiting = still_waiting(codes, finished_at, time.monotonic(), in_quarantine)
+        if waiting:
+            log.warning(
+                "the job is trained; stopping %s, still waiting for what will not come "
+                "(the end of a quarantine, a round)",
+                ", ".join(waiting),
+            )
+            _shutdown({node: agents[node] for node in waiting})
+        time.sleep(DISPLAY_INTERVAL_S)
 
 
 def still_waiting(

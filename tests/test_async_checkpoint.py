@@ -22,10 +22,12 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from elastic import async_checkpoint, checkpoint
+from elastic import async_checkpoint, checkpoint_save
 from elastic.async_checkpoint import BackgroundSaver, copy_host
-from elastic.checkpoint import MANIFEST, CheckpointManager, _ShardWriter
+from elastic.checkpoint import CheckpointManager
+from elastic.checkpoint_save import _ShardWriter
 from elastic.events import EventLog, read_events
+from elastic.manifest import MANIFEST
 from tests.conftest import served_store
 
 GROUP_TIMEOUT = timedelta(seconds=30)
@@ -61,14 +63,14 @@ def _phase_main(rank: int, port: int, url: str, out: str, phase: str) -> None:
     if phase == "write" and rank == 1:
         async_checkpoint._Save.reading = lambda self: _die()  # type: ignore[method-assign,assignment]
     if phase in ("before_manifest", "after_manifest") and rank == 0:
-        commit = manager._commit
+        commit = manager.store.put_manifest
 
         def dying_commit(path: str, manifest: dict) -> None:  # type: ignore[type-arg]
             if phase == "after_manifest":
                 commit(path, manifest)
             _die()
 
-        manager._commit = dying_commit  # type: ignore[method-assign]
+        manager.store.put_manifest = dying_commit  # type: ignore[method-assign]
     for name, value in state(10).items():
         tensors[name].copy_(value)
     saver.start(manager, 10, tensors, {}, group, 1, lambda: False)
@@ -223,13 +225,13 @@ def _share_main(rank: int, port: int, url: str, out: str) -> None:
     manager = CheckpointManager(url, keep=7)
     saver = BackgroundSaver(EventLog(out, f"rank{rank}"))
     planned = []
-    dcp_save = checkpoint.dcp.save
+    dcp_save = checkpoint_save.dcp.save
 
     def counted_save(*args: Any, **kwargs: Any) -> Any:
         planned.append(step)
         return dcp_save(*args, **kwargs)
 
-    checkpoint.dcp.save = counted_save  # type: ignore[assignment]
+    checkpoint_save.dcp.save = counted_save  # type: ignore[assignment]
     tensors = state(1)
     copied = []
     for step, round_ in ((1, 1), (2, 1), (3, 1), (4, 2), (5, 2), (6, 2), (7, 2)):

@@ -15,14 +15,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
-from elastic.checkpoint import (
-    MANIFEST,
-    CheckpointManager,
-    SaveFailed,
-    file_record,
-    save_failure_fix,
-)
+from elastic.checkpoint import CheckpointManager
+from elastic.checkpoint_save import SaveFailed, save_failure_fix
 from elastic.events import EventLog, read_events
+from elastic.manifest import MANIFEST, file_record
 from elastic.shard_io import ShardReader, ShardWriter, tensor_bytes
 from elastic.state import TrainState
 from tests.conftest import served_store

@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from elastic.checkpoint import MANIFEST, CheckpointManager
+from elastic.checkpoint import CheckpointManager
 from elastic.events import EventLog, read_events
+from elastic.manifest import MANIFEST
 from launcher.rendezvous.embedded_etcd import free_port
 from tests.conftest import served_store
 

@@ -4,8 +4,10 @@ One agent runs on every node (``cluster=bare_metal``), or one per simulated node
 (``cluster=local``). It gets the node admitted (:mod:`launcher.agent.admission`), starts one worker
 per GPU or CPU slot once, and then loops: gather the facts (worker exits, the rendezvous's view,
 probes of peers, the time), decide with the pure functions of :mod:`launcher.agent.decisions`,
-act (send the workers into a round or to standby, restart a crashed worker, rejoin after
-fencing, leave as planned, finish), and wait for its inbox (:mod:`launcher.agent.inbox`).
+act (:mod:`launcher.agent.actions`: send the workers into a round or to standby, restart a
+crashed worker, rejoin after fencing, finish; or leave as planned), and wait for its inbox
+(:mod:`launcher.agent.inbox`). What the node finds wrong with itself while training (a straggler,
+a broken GPU) is judged by :mod:`launcher.agent.self_quarantine`.
 Workers ignore SIGTERM: a signal sent to the whole node reaches them too, and the agent decides
 when they stop.
 """
@@ -13,7 +15,6 @@ when they stop.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -29,6 +30,7 @@ from elastic import event_types as ev
 from elastic.control import EXIT_UNSAVED
 from elastic.events import EventLog, Rotation
 from launcher.agent import decisions as decide
+from launcher.agent.actions import IDLE_WAKE_S, STOP_GRACE_S, Actions
 from launcher.agent.admission import EXIT_ETCD_LOST, EXIT_UNHEALTHY
 from launcher.agent.inbox import (
     FaultRequested,
@@ -44,21 +46,16 @@ from launcher.agent.inbox import (
 from launcher.agent.parts import Node, assemble, connect_etcd, start_workers
 from launcher.agent.peers import PROBE_AGAIN_S
 from launcher.agent.progress_key import ProgressPublisher
+from launcher.agent.self_quarantine import SelfQuarantine
 from launcher.agent.slots import local_slots
 from launcher.agent.workers import WorkerGroup
 from launcher.health.gpu_watch import GpuWatch
 from launcher.rendezvous.etcd import etcd_errors
 from launcher.rendezvous.lease import ETCD_LOST_FIX
-from launcher.rendezvous.membership import JobView, Round
-from launcher.rendezvous.rendezvous import (
-    EtcdLost,
-    Rendezvous,
-)
+from launcher.rendezvous.membership import JobView
+from launcher.rendezvous.rendezvous import Rendezvous
 
 log = logging.getLogger("launcher.agent")
-
-STOP_GRACE_S = 5.0  # how long workers get to exit after SIGTERM before SIGKILL
-IDLE_WAKE_S = 1.0  # the loop looks at the workers' watchdogs and the join timeout this often
 
 
 class Agent:
@@ -93,10 +90,9 @@ class Agent:
         self.stop_signal: int | None = None
         self.rdzv: Rendezvous
         self.workers: WorkerGroup
-        self.current: Round | None = None  # the round this node's workers were sent to
-        self.crashes = 0
+        self.degraded: SelfQuarantine
+        self.act: Actions
         self.leave_reason = ""  # why the node leaves the job, when it leaves on its own
-        self.sentenced = False  # it quarantined itself (a straggler) in this registration
 
     # --- life cycle ----------------------------------------------------------------------------
 
@@ -138,6 +134,20 @@ class Agent:
             return code
         self.workers, self.leaving = start_workers(
             self.node, self.config_path, self.threads, self.inbox.put, self.rdzv.record.leave_after
+        )
+        self.degraded = SelfQuarantine(
+            self.cfg, self.node_id, self.rdzv, self.admission, self.leaving, self.events
+        )
+        self.act = Actions(
+            self.node_id,
+            self.rdzv,
+            self.workers,
+            self.leaving,
+            self.admission,
+            self.degraded,
+            self.events,
+            join=self._join,
+            receive=self._receive,
         )
         self.progress = ProgressPublisher(
             str(self.run_dir),
@@ -208,13 +218,12 @@ class Agent:
         elif isinstance(msg, FaultRequested):
             self.faults.take(msg.request_id, msg.request)
         elif isinstance(msg, WorkerStraggler):
-            self._on_straggler(msg)
+            self.degraded.straggler(msg)
         elif isinstance(msg, WorkerStrike):
             # A quarantine it leads to drains the node, as an operator's would.
             self.admission.strike(msg.reason)
-        elif isinstance(msg, GpuFault) and not self.sentenced:
-            # A broken GPU leaves whatever the job's size: a hang or corrupt gradients are worse.
-            self.sentenced = self.admission.sentence(f"a GPU broke while training: {msg.reason}")
+        elif isinstance(msg, GpuFault):
+            self.degraded.gpu_broke(msg.reason)
 
     def _loop(self) -> int:
         """Until the node is done or must go: gather the facts, decide, act, and wait for the
@@ -234,7 +243,7 @@ class Agent:
                 return EXIT_ETCD_LOST
             # Quarantined by an operator while training: a drain, like a stop signal.
             if rejoin is not None and (rejoin.strike or self._drained(view)):
-                code = self._rejoin(rejoin)
+                code = self.act.rejoin(rejoin)
                 if code:
                     return code
                 waiting_since = time.monotonic()
@@ -243,16 +252,16 @@ class Agent:
             with contextlib.suppress(*etcd_errors()):  # etcd away: followed again on a later pass
                 self.faults.requests.follow()
             exits = decide.on_worker_exits(
-                self.workers.exit_codes(), self.crashes, self.cfg.cluster.max_restarts
+                self.workers.exit_codes(), self.act.crashes, self.cfg.cluster.max_restarts
             )
             if isinstance(exits, decide.Finish):  # the others finish the same last step
-                self._finish()
+                self.act.finish()
                 return 0
             if isinstance(exits, decide.Unsaved):  # every rank ends so: no restart, not done
-                self._finish()
+                self.act.finish()
                 self.leave_reason = exits.reason
                 return EXIT_UNSAVED
-            if decide.leaves_done_job(view.done_in, self.current, self.peers.lost_round):
+            if decide.leaves_done_job(view.done_in, self.act.current, self.peers.lost_round):
                 log.info("the job is done")
                 return 0
             if isinstance(exits, decide.GiveUp):
@@ -265,25 +274,19 @@ class Agent:
                 )
                 return 1
             if isinstance(exits, decide.Restart):
-                code = self._restart(exits)
+                code = self.act.restart(exits)
                 if code:
                     return code
                 continue
-            if (
-                not self.rdzv.node.ready
-                and self.workers.ready
-                and self.rdzv.synced
-                and self.peers.reaches_the_round(self.rdzv.view)
-            ):
-                self.rdzv.record.set_ready()
-            lost = self.peers.on_lost(self.current, view)
+            self._say_ready()
+            lost = self.peers.on_lost(self.act.current, view)
             if isinstance(lost, str):
-                self._leave_round(lost)
+                self.act.leave_round(lost)
             probing = isinstance(lost, decide.Probe)
-            self._follow_round(view)
-            self.progress.tick(self.current)  # rank 0's node: the progress key, once a second
+            self.act.follow_round(view)
+            self.progress.tick(self.act.current)  # rank 0's node: the progress key, once a second
             now = time.monotonic()
-            if self.current is not None:
+            if self.act.current is not None:
                 waiting_since = now
             elif decide.join_timed_out(waiting_since, now, self.cfg.rendezvous.join_timeout_s):
                 self.events.emit(
@@ -298,135 +301,24 @@ class Agent:
             soon = probing or self.leaving.since is not None
             self._wait(timeout=PROBE_AGAIN_S if soon else IDLE_WAKE_S)
 
-    # --- acting on decisions -------------------------------------------------------------------
+    def _say_ready(self) -> None:
+        """Say the node is ready once its workers are, the rendezvous has caught up, and it
+        reaches every live member of the round (only ready nodes are placed in a round)."""
+        if (
+            not self.rdzv.node.ready
+            and self.workers.ready
+            and self.rdzv.synced
+            and self.peers.reaches_the_round(self.rdzv.view)
+        ):
+            self.rdzv.record.set_ready()
 
     def _drained(self, view: JobView) -> bool:
         """A stop signal came, or a quarantine: whether the node may leave now, or drains first
         (:meth:`PlannedLeave.may_leave`)."""
         why = signal.Signals(self.stop_signal).name if self.stop_signal else "quarantined"
         return self.leaving.may_leave(
-            view, self.current is not None, self.rdzv.fenced.is_set(), why
+            view, self.act.current is not None, self.rdzv.fenced.is_set(), why
         )
-
-    def _follow_round(self, view: JobView) -> None:
-        """Send the workers into a new round that lists this node, or to standby if it does not."""
-        step = decide.follow_round(view, self.rdzv.node, self.current, self.workers.ready)
-        if isinstance(step, decide.Standby):
-            self.workers.standby(step.after_step)
-            self.events.emit(ev.STANDBY, round=step.round, after_step=step.after_step)
-            self.current = None
-        elif isinstance(step, decide.Assign):
-            rnd, me = step.round, step.member
-            self.workers.assign(list(step.assignments))
-            self.events.emit(
-                ev.ROUND_JOINED,
-                f"{self.node_id}: round {rnd.number}, ranks {me.first_rank}-"
-                f"{me.first_rank + me.slots - 1} of {rnd.world_size}",
-                round=rnd.number,
-                world_size=rnd.world_size,
-                first_rank=me.first_rank,
-                nodes=rnd.size,
-                **self.rdzv.load.take(),  # what this node cost etcd since its previous round
-            )
-            self.current = rnd
-
-    def _leave_round(self, reason: str) -> None:
-        """Leave the current round at once (a failure report), the workers standing by."""
-        self.rdzv.record.report_failure(reason)
-        if self.current is not None:
-            self.workers.standby()
-            self.current = None
-
-    def _restart(self, plan: decide.Restart) -> int:
-        """Leave the round and start the failed workers again once the node checks out healthy.
-        Returns 0 to carry on, or the agent's exit code."""
-        self.crashes = plan.crashes
-        self._leave_round(plan.reason)
-        failed = [self.workers.slots[i] for i in plan.local_ranks]
-        for s in failed:
-            s.stop(0)
-        if plan.strike is not None:
-            if self.admission.strike(plan.strike):
-                return self._rejoin(decide.Rejoin("quarantined", strike=False))
-            code = self.admission.check(in_running_job=True)
-            if code:
-                return code
-        for s in failed:
-            s.start()
-        return 0
-
-    def _rejoin(self, rejoin: decide.Rejoin) -> int:
-        """Fenced or quarantined: this node's rounds go on without it. Leave, wait out any
-        quarantine, check the node again and join as a new member; 0, or the exit code."""
-        sentenced = self.admission.strike(rejoin.reason) if rejoin.strike else None
-        quarantined = sentenced is not None or self.node_id in self.rdzv.view.quarantined
-        keep = decide.keeps_workers(rejoin, quarantined, self.workers.exit_codes())
-        log.warning(
-            "%s %s; leaving, to join again as a new member (its workers %s)",
-            self.node_id,
-            rejoin.reason,
-            "stand by" if keep else "stop",
-        )
-        if keep:
-            self.workers.standby()
-        else:
-            self.workers.stop(STOP_GRACE_S)
-        self.current = None
-        self.leaving.reset()
-        self.sentenced = False
-        self.rdzv.leave()
-        code = self._join(in_running_job=True)
-        if code:
-            return code
-        if not keep:
-            for s in self.workers.slots:
-                s.start()
-        return 0
-
-    def _finish(self) -> None:
-        """A local worker trained the job to its end: let the others end too, then mark the job
-        done if all of them saved it (exit 0; not :data:`EXIT_UNSAVED`)."""
-        deadline = time.monotonic() + STOP_GRACE_S * 6
-        while None in self.workers.exit_codes() and not self.rdzv.fenced.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            self._receive(timeout=min(left, IDLE_WAKE_S))
-        if all(c == 0 for c in self.workers.exit_codes()):
-            # The round they trained it in: a node still in a later one leaves at once.
-            finished_in = self.workers.finished_in(timeout_s=STOP_GRACE_S)
-            if finished_in is None:
-                finished_in = self.current.number if self.current else 0
-            try:
-                self.rdzv.mark_done(finished_in)
-            except EtcdLost as exc:  # the others finish the same last step on their own
-                log.warning("%s: could not mark the job done: %s", self.node_id, exc)
-        self.current = None
-
-    # --- health and quarantine -----------------------------------------------------------------
-
-    def _on_straggler(self, msg: WorkerStraggler) -> None:
-        """A worker of this node straggles: evict the node or keep it
-        (:func:`launcher.agent.decisions.on_straggler`). An evicted node quarantines itself, and
-        the loop drains it as it drains a node an operator quarantined."""
-        view = self.rdzv.view
-        leaving = self.leaving.since is not None or self.sentenced
-        step = decide.on_straggler(
-            self.cfg.health.straggler.value,
-            self.node_id,
-            msg.slowdown,
-            decide.others_go_on(view, self.node_id, self.cfg.cluster.min_nodes),
-            leaving=leaving or self.node_id in view.quarantined,
-        )
-        evict = isinstance(step, decide.Evict)
-        found = {"slowdown": msg.slowdown, "step": msg.step, "at": time.time(), "evicted": evict}
-        with contextlib.suppress(*etcd_errors()):  # for the status command; the events keep it too
-            self.rdzv.put_under_lease(self.rdzv.keys.straggler(self.node_id), json.dumps(found))
-        if isinstance(step, decide.Evict):
-            # The watch brings the quarantine to the view, and the loop drains the node.
-            self.sentenced = self.admission.sentence(step.reason)
-            return
-        self.events.emit(ev.STRAGGLER_KEPT, reason=step, step=msg.step, slowdown=msg.slowdown)
 
     def _join(self, in_running_job: bool) -> int:
         """:meth:`Admission.join`: 0 once registered, else the exit code and its reason."""

@@ -55,10 +55,10 @@ def _drop_a_sample(sampler: object) -> None:
     sampler.ElasticSampler.plan = dropping  # type: ignore[attr-defined]
 
 
-def _hold_the_commit(checkpoint: object) -> None:
-    commit = checkpoint.CheckpointManager.commit  # type: ignore[attr-defined]
+def _hold_the_commit(checkpoint_save: object) -> None:
+    commit = checkpoint_save.CheckpointWriter.commit  # type: ignore[attr-defined]
 
-    def holding(self, written, meta, guard=checkpoint.UNGUARDED):  # type: ignore[no-untyped-def,attr-defined]
+    def holding(self, written, meta, guard=checkpoint_save.UNGUARDED):  # type: ignore[no-untyped-def,attr-defined]
         if written.step != _HOLD_STEP or os.path.exists(_HOLD_PATH):
             return commit(self, written, meta, guard)
         with open(_HOLD_PATH, "w") as f:
@@ -68,7 +68,7 @@ def _hold_the_commit(checkpoint: object) -> None:
             time.sleep(_POLL_S)
         return commit(self, written, meta, guard)  # raises SaveAbandoned once abandoned
 
-    checkpoint.CheckpointManager.commit = holding  # type: ignore[attr-defined]
+    checkpoint_save.CheckpointWriter.commit = holding  # type: ignore[attr-defined]
 
 
 def _gate_closed(step: int, left: int, size: int) -> bool:
@@ -144,7 +144,7 @@ def _importing(name, globals=None, locals=None, fromlist=(), level=0):  # type: 
 if _DROP_AT:
     _pending.append(("elastic.sampler", "ElasticSampler", _drop_a_sample))
 if _HOLD_STEP and _HOLD_PATH:
-    _pending.append(("elastic.checkpoint", "CheckpointManager", _hold_the_commit))
+    _pending.append(("elastic.checkpoint_save", "CheckpointWriter", _hold_the_commit))
 if _GATE_PATH:
     _pending.append(("elastic.ddp_hook", "DDPHook", _watch_the_hook))
     _pending.append(("elastic.sampler", "ElasticSampler", _hold_at_the_gate))
