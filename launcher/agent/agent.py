@@ -48,12 +48,10 @@ from launcher.agent.slots import local_slots
 from launcher.agent.workers import WorkerGroup
 from launcher.health.gpu_watch import GpuWatch
 from launcher.rendezvous.etcd import etcd_errors
+from launcher.rendezvous.etcd_client import EtcdLost
 from launcher.rendezvous.lease import ETCD_LOST_FIX
 from launcher.rendezvous.membership import JobView, Round
-from launcher.rendezvous.rendezvous import (
-    EtcdLost,
-    Rendezvous,
-)
+from launcher.rendezvous.rendezvous import Rendezvous
 
 log = logging.getLogger("launcher.agent")
 

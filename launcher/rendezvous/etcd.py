@@ -544,29 +544,3 @@ def prefix_end(prefix: str) -> bytes:
     """The end of etcd's key range for ``prefix`` (its last byte incremented)."""
     raw = prefix.encode()
     return raw[:-1] + bytes([raw[-1] + 1])
-
-
-@dataclass
-class EtcdLoad:
-    """What this node has cost etcd so far: its requests (a watch created counts as one) besides
-    its lease's keep-alives (a fixed rate, counted apart), the watch events and their bytes (key
-    and value) delivered to it, and the bytes of the rounds' member keys it read. Counted where
-    they happen, so that the events can say what a round costs the server (:meth:`take`)."""
-
-    requests: int = 0
-    keepalives: int = 0
-    watch_events: int = 0
-    watch_bytes: int = 0
-    read_bytes: int = 0
-    _taken: tuple[int, ...] = (0, 0, 0, 0, 0)
-
-    def count_keepalive(self) -> None:
-        self.keepalives += 1
-
-    def take(self) -> dict[str, int]:
-        """The load since the previous call, as event fields."""
-        now = (self.requests, self.keepalives, self.watch_events, self.watch_bytes, self.read_bytes)
-        delta = [a - b for a, b in zip(now, self._taken, strict=True)]
-        self._taken = now
-        names = ("etcd_requests", "keepalives", "watch_events", "watch_bytes", "read_bytes")
-        return dict(zip(names, delta, strict=True))

@@ -3,9 +3,11 @@
 A node registers under a lease of its own; its registration is its key's create revision, so a
 node that registers again is a new member, never mistaken for the one a stale round lists. The
 parts, each in its module here: the node's own record (``record``), the lease keeping
-(``lease``), the view of the job kept from watches (``follower``) and, on the node that leads,
-the round proposals (``leader``). A round is replaced only by a transaction conditioned on the
-revision its proposer read (fencing), so two proposers never both win.
+(``lease``), the view of the job kept from watches (``follower``), on the node that leads the
+round proposals (``leader``), and the one etcd client they all call through, which counts what
+the node costs etcd and retries through outages (``etcd_client``). A round is replaced only by a
+transaction conditioned on the revision its proposer read (fencing), so two proposers never both
+win.
 
 A peer that sees a node die deletes its key (:meth:`Rendezvous.evict`) instead of waiting for the
 lease; a node whose key is gone, evicted or expired, fences itself. etcd away is not a lost
@@ -27,14 +29,8 @@ from elastic import event_types as ev
 from elastic.config import RendezvousConfig
 from elastic.event_types import EventType
 from elastic.events import EventLog
-from launcher.rendezvous.etcd import (
-    EtcdLoad,
-    allow_watch_filters,
-    denied,
-    etcd_errors,
-    lease_gone,
-)
-from launcher.rendezvous.etcd_usage import NoSpace, out_of_space
+from launcher.rendezvous.etcd import etcd_errors, lease_gone
+from launcher.rendezvous.etcd_client import EtcdClient, backoff
 from launcher.rendezvous.follower import JobFollower, read_round
 from launcher.rendezvous.keys import JobKeys
 from launcher.rendezvous.leader import Leadership, leads
@@ -61,28 +57,6 @@ class NodeIdInUse(RuntimeError):
         self.holder = holder  # the registration that holds the id (joined_rev: its revision)
 
 
-class EtcdLost(ConnectionError):
-    """etcd did not answer for longer than ``rendezvous.etcd_grace_s``."""
-
-
-class EtcdDenied(EtcdLost):
-    """etcd answered and refused: the user may not use the job's keys. Raised at once, since
-    waiting out the grace period cannot change a role."""
-
-
-class EtcdFull(EtcdLost):
-    """etcd answered and refused a write: its space quota is exceeded (the ``NOSPACE`` alarm).
-    Raised at once, since waiting frees no space: an operator must, and disarm the alarm."""
-
-
-RETRY_MIN_S, RETRY_MAX_S = 0.25, 4.0  # backoff of the calls retried while etcd is away
-
-
-def backoff(attempt: int) -> float:
-    """Seconds before retry number ``attempt`` (0-based) of a call that found etcd away."""
-    return min(RETRY_MAX_S, RETRY_MIN_S * 2 ** min(attempt, 16))
-
-
 class Rendezvous:
     """One node's membership in a job: it registers, runs the lease keeper and the sync thread,
     and wires the parts (its record, the view it follows, the leadership) to one lock."""
@@ -101,13 +75,19 @@ class Rendezvous:
     ) -> None:
         """``on_change`` is called on the rendezvous's threads, after each change of the view and
         when this node is fenced; it must return at once (the agent posts to its inbox)."""
-        self._client = client
-        allow_watch_filters(client)
         self._cfg = cfg
         self._events = events
         self._on_change = on_change or (lambda: None)
         self.keys = JobKeys(cfg.prefix, job_id)
         self._node_key = self.keys.node(node.node_id)  # its id never changes
+        self._etcd = EtcdClient(
+            client,
+            node_id=node.node_id,
+            prefix=self.keys.rendezvous,
+            grace_s=cfg.etcd_grace_s,
+            emit=self._emit,
+        )
+        self.load = self._etcd.load
 
         self._cond = threading.Condition()
         self._lease: Any = None
@@ -117,15 +97,11 @@ class Rendezvous:
         self._wake = threading.Event()
         self.fenced = threading.Event()
         self.etcd_lost = threading.Event()
-        self.load = EtcdLoad()
         self._whole: Round | None = None  # the newest round read whole (:meth:`whole_round`)
-        self._full: NoSpace | None = None  # etcd's NOSPACE, reported; until a progress put lands
-        self._full_lock = threading.Lock()
         self.follower = JobFollower(
-            client,
+            self._etcd,
             self.keys,
             node,
-            self.load,
             cond=self._cond,
             wake=self._wake,
             stopping=self._stop,
@@ -134,18 +110,15 @@ class Rendezvous:
             changed=self._changed,
         )
         self.record = OwnRecord(
-            client,
+            self._etcd,
             self._node_key,
             node,
-            self.load,
             self._emit,
             saw_own=self.follower.saw_own,
             fence=self._fence_now,
             wake=self._wake.set,
         )
-        self.leadership = Leadership(
-            client, self.keys, cfg, min_nodes, max_nodes, self._emit, self.load
-        )
+        self.leadership = Leadership(self._etcd, self.keys, cfg, min_nodes, max_nodes, self._emit)
 
     # --- membership --------------------------------------------------------------------------
 
@@ -153,14 +126,14 @@ class Rendezvous:
         """Register this node under a fresh lease and start following the job.
 
         While etcd does not answer this retries with backoff, up to ``rendezvous.etcd_grace_s``;
-        then it raises :class:`EtcdLost`.
+        then it raises :class:`~launcher.rendezvous.etcd_client.EtcdLost`.
         """
         self._stop.clear()
         self.fenced.clear()
         self.follower.reset(self.record.fresh())
         lease, ok, responses = self.retry("register", self._register)
         if not ok:
-            self._client.revoke_lease(lease.id)
+            self._etcd.revoke_lease(lease.id)
             [(value, meta)] = responses[0]
             raise NodeIdInUse(
                 f"node id {self.node.node_id!r} is already live in this job: give each node its "
@@ -171,7 +144,7 @@ class Rendezvous:
         self._lease = lease
         self.record.start(self._registration, lease)
         keeper = LeaseKeeper(
-            self._client,
+            self._etcd.raw,
             lease.id,
             self._cfg,
             self.node.node_id,
@@ -179,7 +152,7 @@ class Rendezvous:
             on_back=self._wake.set,  # the sync thread re-reads the job and re-opens the watch
             on_expired=lambda: self._fence_now("the lease expired (etcd says so)"),
             on_lost=self._etcd_gone,
-            count_keepalive=self.load.count_keepalive,
+            count_keepalive=self._etcd.load.count_keepalive,
         )
         self._threads = [
             threading.Thread(
@@ -202,18 +175,16 @@ class Rendezvous:
         if self.fenced.is_set() or not self._registration:
             return
         try:
-            self.load.requests += 1
-            _, meta = self._client.get(self._node_key)
+            _, meta = self._etcd.get(self._node_key)
         except etcd_errors():
             return
         if meta is None or meta.create_revision != self._registration:
             self._fence_now("this node was evicted by a peer")
 
     def _register(self) -> tuple[Any, bool, list[Any]]:
-        self.load.requests += 2
-        lease = self._client.lease(self._cfg.lease_ttl_s)
-        t = self._client.transactions
-        ok, responses = self._client.transaction(
+        lease = self._etcd.lease(self._cfg.lease_ttl_s)
+        t = self._etcd.transactions
+        ok, responses = self._etcd.transaction(
             compare=[t.version(self._node_key) == 0],
             success=[t.put(self._node_key, self.node.to_json(), lease)],
             failure=[t.get(self._node_key)],
@@ -221,35 +192,9 @@ class Rendezvous:
         return lease, ok, responses
 
     def retry(self, what: str, call: Callable[[], Any]) -> Any:
-        """``call()``, retried with backoff while etcd does not answer, for at most
-        ``rendezvous.etcd_grace_s``; then :class:`EtcdLost`."""
-        started, attempt = time.monotonic(), 0
-        while True:
-            try:
-                return call()
-            except etcd_errors() as exc:
-                full = self._out_of_space(exc)
-                if full is not None:
-                    raise EtcdFull(f"while trying to {what}: {full}") from exc
-                if denied(exc):
-                    prefix = self.keys.rendezvous
-                    raise EtcdDenied(
-                        f"etcd denied {self.node.node_id} the job's keys ({prefix}) while "
-                        f"trying to {what}. Fix: grant cluster.etcd_user's role readwrite on "
-                        f"them (etcdctl role grant-permission ROLE readwrite --prefix=true "
-                        f"{prefix}), or run the job under a prefix the role covers "
-                        "(rendezvous.prefix, job_id)"
-                    ) from exc
-                waited = time.monotonic() - started
-                if waited > self._cfg.etcd_grace_s:
-                    raise EtcdLost(
-                        f"etcd did not answer for {waited:.0f} s "
-                        f"(rendezvous.etcd_grace_s={self._cfg.etcd_grace_s:g}) while trying to "
-                        f"{what}: {exc.__class__.__name__}"
-                    ) from exc
-                log.info("etcd unavailable (%s); retrying to %s", exc.__class__.__name__, what)
-                time.sleep(backoff(attempt))
-                attempt += 1
+        """:meth:`launcher.rendezvous.etcd_client.EtcdClient.retry`: ``call()``, retried with
+        backoff while etcd does not answer, up to ``rendezvous.etcd_grace_s``."""
+        return self._etcd.retry(what, call)
 
     def leave(self) -> None:
         """Stop following the job and revoke the lease, which deletes this node's keys at once."""
@@ -261,7 +206,7 @@ class Rendezvous:
         self.follower.cancel()
         if self._lease is not None:
             try:
-                self._client.revoke_lease(self._lease.id)
+                self._etcd.revoke_lease(self._lease.id)
             except Exception as exc:
                 # Not revoked, it expires by itself within its TTL; if it is gone already, its
                 # keys went with it.
@@ -280,7 +225,7 @@ class Rendezvous:
         if kept is not None and (kept.number, kept.parts_id) == (rnd.number, rnd.parts_id):
             return kept
         try:
-            self._whole = read_round(self._client, self.keys, rnd.head, 0, self.load)
+            self._whole = read_round(self._etcd, self.keys, rnd.head, 0)
         except (*etcd_errors(), RoundIncomplete) as exc:
             log.info("cannot read round %d's members (%s)", rnd.number, exc)
             return None
@@ -290,21 +235,19 @@ class Rendezvous:
         """Delete a dead peer's key, if it is still the registration ``member`` names. False if
         it is not (gone already, or registered again), or etcd did not answer: the caller may
         try again."""
-        t = self._client.transactions
+        t = self._etcd.transactions
         key = self.keys.node(member.node_id)
         held = leader_value(member.node_id, member.joined_rev)
         try:
             ok = False
-            self.load.requests += 1
             if self.view.leader == held:  # it leads: the others need a new leader at once
-                ok, _ = self._client.transaction(
+                ok, _ = self._etcd.transaction(
                     compare=[t.create(key) == member.joined_rev, t.value(self.keys.leader) == held],
                     success=[t.delete(key), t.delete(self.keys.leader)],
                     failure=[],
                 )
             if not ok:
-                self.load.requests += 1
-                ok, _ = self._client.transaction(
+                ok, _ = self._etcd.transaction(
                     compare=[t.create(key) == member.joined_rev],
                     success=[t.delete(key)],
                     failure=[],
@@ -320,24 +263,16 @@ class Rendezvous:
         """Tell the others the job is trained, in round ``round_number`` (retried while etcd is
         away, see :meth:`join`)."""
         record = json.dumps({"node": self.node.node_id, "round": round_number})
-        self.load.requests += 1
-        self.retry(
-            "mark the job done", lambda: self._client.put(self.keys.done, record, self._lease)
-        )
+        self.retry("mark the job done", lambda: self._etcd.put(self.keys.done, record, self._lease))
 
     def put_under_lease(self, key: str, value: str) -> None:
         """Put ``key`` (the ``progress`` key) under this node's lease, so it goes with the node;
-        once, not retried: raises what etcd raises, and nothing while unregistered."""
+        once, not retried: raises what etcd raises, and nothing while unregistered. A refusal for
+        lack of space is named (:meth:`~launcher.rendezvous.etcd_client.EtcdClient.no_space`)."""
         lease = self._lease
         if lease is None or self.fenced.is_set():
             return
-        self.load.requests += 1
-        try:
-            self._client.put(key, value, lease)
-        except etcd_errors() as exc:
-            self._out_of_space(exc)
-            raise
-        self._full = None
+        self._etcd.put_tracking_space(key, value, lease)
 
     # --- the view ----------------------------------------------------------------------------
 
@@ -429,7 +364,7 @@ class Rendezvous:
                     )
                 failures = 0
             except etcd_errors() as exc:  # the keep-alive says when etcd is away; no log spam
-                self._out_of_space(exc)
+                self._etcd.no_space(exc)
                 log.debug("rendezvous sync failed (%s); retrying", exc)
                 self.follower.cancel()
                 deadline = next_resync = time.monotonic() + backoff(failures)
@@ -448,27 +383,6 @@ class Rendezvous:
     def propose(self, view: JobView, members: list[NodeRecord]) -> bool:
         """:meth:`Leadership.propose` as this registration."""
         return self.leadership.propose(view, members, self._registration)
-
-    def _out_of_space(self, exc: BaseException) -> NoSpace | None:
-        """Whether etcd refused the call that raised ``exc`` for lack of space
-        (:func:`launcher.rendezvous.etcd_usage.out_of_space`); the first refusal is reported as
-        an ``etcd_no_space`` event, with the fix. Rank 0's node learns it first: its ``progress``
-        put is refused within seconds, and the next one that lands ends the episode."""
-        full = out_of_space(self._client, exc)
-        if full is None:
-            return None
-        with self._full_lock:
-            first, self._full = self._full is None, full
-        if first:
-            self._emit(
-                ev.ETCD_NO_SPACE,
-                f"{self.node.node_id}: {full.reason}: until then no round can change and no "
-                f"node can join (a round in progress trains on). Fix: {full.fix}",
-                level=logging.ERROR,
-                reason=full.reason,
-                fix=full.fix,
-            )
-        return full
 
     def _emit(
         self,
