@@ -4,10 +4,11 @@ A node registers under a lease of its own; its registration is its key's create 
 node that registers again is a new member, never mistaken for the one a stale round lists. The
 parts, each in its module here: the node's own record (``record``), the lease keeping
 (``lease``), the view of the job kept from watches (``follower``), on the node that leads the
-round proposals (``leader``), and the one etcd client they all call through, which counts what
-the node costs etcd and retries through outages (``etcd_client``). A round is replaced only by a
-transaction conditioned on the revision its proposer read (fencing), so two proposers never both
-win.
+round proposals (``leader``), the two threads that keep a registration going (``upkeep``),
+whether the node is fenced or cut off (``standing``), a dead peer's eviction (``eviction``), and
+the one etcd client they all call through, which counts what the node costs etcd and retries
+through outages (``etcd_client``). A round is replaced only by a transaction conditioned on the
+revision its proposer read (fencing), so two proposers never both win.
 
 A peer that sees a node die deletes its key (:meth:`Rendezvous.evict`) instead of waiting for the
 lease; a node whose key is gone, evicted or expired, fences itself. etcd away is not a lost
@@ -21,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -30,20 +30,21 @@ from elastic.config import RendezvousConfig
 from elastic.event_types import EventType
 from elastic.events import EventLog
 from launcher.rendezvous.etcd import etcd_errors, lease_gone
-from launcher.rendezvous.etcd_client import EtcdClient, backoff
+from launcher.rendezvous.etcd_client import EtcdClient
+from launcher.rendezvous.eviction import evict
 from launcher.rendezvous.follower import JobFollower, read_round
 from launcher.rendezvous.keys import JobKeys
 from launcher.rendezvous.leader import Leadership, leads
-from launcher.rendezvous.lease import LeaseKeeper
 from launcher.rendezvous.membership import (
     JobView,
     Member,
     NodeRecord,
     Round,
     RoundIncomplete,
-    leader_value,
 )
 from launcher.rendezvous.record import OwnRecord
+from launcher.rendezvous.standing import Standing
+from launcher.rendezvous.upkeep import Upkeep
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +59,9 @@ class NodeIdInUse(RuntimeError):
 
 
 class Rendezvous:
-    """One node's membership in a job: it registers, runs the lease keeper and the sync thread,
-    and wires the parts (its record, the view it follows, the leadership) to one lock."""
+    """One node's membership in a job: what the node asks of the rendezvous (join, wait for a
+    view, propose, evict, leave). It wires the parts to one etcd client and one condition: its
+    record, the view it follows, the leadership, its standing and the threads of its upkeep."""
 
     def __init__(
         self,
@@ -77,7 +79,6 @@ class Rendezvous:
         when this node is fenced; it must return at once (the agent posts to its inbox)."""
         self._cfg = cfg
         self._events = events
-        self._on_change = on_change or (lambda: None)
         self.keys = JobKeys(cfg.prefix, job_id)
         self._node_key = self.keys.node(node.node_id)  # its id never changes
         self._etcd = EtcdClient(
@@ -88,26 +89,24 @@ class Rendezvous:
             emit=self._emit,
         )
         self.load = self._etcd.load
-
-        self._cond = threading.Condition()
+        standing = Standing(node.node_id, self._emit, on_change or (lambda: None))
+        self.fenced, self.etcd_lost = standing.fenced, standing.etcd_lost
+        self._fence_now = standing.fence_now
         self._lease: Any = None
         self._registration = 0  # create revision of this node's key
-        self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self.fenced = threading.Event()
-        self.etcd_lost = threading.Event()
         self._whole: Round | None = None  # the newest round read whole (:meth:`whole_round`)
         self.follower = JobFollower(
             self._etcd,
             self.keys,
             node,
-            cond=self._cond,
+            cond=standing.cond,
             wake=self._wake,
             stopping=self._stop,
             fenced=self.fenced,
-            fence=self._fence,
-            changed=self._changed,
+            fence=standing.fence,
+            changed=standing.changed,
         )
         self.record = OwnRecord(
             self._etcd,
@@ -119,6 +118,18 @@ class Rendezvous:
             wake=self._wake.set,
         )
         self.leadership = Leadership(self._etcd, self.keys, cfg, min_nodes, max_nodes, self._emit)
+        self._upkeep = Upkeep(
+            self._etcd,
+            cfg,
+            node.node_id,
+            follower=self.follower,
+            record=self.record,
+            leadership=self.leadership,
+            standing=standing,
+            emit=self._emit,
+            stopping=self._stop,
+            wake=self._wake,
+        )
 
     # --- membership --------------------------------------------------------------------------
 
@@ -143,25 +154,7 @@ class Rendezvous:
         self._registration = responses[0].response_put.header.revision
         self._lease = lease
         self.record.start(self._registration, lease)
-        keeper = LeaseKeeper(
-            self._etcd.raw,
-            lease.id,
-            self._cfg,
-            self.node.node_id,
-            self._emit,
-            on_back=self._wake.set,  # the sync thread re-reads the job and re-opens the watch
-            on_expired=lambda: self._fence_now("the lease expired (etcd says so)"),
-            on_lost=self._etcd_gone,
-            count_keepalive=self._etcd.load.count_keepalive,
-        )
-        self._threads = [
-            threading.Thread(
-                target=keeper.run, args=(self._stop,), name="rdzv-keepalive", daemon=True
-            ),
-            threading.Thread(target=self._sync_loop, name="rdzv-sync", daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
+        self._upkeep.start(self._registration, lease)
         self._emit(ev.NODE_REGISTERED, lease=lease.id, ttl_s=self._cfg.lease_ttl_s)
 
     def confirm(self) -> None:
@@ -198,11 +191,7 @@ class Rendezvous:
 
     def leave(self) -> None:
         """Stop following the job and revoke the lease, which deletes this node's keys at once."""
-        self._stop.set()
-        self._wake.set()
-        for t in self._threads:
-            t.join(timeout=5)
-        self._threads = []
+        self._upkeep.stop()
         self.follower.cancel()
         if self._lease is not None:
             try:
@@ -232,32 +221,10 @@ class Rendezvous:
         return self._whole
 
     def evict(self, member: Member | NodeRecord, reason: str) -> bool:
-        """Delete a dead peer's key, if it is still the registration ``member`` names. False if
-        it is not (gone already, or registered again), or etcd did not answer: the caller may
-        try again."""
-        t = self._etcd.transactions
-        key = self.keys.node(member.node_id)
-        held = leader_value(member.node_id, member.joined_rev)
-        try:
-            ok = False
-            if self.view.leader == held:  # it leads: the others need a new leader at once
-                ok, _ = self._etcd.transaction(
-                    compare=[t.create(key) == member.joined_rev, t.value(self.keys.leader) == held],
-                    success=[t.delete(key), t.delete(self.keys.leader)],
-                    failure=[],
-                )
-            if not ok:
-                ok, _ = self._etcd.transaction(
-                    compare=[t.create(key) == member.joined_rev],
-                    success=[t.delete(key)],
-                    failure=[],
-                )
-        except etcd_errors() as exc:
-            log.info("etcd unavailable (%s); evicting %s later", exc, member.node_id)
-            return False
-        if ok:
-            self._emit(ev.PEER_EVICTED, peer=member.node_id, reason=reason)
-        return bool(ok)
+        """Delete a dead peer's key, if it is still the registration ``member`` names
+        (:func:`launcher.rendezvous.eviction.evict`). False if it is not (gone already, or
+        registered again), or etcd did not answer: the caller may try again."""
+        return evict(self._etcd, self.keys, self.view.leader, member, reason, self._emit)
 
     def mark_done(self, round_number: int) -> None:
         """Tell the others the job is trained, in round ``round_number`` (retried while etcd is
@@ -275,14 +242,6 @@ class Rendezvous:
         self._etcd.put_tracking_space(key, value, lease)
 
     # --- the view ----------------------------------------------------------------------------
-
-    def _changed(self) -> None:
-        """Tell whoever follows the job that the view changed or this node was fenced; called
-        without ``self._cond`` held, so the callback can read the view."""
-        try:
-            self._on_change()
-        except Exception:  # the watch and keep-alive threads must survive a faulty callback
-            log.exception("rendezvous on_change callback failed")
 
     @property
     def view(self) -> JobView:
@@ -306,78 +265,6 @@ class Rendezvous:
     def leads(self) -> bool:
         """Whether this registration holds the ``leader`` key, as of the view (after
         :meth:`leave`: as it was)."""
-        return self._leads()
-
-    def _fence_now(self, reason: str) -> None:
-        """:meth:`_fence`, from a thread that does not hold ``self._cond``."""
-        with self._cond:
-            fenced = self._fence(reason)
-        if fenced:
-            self._changed()
-
-    def _etcd_gone(self) -> None:
-        """The keeper's word: etcd stayed away past ``rendezvous.etcd_grace_s``."""
-        with self._cond:
-            self.etcd_lost.set()
-            self._cond.notify_all()
-        self._changed()
-
-    def _fence(self, reason: str) -> bool:
-        """Consider this node out of the job; called with ``self._cond`` held, and then
-        :meth:`_changed` if this returns True (it was not fenced yet)."""
-        if self.fenced.is_set():
-            return False
-        self._emit(
-            ev.FENCED,
-            f"{self.node.node_id} is fenced out of the job: {reason}",
-            level=logging.WARNING,
-            reason=reason,
-        )
-        self.fenced.set()
-        self._cond.notify_all()
-        return True
-
-    def _sync_loop(self) -> None:
-        """Keep the watches alive, re-read the job now and then, claim the lead when nobody
-        holds it, and propose rounds as leader."""
-        next_resync = 0.0
-        failures = 0
-        while not self._stop.is_set():
-            deadline: float | None = None
-            try:
-                now = time.monotonic()
-                leads = self._leads()
-                follower = self.follower
-                if not follower.watch_ids or leads != follower.following_all:
-                    follower.subscribe(leads)
-                    next_resync = now + self._cfg.resync_s
-                elif now >= next_resync or follower.reread:
-                    follower.reread = False
-                    follower.snapshot(follower.following_all)
-                    next_resync = now + self._cfg.resync_s
-                self.record.flush()
-                if not self.view.leader and follower.watch_ids and self._claimable():
-                    self.leadership.claim(self.node.node_id, self._registration, self._lease)
-                if not self.fenced.is_set():
-                    deadline = self.leadership.maybe_propose(
-                        self.view, self.node.node_id, self._registration, follower.last_change
-                    )
-                failures = 0
-            except etcd_errors() as exc:  # the keep-alive says when etcd is away; no log spam
-                self._etcd.no_space(exc)
-                log.debug("rendezvous sync failed (%s); retrying", exc)
-                self.follower.cancel()
-                deadline = next_resync = time.monotonic() + backoff(failures)
-                failures += 1
-            wait = min(deadline or next_resync, next_resync) - time.monotonic()
-            self._wake.wait(timeout=max(0.01, wait))
-            self._wake.clear()
-
-    def _claimable(self) -> bool:
-        """Whether this registration may claim the lead: live, not fenced."""
-        return not self.fenced.is_set() and self._lease is not None
-
-    def _leads(self) -> bool:
         return leads(self.view, self.node.node_id, self._registration)
 
     def propose(self, view: JobView, members: list[NodeRecord]) -> bool:
