@@ -7,8 +7,8 @@ its record under it by the same transaction, reads the job as of one revision (t
 leader, ``done``, its own key and its own quarantine key), watches the same five keys (its own
 key for deletions only), says it is ready, re-reads the five keys every ``resync_s``, and reads
 its own member key with each new round head. It counts what it costs etcd as a real node does
-(:class:`launcher.rendezvous.etcd.EtcdLoad`), fences itself when its key is deleted or its lease
-is gone, and counts a keep-alive unanswered for half a TTL as a real node reports one
+(:class:`launcher.rendezvous.etcd_client.EtcdLoad`), fences itself when its key is deleted or its
+lease is gone, and counts a keep-alive unanswered for half a TTL as a real node reports one
 (``etcd_unreachable``).
 
 What the nodes of one process share is the transport: one channel, one ``LeaseKeepAlive`` stream

@@ -23,7 +23,6 @@ from elastic.events import read_events
 from launcher import alerts
 from launcher.alerts import AlertPolicy, reports_failure
 from launcher.notify import CLEANUP_S, Notifier
-from launcher.rendezvous.etcd import EtcdLoad
 from launcher.rendezvous.keys import JobKeys
 from launcher.rendezvous.leader import Leadership
 from launcher.rendezvous.membership import JobView, NodeRecord, Round, leader_value
@@ -176,7 +175,7 @@ def test_the_leader_says_once_per_occurrence_that_the_job_waits_for_nodes() -> N
         said.append((kind.name, f))
 
     keys = JobKeys("/elastic", "j1")
-    leadership = Leadership(None, keys, RendezvousConfig(), 2, 3, emit, EtcdLoad())
+    leadership = Leadership(None, keys, RendezvousConfig(), 2, 3, emit)
     lead = leader_value("a", 1)
     short = JobView({"a": A}, TRAINED, 7, complete=True, leader=lead)
     again = Round.build(4, [A, B])

@@ -18,9 +18,10 @@ import pytest
 from elastic.events import EventLog, read_events
 from launcher.rendezvous.embedded_etcd import EmbeddedEtcd
 from launcher.rendezvous.etcd import connect, grpc_target
+from launcher.rendezvous.etcd_client import backoff
 from launcher.rendezvous.lease import KeepAliveStream, Lease, lease_verdict
 from launcher.rendezvous.membership import NodeRecord
-from launcher.rendezvous.rendezvous import Rendezvous, backoff
+from launcher.rendezvous.rendezvous import Rendezvous
 
 from .conftest import FAST
 

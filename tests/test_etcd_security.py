@@ -29,8 +29,9 @@ from launcher.health.node_report import Status
 from launcher.rendezvous.credentials import credential_problems, etcd_security_problems
 from launcher.rendezvous.embedded_etcd import etcd_binary, free_port
 from launcher.rendezvous.etcd import EtcdRefused, EtcdSecurity, connect
+from launcher.rendezvous.etcd_client import EtcdDenied
 from launcher.rendezvous.membership import NodeRecord
-from launcher.rendezvous.rendezvous import EtcdDenied, Rendezvous
+from launcher.rendezvous.rendezvous import Rendezvous
 from tests.conftest import FAST, REPO
 
 x509 = pytest.importorskip("cryptography.x509")

@@ -28,9 +28,10 @@ from launcher.commands.doctor import etcd_compaction_row, etcd_space_row
 from launcher.health.node_report import Status
 from launcher.rendezvous.embedded_etcd import EmbeddedEtcd
 from launcher.rendezvous.etcd import connect
+from launcher.rendezvous.etcd_client import EtcdFull
 from launcher.rendezvous.etcd_usage import compacted, revisions_per_hour, usage
 from launcher.rendezvous.membership import NodeRecord
-from launcher.rendezvous.rendezvous import EtcdFull, Rendezvous
+from launcher.rendezvous.rendezvous import Rendezvous
 
 from .conftest import FAST, REPO
 

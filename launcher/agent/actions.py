@@ -19,8 +19,9 @@ from launcher.agent.admission import Admission
 from launcher.agent.planned_leave import PlannedLeave
 from launcher.agent.self_quarantine import SelfQuarantine
 from launcher.agent.workers import WorkerGroup
+from launcher.rendezvous.etcd_client import EtcdLost
 from launcher.rendezvous.membership import JobView, Round
-from launcher.rendezvous.rendezvous import EtcdLost, Rendezvous
+from launcher.rendezvous.rendezvous import Rendezvous
 
 log = logging.getLogger("launcher.agent")
 

@@ -23,8 +23,9 @@ from launcher.health.checks import run_checks
 from launcher.health.node_report import Status
 from launcher.health.quarantine import Entry, Quarantine, clear_command
 from launcher.rendezvous.etcd import etcd_errors
+from launcher.rendezvous.etcd_client import EtcdDenied, EtcdFull, EtcdLost
 from launcher.rendezvous.lease import ETCD_LOST_FIX
-from launcher.rendezvous.rendezvous import EtcdDenied, EtcdFull, EtcdLost, NodeIdInUse, Rendezvous
+from launcher.rendezvous.rendezvous import NodeIdInUse, Rendezvous
 
 log = logging.getLogger("launcher.agent")
 

@@ -376,20 +376,79 @@ def _reauthenticate_on_refusal(
     cancelled, so that its watchers learn it broke and watch again on a stream with the new
     token. A watch creation that etcd refuses is an error
     (:class:`WatchRefused`), not a watch that never fires."""
-    import grpc
-    from etcd3 import etcdrpc
-    from etcd3.client import EtcdTokenCallCredentials
+    token = _Token(client, security, names)
+    client.kvstub = _RenewingStub(client.kvstub, (), token)
+    client.leasestub = _RenewingStub(client.leasestub, ("LeaseKeepAlive",), token)
+    client.clusterstub = _RenewingStub(client.clusterstub, (), token)
+    client.maintenancestub = _RenewingStub(client.maintenancestub, ("Snapshot",), token)
+    watcher = client.watcher
+    watcher._watch_stub = _TrackedWatchStub(watcher._watch_stub, token)
+    _raise_refused_watches(watcher)
 
-    lock = threading.Lock()
-    watch_calls: list[Any] = []
-    retry_codes = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT)
 
-    def reauthenticate(stale: Any) -> None:
-        with lock:
+class _Token:
+    """The token ``client`` sends, renewed when etcd refuses it (:meth:`renew`), and the watch
+    streams opened with it, cancelled when it is (:meth:`opened`)."""
+
+    def __init__(self, client: Any, security: EtcdSecurity, names: Mapping[str, str]) -> None:
+        import grpc
+
+        self._client, self._security, self._names = client, security, names
+        self._lock = threading.Lock()
+        self._watch_calls: list[Any] = []
+        self._retry_codes = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT)
+
+    def renewing(self, method: Any) -> Any:
+        """``method`` (a unary call of a stub), sent once more with a new token if etcd refuses
+        the old one."""
+        import grpc
+
+        client = self._client
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            stale = client.metadata
+            try:
+                return method(*args, **kwargs)
+            except grpc.RpcError as exc:
+                if exc.code() not in self._retry_codes:
+                    raise
+            self._renew_or_say(stale)
+            kwargs.update(credentials=client.call_credentials, metadata=client.metadata)
+            return method(*args, **kwargs)
+
+        return call
+
+    def _renew_or_say(self, stale: Any) -> None:
+        """:meth:`renew`; a user etcd no longer accepts is logged, with the fix, and raised."""
+        import grpc
+
+        try:
+            self.renew(stale)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                log.error(
+                    "etcd no longer accepts user %r (changed password, or removed). Fix: %s",
+                    self._security.user,
+                    password_fix(self._names),
+                )
+            raise
+
+    def renew(self, stale: Any) -> None:
+        """Authenticate again, unless another thread did since the token ``stale`` was sent;
+        the calls and streams made afterwards carry the new token, and the watch streams open
+        now are cancelled."""
+        import grpc
+        from etcd3 import etcdrpc
+        from etcd3.client import EtcdTokenCallCredentials
+
+        client = self._client
+        with self._lock:
             if client.metadata is not stale:
                 return  # another thread did it while this call failed
             response = client.auth_stub.Authenticate(
-                etcdrpc.AuthenticateRequest(name=security.user, password=security.password),
+                etcdrpc.AuthenticateRequest(
+                    name=self._security.user, password=self._security.password
+                ),
                 client.timeout,
             )
             token = response.token
@@ -399,59 +458,46 @@ def _reauthenticate_on_refusal(
             )
             client.watcher._metadata = client.metadata
             client.watcher._credentials = client.call_credentials
-            calls, watch_calls[:] = list(watch_calls), []
+            calls, self._watch_calls[:] = list(self._watch_calls), []
         for call in calls:
             call.cancel()
 
-    class Stub:
-        def __init__(self, stub: Any, streams: tuple[str, ...]) -> None:
-            self._stub, self._streams = stub, streams
+    def opened(self, call: Any) -> None:
+        """A watch stream ``call`` was opened with the current token."""
+        with self._lock:
+            self._watch_calls.append(call)
+            self._watch_calls[:] = [c for c in self._watch_calls if c.is_active()]
 
-        def __getattr__(self, name: str) -> Any:
-            method = getattr(self._stub, name)
-            if name in self._streams:
-                return method
 
-            def call(*args: Any, **kwargs: Any) -> Any:
-                stale = client.metadata
-                try:
-                    return method(*args, **kwargs)
-                except grpc.RpcError as exc:
-                    if exc.code() not in retry_codes:
-                        raise
-                try:
-                    reauthenticate(stale)
-                except grpc.RpcError as exc:
-                    if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                        log.error(
-                            "etcd no longer accepts user %r (changed password, or removed). "
-                            "Fix: %s",
-                            security.user,
-                            password_fix(names),
-                        )
-                    raise
-                kwargs.update(credentials=client.call_credentials, metadata=client.metadata)
-                return method(*args, **kwargs)
+class _RenewingStub:
+    """A gRPC stub whose unary calls renew a refused token (:meth:`_Token.renewing`); the
+    streams named in ``streams`` pass through."""
 
-            return call
+    def __init__(self, stub: Any, streams: tuple[str, ...], token: _Token) -> None:
+        self._stub, self._streams, self._token = stub, streams, token
 
-    class WatchStub:
-        def __init__(self, stub: Any) -> None:
-            self._stub = stub
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._stub, name)
+        if name in self._streams:
+            return method
+        return self._token.renewing(method)
 
-        def Watch(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - gRPC's name
-            call = self._stub.Watch(*args, **kwargs)
-            with lock:
-                watch_calls.append(call)
-                watch_calls[:] = [c for c in watch_calls if c.is_active()]
-            return call
 
-    client.kvstub = Stub(client.kvstub, ())
-    client.leasestub = Stub(client.leasestub, ("LeaseKeepAlive",))
-    client.clusterstub = Stub(client.clusterstub, ())
-    client.maintenancestub = Stub(client.maintenancestub, ("Snapshot",))
-    watcher = client.watcher
-    watcher._watch_stub = WatchStub(watcher._watch_stub)
+class _TrackedWatchStub:
+    """The watch stub, telling ``token`` of each stream it opens (:meth:`_Token.opened`)."""
+
+    def __init__(self, stub: Any, token: _Token) -> None:
+        self._stub, self._token = stub, token
+
+    def Watch(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - gRPC's name
+        call = self._stub.Watch(*args, **kwargs)
+        self._token.opened(call)
+        return call
+
+
+def _raise_refused_watches(watcher: Any) -> None:
+    """Make a watch creation that etcd refuses (created and cancelled at once) fail with
+    :class:`WatchRefused`, instead of a watch that never fires."""
     handle = watcher._handle_response
 
     def handle_response(rs: Any) -> None:
@@ -544,29 +590,3 @@ def prefix_end(prefix: str) -> bytes:
     """The end of etcd's key range for ``prefix`` (its last byte incremented)."""
     raw = prefix.encode()
     return raw[:-1] + bytes([raw[-1] + 1])
-
-
-@dataclass
-class EtcdLoad:
-    """What this node has cost etcd so far: its requests (a watch created counts as one) besides
-    its lease's keep-alives (a fixed rate, counted apart), the watch events and their bytes (key
-    and value) delivered to it, and the bytes of the rounds' member keys it read. Counted where
-    they happen, so that the events can say what a round costs the server (:meth:`take`)."""
-
-    requests: int = 0
-    keepalives: int = 0
-    watch_events: int = 0
-    watch_bytes: int = 0
-    read_bytes: int = 0
-    _taken: tuple[int, ...] = (0, 0, 0, 0, 0)
-
-    def count_keepalive(self) -> None:
-        self.keepalives += 1
-
-    def take(self) -> dict[str, int]:
-        """The load since the previous call, as event fields."""
-        now = (self.requests, self.keepalives, self.watch_events, self.watch_bytes, self.read_bytes)
-        delta = [a - b for a, b in zip(now, self._taken, strict=True)]
-        self._taken = now
-        names = ("etcd_requests", "keepalives", "watch_events", "watch_bytes", "read_bytes")
-        return dict(zip(names, delta, strict=True))

@@ -18,7 +18,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from launcher.rendezvous.etcd import EtcdLoad, etcd_errors, prefix_end, read_at_one_revision
+from launcher.rendezvous.etcd import etcd_errors, prefix_end
+from launcher.rendezvous.etcd_client import EtcdClient
 from launcher.rendezvous.keys import JobKeys
 from launcher.rendezvous.membership import JobView, NodeRecord, Round, RoundIncomplete
 
@@ -45,11 +46,10 @@ def _done_in(value: bytes) -> int:
 
 
 def read_round(
-    client: Any,
+    etcd: EtcdClient,
     keys: JobKeys,
     head: bytes,
     revision: int,
-    load: EtcdLoad,
     node_id: str = "",
     whole: bool = True,
 ) -> Round:
@@ -58,10 +58,8 @@ def read_round(
     member keys are not the ones the head names (a newer round deleted them meanwhile)."""
     folder = keys.round_part_folder(json.loads(head)["parts"])
     read = (folder, prefix_end(folder)) if whole else (folder + node_id, None)
-    load.requests += 1
-    _, found = read_at_one_revision(client, [read], revision)
+    found = etcd.read_members(read, revision)
     rows = {kv.key.decode()[len(folder) :]: kv.value for kvs in found for kv in kvs}
-    load.read_bytes += sum(len(kv.key) + len(kv.value) for kvs in found for kv in kvs)
     return Round.from_values(head, rows, whole)
 
 
@@ -75,10 +73,9 @@ class JobFollower:
 
     def __init__(
         self,
-        client: Any,
+        etcd: EtcdClient,
         keys: JobKeys,
         node: NodeRecord,
-        load: EtcdLoad,
         *,
         cond: threading.Condition,
         wake: threading.Event,
@@ -87,7 +84,7 @@ class JobFollower:
         fence: Callable[[str], bool],
         changed: Callable[[], None],
     ) -> None:
-        self._client, self._keys, self._load = client, keys, load
+        self._etcd, self._keys = etcd, keys
         self._node_id = node.node_id
         # This node's own keys (its id never changes; every other key is self._keys').
         self._node_key = keys.node(node.node_id)
@@ -155,8 +152,7 @@ class JobFollower:
             reads = [(k, None) for k in keys] + [(r, prefix_end(r)) for r in ranges]
         else:
             reads = [(k, None) for k in [*keys, self._node_key, self._own_quarantine_key]]
-        self._load.requests += len(reads)
-        revision, found = read_at_one_revision(self._client, reads)
+        revision, found = self._etcd.read(reads)
         nodes: dict[str, NodeRecord] = {}
         rnd, round_rev, leader, done_in, quarantined = None, 0, "", None, set()
         for kv in (kv for kvs in found for kv in kvs):
@@ -197,7 +193,7 @@ class JobFollower:
         """The round from its head, read as of ``revision`` (where the head was seen: its member
         keys were written before it and are deleted only by a later round) with this node's own
         member key, or with all of them when ``whole`` (the leader)."""
-        return read_round(self._client, self._keys, raw, revision, self._load, self._node_id, whole)
+        return read_round(self._etcd, self._keys, raw, revision, self._node_id, whole)
 
     def _on_watch(self, response: Any) -> None:
         """Runs on the etcd client's watch thread: apply each event to the view.
@@ -212,8 +208,6 @@ class JobFollower:
             self._wake.set()
             return
         changed = False
-        self._load.watch_events += len(response.events)
-        self._load.watch_bytes += sum(len(ev.key) + len(ev.value) for ev in response.events)
         # A round's member keys are read before the view is locked: a read may wait on etcd.
         rounds: dict[int, Round | Exception] = {}
         for ev in response.events:
@@ -304,7 +298,7 @@ class JobFollower:
         revision = self.snapshot(everyone)
         if not revision:
             return
-        add, start = self._client.add_watch_callback, revision + 1
+        add, start = self._etcd.add_watch_callback, revision + 1
         ids = [add(k, self._on_watch, start_revision=start) for k in self._singles()]
         if everyone:
             ids += [
@@ -317,7 +311,6 @@ class JobFollower:
                 add(self._own_quarantine_key, self._on_watch, start_revision=start),
             ]
         self.watch_ids = ids
-        self._load.requests += len(ids)
 
     def _singles(self) -> tuple[str, ...]:
         return (self._keys.round, self._keys.leader, self._keys.done)
@@ -326,6 +319,6 @@ class JobFollower:
         ids, self.watch_ids = self.watch_ids, []
         for watch_id in ids:
             try:
-                self._client.cancel_watch(watch_id)
+                self._etcd.cancel_watch(watch_id)
             except Exception as exc:  # etcd away, or the stream already broke
                 log.debug("cancel_watch: %s", exc)

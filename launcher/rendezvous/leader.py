@@ -16,7 +16,8 @@ from typing import Any
 
 from elastic import event_types as ev
 from elastic.config import RendezvousConfig
-from launcher.rendezvous.etcd import EtcdLoad, prefix_end
+from launcher.rendezvous.etcd import prefix_end
+from launcher.rendezvous.etcd_client import EtcdClient
 from launcher.rendezvous.keys import JobKeys
 from launcher.rendezvous.lease import Emit
 from launcher.rendezvous.membership import (
@@ -47,17 +48,16 @@ class Leadership:
 
     def __init__(
         self,
-        client: Any,
+        etcd: EtcdClient,
         keys: JobKeys,
         cfg: RendezvousConfig,
         min_nodes: int,
         max_nodes: int,
         emit: Emit,
-        load: EtcdLoad,
     ) -> None:
-        self._client, self._keys, self._cfg = client, keys, cfg
+        self._etcd, self._keys, self._cfg = etcd, keys, cfg
         self._min, self._max = min_nodes, max_nodes
-        self._emit, self._load = emit, load
+        self._emit = emit
         self._initial_settle = max(cfg.first_round_wait_s, cfg.settle_s)
         self._drain_seen: dict[str, float] = {}  # drained members: when the leader first saw them
         self._short = False  # the job waits for nodes, and this leader said so
@@ -66,9 +66,8 @@ class Leadership:
     def claim(self, node_id: str, registration: int, lease: Any) -> None:
         """Take the ``leader`` key (under the node's lease, so it goes with the node) if nobody
         holds it and the registration is still live; of many claims, one wins."""
-        t = self._client.transactions
-        self._load.requests += 1
-        ok, _ = self._client.transaction(
+        t = self._etcd.transactions
+        ok, _ = self._etcd.transaction(
             compare=[
                 t.version(self._keys.leader) == 0,
                 t.create(self._keys.node(node_id)) == registration,
@@ -147,11 +146,10 @@ class Leadership:
         new = Round.build(number, members, switch_step(view, members), view.round, parts_id)
         head, rows = new.to_values()
         folder = keys.round_part_folder(parts_id)
-        t = self._client.transactions
+        t = self._etcd.transactions
         batch = list(rows.items())
         for i in range(0, len(batch), MEMBERS_PER_TXN):
-            self._load.requests += 1
-            self._client.transaction(
+            self._etcd.transaction(
                 compare=[],
                 success=[t.put(folder + n, v) for n, v in batch[i : i + MEMBERS_PER_TXN]],
                 failure=[],
@@ -161,8 +159,7 @@ class Leadership:
         )
         # Won: the older rounds' member keys go (every folder that sorts before this one).
         # Lost: this proposal's own go.
-        self._load.requests += 1
-        ok, _ = self._client.transaction(
+        ok, _ = self._etcd.transaction(
             compare=[fence],
             success=[t.put(keys.round, head), t.delete(keys.round_parts, range_end=folder)],
             failure=[t.delete(folder, range_end=prefix_end(folder))],

@@ -16,7 +16,8 @@ from dataclasses import replace
 from typing import Any
 
 from elastic import event_types as ev
-from launcher.rendezvous.etcd import EtcdLoad, etcd_errors
+from launcher.rendezvous.etcd import etcd_errors
+from launcher.rendezvous.etcd_client import EtcdClient
 from launcher.rendezvous.lease import Emit
 from launcher.rendezvous.membership import NodeRecord
 
@@ -30,17 +31,16 @@ class OwnRecord:
 
     def __init__(
         self,
-        client: Any,
+        etcd: EtcdClient,
         key: str,
         node: NodeRecord,
-        load: EtcdLoad,
         emit: Emit,
         *,
         saw_own: Callable[[NodeRecord, int], None],
         fence: Callable[[str], None],
         wake: Callable[[], None],
     ) -> None:
-        self._client, self._key, self._load, self._emit = client, key, load, emit
+        self._etcd, self._key, self._emit = etcd, key, emit
         self._saw_own, self._fence, self._wake = saw_own, fence, wake
         self.node = node
         self._registration = 0  # create revision of the key
@@ -98,11 +98,10 @@ class OwnRecord:
         etcd raises. A key that is gone means the node was evicted or its lease expired: it is
         fenced (the watch may not have said so yet). One write at a time, so an older record
         never lands after a newer one."""
-        t = self._client.transactions
+        t = self._etcd.transactions
         with self._lock:
             record = self.node
-            self._load.requests += 1
-            ok, responses = self._client.transaction(
+            ok, responses = self._etcd.transaction(
                 compare=[t.create(self._key) == self._registration],
                 success=[t.put(self._key, record.to_json(), self._lease)],
                 failure=[],

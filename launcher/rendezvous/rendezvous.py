@@ -3,8 +3,11 @@
 A node registers under a lease of its own; its registration is its key's create revision, so a
 node that registers again is a new member, never mistaken for the one a stale round lists. The
 parts, each in its module here: the node's own record (``record``), the lease keeping
-(``lease``), the view of the job kept from watches (``follower``) and, on the node that leads,
-the round proposals (``leader``). A round is replaced only by a transaction conditioned on the
+(``lease``), the view of the job kept from watches (``follower``), on the node that leads the
+round proposals (``leader``), the two threads that keep a registration going (``upkeep``),
+whether the node is fenced or cut off (``standing``), a dead peer's eviction (``eviction``), and
+the one etcd client they all call through, which counts what the node costs etcd and retries
+through outages (``etcd_client``). A round is replaced only by a transaction conditioned on the
 revision its proposer read (fencing), so two proposers never both win.
 
 A peer that sees a node die deletes its key (:meth:`Rendezvous.evict`) instead of waiting for the
@@ -19,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,27 +29,22 @@ from elastic import event_types as ev
 from elastic.config import RendezvousConfig
 from elastic.event_types import EventType
 from elastic.events import EventLog
-from launcher.rendezvous.etcd import (
-    EtcdLoad,
-    allow_watch_filters,
-    denied,
-    etcd_errors,
-    lease_gone,
-)
-from launcher.rendezvous.etcd_usage import NoSpace, out_of_space
+from launcher.rendezvous.etcd import etcd_errors, lease_gone
+from launcher.rendezvous.etcd_client import EtcdClient
+from launcher.rendezvous.eviction import evict
 from launcher.rendezvous.follower import JobFollower, read_round
 from launcher.rendezvous.keys import JobKeys
 from launcher.rendezvous.leader import Leadership, leads
-from launcher.rendezvous.lease import LeaseKeeper
 from launcher.rendezvous.membership import (
     JobView,
     Member,
     NodeRecord,
     Round,
     RoundIncomplete,
-    leader_value,
 )
 from launcher.rendezvous.record import OwnRecord
+from launcher.rendezvous.standing import Standing
+from launcher.rendezvous.upkeep import Upkeep
 
 log = logging.getLogger(__name__)
 
@@ -61,31 +58,10 @@ class NodeIdInUse(RuntimeError):
         self.holder = holder  # the registration that holds the id (joined_rev: its revision)
 
 
-class EtcdLost(ConnectionError):
-    """etcd did not answer for longer than ``rendezvous.etcd_grace_s``."""
-
-
-class EtcdDenied(EtcdLost):
-    """etcd answered and refused: the user may not use the job's keys. Raised at once, since
-    waiting out the grace period cannot change a role."""
-
-
-class EtcdFull(EtcdLost):
-    """etcd answered and refused a write: its space quota is exceeded (the ``NOSPACE`` alarm).
-    Raised at once, since waiting frees no space: an operator must, and disarm the alarm."""
-
-
-RETRY_MIN_S, RETRY_MAX_S = 0.25, 4.0  # backoff of the calls retried while etcd is away
-
-
-def backoff(attempt: int) -> float:
-    """Seconds before retry number ``attempt`` (0-based) of a call that found etcd away."""
-    return min(RETRY_MAX_S, RETRY_MIN_S * 2 ** min(attempt, 16))
-
-
 class Rendezvous:
-    """One node's membership in a job: it registers, runs the lease keeper and the sync thread,
-    and wires the parts (its record, the view it follows, the leadership) to one lock."""
+    """One node's membership in a job: what the node asks of the rendezvous (join, wait for a
+    view, propose, evict, leave). It wires the parts to one etcd client and one condition: its
+    record, the view it follows, the leadership, its standing and the threads of its upkeep."""
 
     def __init__(
         self,
@@ -101,50 +77,58 @@ class Rendezvous:
     ) -> None:
         """``on_change`` is called on the rendezvous's threads, after each change of the view and
         when this node is fenced; it must return at once (the agent posts to its inbox)."""
-        self._client = client
-        allow_watch_filters(client)
         self._cfg = cfg
         self._events = events
-        self._on_change = on_change or (lambda: None)
         self.keys = JobKeys(cfg.prefix, job_id)
         self._node_key = self.keys.node(node.node_id)  # its id never changes
-
-        self._cond = threading.Condition()
+        self._etcd = EtcdClient(
+            client,
+            node_id=node.node_id,
+            prefix=self.keys.rendezvous,
+            grace_s=cfg.etcd_grace_s,
+            emit=self._emit,
+        )
+        self.load = self._etcd.load
+        standing = Standing(node.node_id, self._emit, on_change or (lambda: None))
+        self.fenced, self.etcd_lost = standing.fenced, standing.etcd_lost
+        self._fence_now = standing.fence_now
         self._lease: Any = None
         self._registration = 0  # create revision of this node's key
-        self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self.fenced = threading.Event()
-        self.etcd_lost = threading.Event()
-        self.load = EtcdLoad()
         self._whole: Round | None = None  # the newest round read whole (:meth:`whole_round`)
-        self._full: NoSpace | None = None  # etcd's NOSPACE, reported; until a progress put lands
-        self._full_lock = threading.Lock()
         self.follower = JobFollower(
-            client,
+            self._etcd,
             self.keys,
             node,
-            self.load,
-            cond=self._cond,
+            cond=standing.cond,
             wake=self._wake,
             stopping=self._stop,
             fenced=self.fenced,
-            fence=self._fence,
-            changed=self._changed,
+            fence=standing.fence,
+            changed=standing.changed,
         )
         self.record = OwnRecord(
-            client,
+            self._etcd,
             self._node_key,
             node,
-            self.load,
             self._emit,
             saw_own=self.follower.saw_own,
             fence=self._fence_now,
             wake=self._wake.set,
         )
-        self.leadership = Leadership(
-            client, self.keys, cfg, min_nodes, max_nodes, self._emit, self.load
+        self.leadership = Leadership(self._etcd, self.keys, cfg, min_nodes, max_nodes, self._emit)
+        self._upkeep = Upkeep(
+            self._etcd,
+            cfg,
+            node.node_id,
+            follower=self.follower,
+            record=self.record,
+            leadership=self.leadership,
+            standing=standing,
+            emit=self._emit,
+            stopping=self._stop,
+            wake=self._wake,
         )
 
     # --- membership --------------------------------------------------------------------------
@@ -153,14 +137,14 @@ class Rendezvous:
         """Register this node under a fresh lease and start following the job.
 
         While etcd does not answer this retries with backoff, up to ``rendezvous.etcd_grace_s``;
-        then it raises :class:`EtcdLost`.
+        then it raises :class:`~launcher.rendezvous.etcd_client.EtcdLost`.
         """
         self._stop.clear()
         self.fenced.clear()
         self.follower.reset(self.record.fresh())
         lease, ok, responses = self.retry("register", self._register)
         if not ok:
-            self._client.revoke_lease(lease.id)
+            self._etcd.revoke_lease(lease.id)
             [(value, meta)] = responses[0]
             raise NodeIdInUse(
                 f"node id {self.node.node_id!r} is already live in this job: give each node its "
@@ -170,25 +154,7 @@ class Rendezvous:
         self._registration = responses[0].response_put.header.revision
         self._lease = lease
         self.record.start(self._registration, lease)
-        keeper = LeaseKeeper(
-            self._client,
-            lease.id,
-            self._cfg,
-            self.node.node_id,
-            self._emit,
-            on_back=self._wake.set,  # the sync thread re-reads the job and re-opens the watch
-            on_expired=lambda: self._fence_now("the lease expired (etcd says so)"),
-            on_lost=self._etcd_gone,
-            count_keepalive=self.load.count_keepalive,
-        )
-        self._threads = [
-            threading.Thread(
-                target=keeper.run, args=(self._stop,), name="rdzv-keepalive", daemon=True
-            ),
-            threading.Thread(target=self._sync_loop, name="rdzv-sync", daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
+        self._upkeep.start(self._registration, lease)
         self._emit(ev.NODE_REGISTERED, lease=lease.id, ttl_s=self._cfg.lease_ttl_s)
 
     def confirm(self) -> None:
@@ -202,18 +168,16 @@ class Rendezvous:
         if self.fenced.is_set() or not self._registration:
             return
         try:
-            self.load.requests += 1
-            _, meta = self._client.get(self._node_key)
+            _, meta = self._etcd.get(self._node_key)
         except etcd_errors():
             return
         if meta is None or meta.create_revision != self._registration:
             self._fence_now("this node was evicted by a peer")
 
     def _register(self) -> tuple[Any, bool, list[Any]]:
-        self.load.requests += 2
-        lease = self._client.lease(self._cfg.lease_ttl_s)
-        t = self._client.transactions
-        ok, responses = self._client.transaction(
+        lease = self._etcd.lease(self._cfg.lease_ttl_s)
+        t = self._etcd.transactions
+        ok, responses = self._etcd.transaction(
             compare=[t.version(self._node_key) == 0],
             success=[t.put(self._node_key, self.node.to_json(), lease)],
             failure=[t.get(self._node_key)],
@@ -221,47 +185,17 @@ class Rendezvous:
         return lease, ok, responses
 
     def retry(self, what: str, call: Callable[[], Any]) -> Any:
-        """``call()``, retried with backoff while etcd does not answer, for at most
-        ``rendezvous.etcd_grace_s``; then :class:`EtcdLost`."""
-        started, attempt = time.monotonic(), 0
-        while True:
-            try:
-                return call()
-            except etcd_errors() as exc:
-                full = self._out_of_space(exc)
-                if full is not None:
-                    raise EtcdFull(f"while trying to {what}: {full}") from exc
-                if denied(exc):
-                    prefix = self.keys.rendezvous
-                    raise EtcdDenied(
-                        f"etcd denied {self.node.node_id} the job's keys ({prefix}) while "
-                        f"trying to {what}. Fix: grant cluster.etcd_user's role readwrite on "
-                        f"them (etcdctl role grant-permission ROLE readwrite --prefix=true "
-                        f"{prefix}), or run the job under a prefix the role covers "
-                        "(rendezvous.prefix, job_id)"
-                    ) from exc
-                waited = time.monotonic() - started
-                if waited > self._cfg.etcd_grace_s:
-                    raise EtcdLost(
-                        f"etcd did not answer for {waited:.0f} s "
-                        f"(rendezvous.etcd_grace_s={self._cfg.etcd_grace_s:g}) while trying to "
-                        f"{what}: {exc.__class__.__name__}"
-                    ) from exc
-                log.info("etcd unavailable (%s); retrying to %s", exc.__class__.__name__, what)
-                time.sleep(backoff(attempt))
-                attempt += 1
+        """:meth:`launcher.rendezvous.etcd_client.EtcdClient.retry`: ``call()``, retried with
+        backoff while etcd does not answer, up to ``rendezvous.etcd_grace_s``."""
+        return self._etcd.retry(what, call)
 
     def leave(self) -> None:
         """Stop following the job and revoke the lease, which deletes this node's keys at once."""
-        self._stop.set()
-        self._wake.set()
-        for t in self._threads:
-            t.join(timeout=5)
-        self._threads = []
+        self._upkeep.stop()
         self.follower.cancel()
         if self._lease is not None:
             try:
-                self._client.revoke_lease(self._lease.id)
+                self._etcd.revoke_lease(self._lease.id)
             except Exception as exc:
                 # Not revoked, it expires by itself within its TTL; if it is gone already, its
                 # keys went with it.
@@ -280,74 +214,34 @@ class Rendezvous:
         if kept is not None and (kept.number, kept.parts_id) == (rnd.number, rnd.parts_id):
             return kept
         try:
-            self._whole = read_round(self._client, self.keys, rnd.head, 0, self.load)
+            self._whole = read_round(self._etcd, self.keys, rnd.head, 0)
         except (*etcd_errors(), RoundIncomplete) as exc:
             log.info("cannot read round %d's members (%s)", rnd.number, exc)
             return None
         return self._whole
 
     def evict(self, member: Member | NodeRecord, reason: str) -> bool:
-        """Delete a dead peer's key, if it is still the registration ``member`` names. False if
-        it is not (gone already, or registered again), or etcd did not answer: the caller may
-        try again."""
-        t = self._client.transactions
-        key = self.keys.node(member.node_id)
-        held = leader_value(member.node_id, member.joined_rev)
-        try:
-            ok = False
-            self.load.requests += 1
-            if self.view.leader == held:  # it leads: the others need a new leader at once
-                ok, _ = self._client.transaction(
-                    compare=[t.create(key) == member.joined_rev, t.value(self.keys.leader) == held],
-                    success=[t.delete(key), t.delete(self.keys.leader)],
-                    failure=[],
-                )
-            if not ok:
-                self.load.requests += 1
-                ok, _ = self._client.transaction(
-                    compare=[t.create(key) == member.joined_rev],
-                    success=[t.delete(key)],
-                    failure=[],
-                )
-        except etcd_errors() as exc:
-            log.info("etcd unavailable (%s); evicting %s later", exc, member.node_id)
-            return False
-        if ok:
-            self._emit(ev.PEER_EVICTED, peer=member.node_id, reason=reason)
-        return bool(ok)
+        """Delete a dead peer's key, if it is still the registration ``member`` names
+        (:func:`launcher.rendezvous.eviction.evict`). False if it is not (gone already, or
+        registered again), or etcd did not answer: the caller may try again."""
+        return evict(self._etcd, self.keys, self.view.leader, member, reason, self._emit)
 
     def mark_done(self, round_number: int) -> None:
         """Tell the others the job is trained, in round ``round_number`` (retried while etcd is
         away, see :meth:`join`)."""
         record = json.dumps({"node": self.node.node_id, "round": round_number})
-        self.load.requests += 1
-        self.retry(
-            "mark the job done", lambda: self._client.put(self.keys.done, record, self._lease)
-        )
+        self.retry("mark the job done", lambda: self._etcd.put(self.keys.done, record, self._lease))
 
     def put_under_lease(self, key: str, value: str) -> None:
         """Put ``key`` (the ``progress`` key) under this node's lease, so it goes with the node;
-        once, not retried: raises what etcd raises, and nothing while unregistered."""
+        once, not retried: raises what etcd raises, and nothing while unregistered. A refusal for
+        lack of space is named (:meth:`~launcher.rendezvous.etcd_client.EtcdClient.no_space`)."""
         lease = self._lease
         if lease is None or self.fenced.is_set():
             return
-        self.load.requests += 1
-        try:
-            self._client.put(key, value, lease)
-        except etcd_errors() as exc:
-            self._out_of_space(exc)
-            raise
-        self._full = None
+        self._etcd.put_tracking_space(key, value, lease)
 
     # --- the view ----------------------------------------------------------------------------
-
-    def _changed(self) -> None:
-        """Tell whoever follows the job that the view changed or this node was fenced; called
-        without ``self._cond`` held, so the callback can read the view."""
-        try:
-            self._on_change()
-        except Exception:  # the watch and keep-alive threads must survive a faulty callback
-            log.exception("rendezvous on_change callback failed")
 
     @property
     def view(self) -> JobView:
@@ -371,104 +265,11 @@ class Rendezvous:
     def leads(self) -> bool:
         """Whether this registration holds the ``leader`` key, as of the view (after
         :meth:`leave`: as it was)."""
-        return self._leads()
-
-    def _fence_now(self, reason: str) -> None:
-        """:meth:`_fence`, from a thread that does not hold ``self._cond``."""
-        with self._cond:
-            fenced = self._fence(reason)
-        if fenced:
-            self._changed()
-
-    def _etcd_gone(self) -> None:
-        """The keeper's word: etcd stayed away past ``rendezvous.etcd_grace_s``."""
-        with self._cond:
-            self.etcd_lost.set()
-            self._cond.notify_all()
-        self._changed()
-
-    def _fence(self, reason: str) -> bool:
-        """Consider this node out of the job; called with ``self._cond`` held, and then
-        :meth:`_changed` if this returns True (it was not fenced yet)."""
-        if self.fenced.is_set():
-            return False
-        self._emit(
-            ev.FENCED,
-            f"{self.node.node_id} is fenced out of the job: {reason}",
-            level=logging.WARNING,
-            reason=reason,
-        )
-        self.fenced.set()
-        self._cond.notify_all()
-        return True
-
-    def _sync_loop(self) -> None:
-        """Keep the watches alive, re-read the job now and then, claim the lead when nobody
-        holds it, and propose rounds as leader."""
-        next_resync = 0.0
-        failures = 0
-        while not self._stop.is_set():
-            deadline: float | None = None
-            try:
-                now = time.monotonic()
-                leads = self._leads()
-                follower = self.follower
-                if not follower.watch_ids or leads != follower.following_all:
-                    follower.subscribe(leads)
-                    next_resync = now + self._cfg.resync_s
-                elif now >= next_resync or follower.reread:
-                    follower.reread = False
-                    follower.snapshot(follower.following_all)
-                    next_resync = now + self._cfg.resync_s
-                self.record.flush()
-                if not self.view.leader and follower.watch_ids and self._claimable():
-                    self.leadership.claim(self.node.node_id, self._registration, self._lease)
-                if not self.fenced.is_set():
-                    deadline = self.leadership.maybe_propose(
-                        self.view, self.node.node_id, self._registration, follower.last_change
-                    )
-                failures = 0
-            except etcd_errors() as exc:  # the keep-alive says when etcd is away; no log spam
-                self._out_of_space(exc)
-                log.debug("rendezvous sync failed (%s); retrying", exc)
-                self.follower.cancel()
-                deadline = next_resync = time.monotonic() + backoff(failures)
-                failures += 1
-            wait = min(deadline or next_resync, next_resync) - time.monotonic()
-            self._wake.wait(timeout=max(0.01, wait))
-            self._wake.clear()
-
-    def _claimable(self) -> bool:
-        """Whether this registration may claim the lead: live, not fenced."""
-        return not self.fenced.is_set() and self._lease is not None
-
-    def _leads(self) -> bool:
         return leads(self.view, self.node.node_id, self._registration)
 
     def propose(self, view: JobView, members: list[NodeRecord]) -> bool:
         """:meth:`Leadership.propose` as this registration."""
         return self.leadership.propose(view, members, self._registration)
-
-    def _out_of_space(self, exc: BaseException) -> NoSpace | None:
-        """Whether etcd refused the call that raised ``exc`` for lack of space
-        (:func:`launcher.rendezvous.etcd_usage.out_of_space`); the first refusal is reported as
-        an ``etcd_no_space`` event, with the fix. Rank 0's node learns it first: its ``progress``
-        put is refused within seconds, and the next one that lands ends the episode."""
-        full = out_of_space(self._client, exc)
-        if full is None:
-            return None
-        with self._full_lock:
-            first, self._full = self._full is None, full
-        if first:
-            self._emit(
-                ev.ETCD_NO_SPACE,
-                f"{self.node.node_id}: {full.reason}: until then no round can change and no "
-                f"node can join (a round in progress trains on). Fix: {full.fix}",
-                level=logging.ERROR,
-                reason=full.reason,
-                fix=full.fix,
-            )
-        return full
 
     def _emit(
         self,
