@@ -1,5 +1,7 @@
-"""The resolved ``config.yaml`` in the run directory: written once by the launcher, read back by
-every agent and worker of the job, so that all of them run the configuration it checked."""
+"""The resolved ``config.yaml`` in the run directory: written by the launcher, read by the job.
+
+It is written once by the launcher and read back by every agent and worker of the job, so that
+all of them run the configuration it checked."""
 
 from __future__ import annotations
 
@@ -18,8 +20,10 @@ def load(path: str | os.PathLike[str]) -> Config:
 
 
 def save(cfg: Config, path: str | os.PathLike[str]) -> None:
-    """Write ``cfg`` to ``path`` atomically: on bare metal every node's launcher writes the
-    same file in the shared run directory while other nodes' agents may be reading it."""
+    """Write ``cfg`` to ``path`` atomically.
+
+    Atomically because on bare metal every node's launcher writes the same file in the shared
+    run directory while other nodes' agents may be reading it."""
     path = Path(path)
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     OmegaConf.save(OmegaConf.structured(cfg), partial)

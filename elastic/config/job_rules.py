@@ -1,5 +1,4 @@
-"""What a range cannot say about where the job runs: the cluster, its id, etcd, the checkpoints,
-the alerts.
+"""The rules a range cannot say about where the job runs: cluster, id, etcd, checkpoints, alerts.
 
 One rule function per section, each yielding :func:`~elastic.config.schema.problem` strings for
 :func:`elastic.config.validate`: relations between keys (``cluster.min_nodes`` against the most a
@@ -22,8 +21,10 @@ JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 
 
 def cluster_problems(cfg: Config) -> Iterator[str]:
-    """The nodes a round may hold, the embedded etcd's size, what bare metal needs, and the
-    etcd endpoints' form."""
+    """The problems of the ``cluster`` section.
+
+    It checks the nodes a round may hold, the embedded etcd's size, what bare metal needs, and
+    the etcd endpoints' form."""
     c = cfg.cluster
     if c.min_nodes > max_nodes(cfg):
         yield problem(
@@ -123,8 +124,9 @@ def chaos_problems(cfg: Config) -> Iterator[str]:
 
 
 def notify_problems(cfg: Config) -> Iterator[str]:
-    """``notify.webhook`` must be an http(s) URL with a host: anything else would fail at the
-    first alert, days into the run, when nobody is looking."""
+    """``notify.webhook`` must be an http(s) URL with a host.
+
+    Anything else would fail at the first alert, days into the run, when nobody is looking."""
     url = cfg.notify.webhook
     if not url:
         return

@@ -56,8 +56,9 @@ DIGITS_PER_CLASS = 174
 
 @dataclass
 class SyntheticDataConfig:
-    """How the ImageFolder of JPEGs is generated (written once at ``data.root``) when
-    ``data.synthetic`` is on: drawn, or a real small data set written out as JPEGs."""
+    """How the ImageFolder of JPEGs is generated when ``data.synthetic`` is on.
+
+    It is written once at ``data.root``: drawn, or a real small data set written out as JPEGs."""
 
     source: DataSource = DataSource.stripes
     # stripes: how many classes to draw; digits: the digits 0 to classes - 1 (at most 10).

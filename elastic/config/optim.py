@@ -35,9 +35,10 @@ class Policy(Choice):
 
 @dataclass
 class AkibaConfig:
-    """The RMSprop warm-up of Akiba et al. (arXiv:1711.04325): each update blends an RMSprop
-    step into the momentum-SGD step, and the SGD share ramps from 0 to 1 in the shape of an ELU
-    (:func:`elastic.optim.sgd_share`)."""
+    """The RMSprop warm-up of Akiba et al. (arXiv:1711.04325).
+
+    Each update blends an RMSprop step into the momentum-SGD step, and the SGD share ramps from
+    0 to 1 in the shape of an ELU (:func:`elastic.optim.sgd_share`)."""
 
     # The ramp's middle (share 0.5) and its width, in epochs.
     center_epochs: float = bounded(10.0, ge=0, fix="set optim.akiba.center_epochs=10")
@@ -51,8 +52,9 @@ class AkibaConfig:
 
 @dataclass
 class LarsConfig:
-    """LARS (arXiv:1708.03888) as MLPerf's ResNet-50 uses it: a per-layer trust ratio, none on
-    batch-norm parameters and biases."""
+    """LARS (arXiv:1708.03888) as MLPerf's ResNet-50 uses it.
+
+    A per-layer trust ratio, none on batch-norm parameters and biases."""
 
     trust_coefficient: float = bounded(0.001, gt=0, fix="set optim.lars.trust_coefficient=0.001")
     eps: float = bounded(0.0, ge=0, fix="set optim.lars.eps=0")
@@ -60,8 +62,9 @@ class LarsConfig:
 
 @dataclass
 class OptimConfig:
-    """The update rule and the LR schedule; the LR follows the linear scaling rule on the global
-    batch whatever the rule."""
+    """The update rule and the LR schedule.
+
+    The LR follows the linear scaling rule on the global batch whatever the rule."""
 
     name: OptimizerName = OptimizerName.sgd
 

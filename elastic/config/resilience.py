@@ -56,8 +56,10 @@ class StragglerPolicy(Choice):
 
 @dataclass
 class HealthConfig:
-    """What a node must prove before it joins a round, and how a node that keeps failing is kept
-    out. The checks are in :mod:`launcher.health.checks` and :mod:`launcher.health.gpu`."""
+    """What a node must prove to join a round, and how a node that keeps failing is kept out.
+
+    The checks are in :mod:`launcher.health.checks` and
+    :mod:`launcher.health.gpu`."""
 
     enabled: bool = True
     # NCCL opens several descriptors per peer and channel, and the data loader one per shared

@@ -27,8 +27,9 @@ class ConfigError(ValueError):
 
 
 def problem(key: str, value: object, why: str, fix: str) -> str:
-    """The one shape of a refusal: the key as typed on the command line, its value, why it
-    cannot work, and what to write instead. A choice is shown as typed (``'gloo'``)."""
+    """The one shape of a refusal: key, value, why it cannot work, and what to write instead.
+
+    The key is as typed on the command line. A choice is shown as typed (``'gloo'``)."""
     shown = value.value if isinstance(value, Enum) else value
     return f"{key}={shown!r}: {why}. Fix: {fix}."
 
@@ -100,8 +101,9 @@ def bounded(
     why: str = "",
     fix: str,
 ) -> N:
-    """A dataclass field with ``default`` whose range :func:`validate` checks (see :class:`Bound`);
-    ``{key}`` in ``fix`` stands for the key's full name.
+    """A dataclass field with ``default`` whose range :func:`validate` checks.
+
+    See :class:`Bound`; ``{key}`` in ``fix`` stands for the key's full name.
 
     Declared next to the key, so that the key's type, default, comment and range are read in one
     place, and a new key cannot be added without deciding its range and fix.
@@ -111,8 +113,9 @@ def bounded(
 
 
 def checked_when(flag: str, factory: Callable[[], G]) -> G:
-    """A group of keys whose bounds are checked only while the sibling bool ``flag`` is on: the
-    settings of something that is not used cannot stop a job."""
+    """A group of keys whose bounds are checked only while the sibling bool ``flag`` is on.
+
+    The settings of something that is not used cannot stop a job."""
     return field(default_factory=factory, metadata={_WHEN: flag})
 
 
@@ -137,9 +140,11 @@ def bound_problems(node: Any, prefix: str = "") -> Iterator[str]:
 
 
 class Choice(str, Enum):
-    """A closed set of spellings for a key. OmegaConf refuses any other value when the config is
-    composed, naming the key and the allowed values. Members are named as they are spelled in
-    YAML (OmegaConf matches by name), compare equal to that string, and print as it."""
+    """A closed set of spellings for a key.
+
+    OmegaConf refuses any other value when the config is composed, naming the key and the
+    allowed values. Members are named as they are spelled in YAML (OmegaConf matches by name),
+    compare equal to that string, and print as it."""
 
     def __str__(self) -> str:
         return str(self.value)

@@ -1,11 +1,11 @@
-"""What a range cannot say about what the job trains: the data, the optimizer, the gradients'
-travel, the model.
+"""The rules a range cannot say about what the job trains: data, optimizer, gradients, model.
 
-One rule function per section, each yielding :func:`~elastic.config.schema.problem` strings for
-:func:`elastic.config.validate`. The rules that the runtime also applies to a configuration it
-may be handed unvalidated are functions of their own, called there too, so that each is written
-once: :func:`grad_dtype_problem` (:mod:`elastic.precision`), :func:`poly_warmup_problem`
-(:mod:`elastic.lr_policy`) and :data:`NO_SCIKIT_LEARN` (:mod:`elastic.synthetic`).
+The gradients' rules are about their travel. One rule function per section, each yielding
+:func:`~elastic.config.schema.problem` strings for :func:`elastic.config.validate`. The rules
+that the runtime also applies to a configuration it may be handed unvalidated are functions of
+their own, called there too, so that each is written once: :func:`grad_dtype_problem`
+(:mod:`elastic.precision`), :func:`poly_warmup_problem` (:mod:`elastic.lr_policy`) and
+:data:`NO_SCIKIT_LEARN` (:mod:`elastic.synthetic`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ NO_SCIKIT_LEARN = problem(
 
 
 def data_problems(cfg: Config) -> Iterator[str]:
-    """A real ImageFolder's splits must be directories this user can read; generated digits must
+    """The problems of the ``data`` section.
+
+    A real ImageFolder's splits must be directories this user can read; generated digits must
     fit the data set."""
     d = cfg.data
     if not d.synthetic:
@@ -67,8 +69,10 @@ def data_problems(cfg: Config) -> Iterator[str]:
 
 
 def digits_problems(g: SyntheticDataConfig, val_dir: str) -> list[str]:
-    """What keeps ``data.generate`` from a balanced split of scikit-learn's digits: more classes
-    than the 10 digits, more images of a digit than the scarcest digit has, no scikit-learn."""
+    """What keeps ``data.generate`` from a balanced split of scikit-learn's digits.
+
+    More classes than the 10 digits, more images of a digit than the scarcest digit has, or no
+    scikit-learn."""
     problems = []
     if g.classes > 10:
         problems.append(
@@ -119,9 +123,11 @@ def optim_problems(cfg: Config) -> Iterator[str]:
 
 
 def poly_warmup_problem(o: OptimConfig, warmup: float, total: float, epochs: float) -> str | None:
-    """The refusal when the poly schedule's warm-up (``warmup``) lasts until the end of the job
-    (``total``), leaving the decay nothing; ``epochs`` is ``trainer.epochs``. Both in one unit:
-    epochs here, samples as :class:`elastic.lr_policy.LRSchedule` rounds them."""
+    """The refusal when the poly schedule's warm-up lasts until the end of the job.
+
+    The warm-up (``warmup``) lasting until the end (``total``) leaves the decay nothing;
+    ``epochs`` is ``trainer.epochs``. Both in one unit: epochs here, samples as
+    :class:`elastic.lr_policy.LRSchedule` rounds them."""
     if o.schedule != Schedule.poly or warmup < total:
         return None
     return problem(
@@ -184,8 +190,9 @@ def model_problems(cfg: Config) -> Iterator[str]:
 
 
 def torchvision_models() -> list[str]:
-    """The names of torchvision's classification models (``model.name``'s choices), learned
-    once per torchvision version (:mod:`elastic.cache`)."""
+    """The names of torchvision's classification models (``model.name``'s choices).
+
+    Learned once per torchvision version (:mod:`elastic.cache`)."""
 
     def learn() -> list[str]:
         from torchvision import models

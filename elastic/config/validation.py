@@ -41,8 +41,9 @@ RULES: tuple[Rule, ...] = (
 
 
 def validate(cfg: Config, *more: Rule) -> None:
-    """Raise :class:`ConfigError` listing every value that cannot work, each with its fix:
-    the problems of :data:`RULES`, then of ``more``."""
+    """Raise :class:`ConfigError` listing every value that cannot work, each with its fix.
+
+    The problems of :data:`RULES` come first, then those of ``more``."""
     problems = [p for rule in (*RULES, *more) for p in rule(cfg)]
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
