@@ -82,11 +82,12 @@ def copy_host(
     pool: ThreadPoolExecutor | None,
     threads: int,
 ) -> None:
-    """``staged[i].copy_(sources[i])`` for host tensors of the same shape and dtype, on the
-    calling thread and ``threads - 1`` of ``pool``'s (with ``pool`` None, on the calling thread
-    alone), each with a share of the tensors, largest first. The contiguous ones are copied by
-    glibc's ``memmove``, which releases the GIL; the rest (and any not in host memory) by
-    ``copy_``, on the calling thread.
+    """Copy host ``sources`` into ``staged`` (same shapes and dtypes), split among threads.
+
+    That is ``staged[i].copy_(sources[i])``, on the calling thread and ``threads - 1`` of
+    ``pool``'s (with ``pool`` None, on the calling thread alone), each with a share of the
+    tensors, largest first. The contiguous ones are copied by glibc's ``memmove``, which releases
+    the GIL; the rest (and any not in host memory) by ``copy_``, on the calling thread.
 
     Why not ``torch._foreach_copy_``: on the CPU it copies the tensors one after the other, each
     split among torch's threads and joined again. For the ResNet-50 state (205 MB, 481 tensors,
@@ -143,8 +144,9 @@ class BackgroundSaver:
         aborted: Callable[[], bool],
         shared: dict[str, Any] | None = None,
     ) -> Started:
-        """Stage ``tensors`` and write them in the background as the checkpoint of ``step``;
-        a collective of ``group``, called by every rank at the same step. ``shared`` (numbers)
+        """Stage ``tensors`` and write them in the background as the checkpoint of ``step``.
+
+        A collective of ``group``, called by every rank at the same step. ``shared`` (numbers)
         is gathered to every rank with the save's hashes, with this call's stall added.
 
         Raises :class:`RoundAborted` when ``aborted()`` turns true while the previous save of
@@ -189,8 +191,9 @@ class BackgroundSaver:
     def _stage(
         self, tensors: dict[str, torch.Tensor], share: frozenset[str] | None
     ) -> tuple[frozenset[int], bool, int]:
-        """Copy ``tensors`` (only the names in ``share``, unless None) into the staged copy;
-        returns the data_ptr() of each staged tensor refilled, whether the staged copy was
+        """Copy ``tensors`` (only the names in ``share``, unless None) into the staged copy.
+
+        Returns the data_ptr() of each staged tensor refilled, whether the staged copy was
         allocated anew (then all of it is refilled: a name, shape or dtype changed), and the
         bytes copied."""
         replaced = self._staged.keys() != tensors.keys() or any(

@@ -1,13 +1,12 @@
-"""Sharded checkpoints with torch.distributed.checkpoint (DCP) to any fsspec URL: the one object
-a worker holds for them, and the load path.
+"""Sharded checkpoints with DCP to any fsspec URL: the one object a worker holds, and the load.
 
-``<url>/step_<step>/`` holds one shard file per rank (laid out by :mod:`elastic.shard_io`), DCP's
-``.metadata``, and ``manifest.json``, the commit record that rank 0 writes last
-(:mod:`elastic.manifest`). DCP writes a replicated tensor once and reshards on load, so a
-checkpoint loads at any world size. A load takes the newest checkpoint whose files all match its
-manifest (:mod:`elastic.checkpoint_verify`), and sets aside the ones that do not. The save path
-is :mod:`elastic.checkpoint_save`; which folders stay, :mod:`elastic.checkpoint_retention`; the
-folders as files, :mod:`elastic.checkpoint_store`.
+DCP is torch.distributed.checkpoint. ``<url>/step_<step>/`` holds one shard file per rank (laid
+out by :mod:`elastic.shard_io`), DCP's ``.metadata``, and ``manifest.json``, the commit record
+that rank 0 writes last (:mod:`elastic.manifest`). DCP writes a replicated tensor once and
+reshards on load, so a checkpoint loads at any world size. A load takes the newest checkpoint
+whose files all match its manifest (:mod:`elastic.checkpoint_verify`), and sets aside the ones
+that do not. The save path is :mod:`elastic.checkpoint_save`; which folders stay,
+:mod:`elastic.checkpoint_retention`; the folders as files, :mod:`elastic.checkpoint_store`.
 """
 
 from __future__ import annotations
@@ -49,10 +48,12 @@ OPTIONAL_STATE = ("scaler.",)
 
 
 class CheckpointManager:
-    """The checkpoints under one URL. ``collective`` guards the collectives of a load (the
-    worker passes ``Communicator.collective``); a save runs on a group of its own, in the
-    background (:class:`elastic.async_checkpoint.BackgroundSaver`, through :attr:`writer`), and
-    its failures are the save's, never the round's."""
+    """The checkpoints under one URL: the one object a worker holds for them.
+
+    ``collective`` guards the collectives of a load (the worker passes
+    ``Communicator.collective``). A save runs on a group of its own, in the background
+    (:class:`elastic.async_checkpoint.BackgroundSaver`, through :attr:`writer`), and its failures
+    are the save's, never the round's."""
 
     def __init__(
         self,
@@ -75,15 +76,19 @@ class CheckpointManager:
         meta: dict[str, Any],
         group: dist.ProcessGroup | None = None,
     ) -> Saved | None:
-        """:meth:`CheckpointWriter.write` then :meth:`CheckpointWriter.commit`, in the
-        foreground; a collective of ``group`` (the default group when None). Returns what was
-        committed on rank 0, None on the others."""
+        """Write and commit the checkpoint of ``step`` in the foreground; a collective.
+
+        :meth:`CheckpointWriter.write` then :meth:`CheckpointWriter.commit`, a collective of
+        ``group`` (the default group when None). Returns what was committed on rank 0, None on
+        the others."""
         written = self.writer.write(step, tensors, group)
         return self.writer.commit(written, meta) if dist.get_rank(group) == 0 else None
 
     def committed(self, step: int) -> bool:
-        """Whether the checkpoint of ``step`` is committed, as rank 0 finds it; a collective,
-        so that every rank takes the same answer while an older round's commit may land."""
+        """Whether the checkpoint of ``step`` is committed, as rank 0 finds it; a collective.
+
+        A collective so that every rank takes the same answer while an older round's commit may
+        land."""
         found: list[Any] = [None]
         if dist.get_rank() == 0:
             found[0] = self.store.has_manifest(folder(self.store.root, step))
@@ -92,8 +97,9 @@ class CheckpointManager:
         return bool(found[0])
 
     def newest_valid(self) -> CheckpointInfo | None:
-        """The newest complete, verified checkpoint; cleans up the ones that are not. One
-        process reads every file (the health check, the tools); a job's ranks share the work
+        """The newest complete, verified checkpoint; cleans up the ones that are not.
+
+        One process reads every file (the health check, the tools); a job's ranks share the work
         in :meth:`restore`."""
         for path in self.store.folders():
             reason = self.verifier.verify(path)
@@ -127,9 +133,10 @@ class CheckpointManager:
             dcp.load(wanted, checkpoint_id=info.url)
 
     def restore(self, tensors: dict[str, torch.Tensor]) -> CheckpointInfo | None:
-        """Load the newest valid checkpoint into ``tensors``; a collective. Rank 0 lists the
-        checkpoints, every rank verifies its share of each one's files until one passes on
-        every rank, and every rank loads it."""
+        """Load the newest valid checkpoint into ``tensors``; a collective.
+
+        Rank 0 lists the checkpoints, every rank verifies its share of each one's files until one
+        passes on every rank, and every rank loads it."""
         rank, world = dist.get_rank(), dist.get_world_size()
         listing: list[Any] = [None]
         if rank == 0:

@@ -1,5 +1,6 @@
-"""Writing a checkpoint and committing it: the save path of the checkpoints
-(:class:`elastic.checkpoint.CheckpointManager` holds the :class:`CheckpointWriter`).
+"""Writing a checkpoint and committing it: the save path of the checkpoints.
+
+:class:`elastic.checkpoint.CheckpointManager` holds the :class:`CheckpointWriter`.
 
 Every rank writes its shard with DCP (laid out by :mod:`elastic.shard_io`) and hashes it from
 memory as it writes it: no file is read back, and no rank reads another's. A round's later saves
@@ -52,14 +53,18 @@ class SaveFailed(Exception):
 
 
 class SaveAbandoned(Exception):
-    """The round a save belonged to was left before every rank wrote its shard: nothing of it
-    is committed (its folder, if any, has no manifest, and the next load removes it)."""
+    """The round a save belonged to was left before every rank wrote its shard.
+
+    Nothing of the save is committed (its folder, if any, has no manifest, and the next load
+    removes it)."""
 
 
 class SaveGuard(Protocol):
-    """What a save consults while it runs: whether its round was left, a lock held while the
-    state handed to it is read (the staged copy, which the next save refills), and whether a
-    tensor of that state holds this save's values."""
+    """What a save consults while it runs, about its round and the state handed to it.
+
+    Whether its round was left; a lock held while the state handed to it is read (the staged
+    copy, which the next save refills); and whether a tensor of that state holds this save's
+    values."""
 
     @property
     def abandoned(self) -> bool: ...
@@ -67,8 +72,10 @@ class SaveGuard(Protocol):
     def reading(self) -> AbstractContextManager[None]: ...
 
     def refilled(self, tensor: torch.Tensor) -> bool:
-        """False for a staged tensor this save did not refill, which holds an older step: a
-        save stages only the tensors its rank wrote in the round's last save."""
+        """Whether this save refilled the staged ``tensor``.
+
+        False for a staged tensor this save did not refill, which holds an older step: a save
+        stages only the tensors its rank wrote in the round's last save."""
         ...
 
 
@@ -106,10 +113,11 @@ class Failure:
 def save_failure_fix(
     errnos: list[int | None], free_bytes: int | None = None, needed_bytes: int = 0
 ) -> str:
-    """What an operator should do about a failed save, from the errors' errno (not their text),
-    and from the space left where the checkpoint goes (``free_bytes``, None where unknown)
-    against what this rank had to write: a short write on a full disk may come without an
-    errno."""
+    """What an operator should do about a failed save, from its errors and the space left.
+
+    It reads the errors' errno (not their text), and the space left where the checkpoint goes
+    (``free_bytes``, None where unknown) against what this rank had to write: a short write on a
+    full disk may come without an errno."""
     codes = set(errnos)
     full = free_bytes is not None and free_bytes < needed_bytes
     if full or codes & {errno.ENOSPC, errno.EDQUOT}:
@@ -127,9 +135,11 @@ ROOT = "state"
 
 @dataclass(frozen=True)
 class Plan:
-    """What DCP planned, and what writing it gave, at a round's first save: the round's later
-    saves replay it (:meth:`CheckpointWriter.write`). Its planner resolves each item to the
-    tensor of the state it was given, the staged copy that every save of the round refills."""
+    """What DCP planned, and what writing it gave, at a round's first save.
+
+    The round's later saves replay it (:meth:`CheckpointWriter.write`). Its planner resolves
+    each item to the tensor of the state it was given, the staged copy that every save of the
+    round refills."""
 
     planner: SavePlanner
     plan: SavePlan  # this rank's final plan
@@ -160,9 +170,10 @@ class Saved:
 
 
 class _ShardWriter(ShardWriter):
-    """The shard writer of a save that may be abandoned: it writes nothing once the save's round
-    was left, and reads the state only under the guard's lock (the staged copy, which the next
-    save refills)."""
+    """The shard writer of a save that may be abandoned.
+
+    It writes nothing once the save's round was left, and reads the state only under the guard's
+    lock (the staged copy, which the next save refills)."""
 
     def __init__(self, url: str, guard: SaveGuard) -> None:
         super().__init__(url)
@@ -183,8 +194,9 @@ class _ShardWriter(ShardWriter):
 
 
 class CheckpointWriter:
-    """Writes and commits the checkpoints of ``store``; ``retention`` prunes after each commit
-    and cleans up after a failed save."""
+    """Writes and commits the checkpoints of ``store``.
+
+    ``retention`` prunes after each commit and cleans up after a failed save."""
 
     def __init__(self, store: CheckpointStore, retention: Retention) -> None:
         self._store, self._retention = store, retention
@@ -198,9 +210,11 @@ class CheckpointWriter:
         shared: dict[str, Any] | None = None,
         replay: Plan | None = None,
     ) -> Written:
-        """Write the checkpoint of ``step``; a collective of ``group``, called by every rank with
-        its state. Each rank hashes the files it wrote; the last collective gathers the hashes,
-        with ``shared`` and the seconds each rank took (``write_s``), to every rank.
+        """Write the checkpoint of ``step``; a collective of ``group``.
+
+        Called by every rank with its state. Each rank hashes the files it wrote; the last
+        collective gathers the hashes, with ``shared`` and the seconds each rank took
+        (``write_s``), to every rank.
 
         ``replay``, the plan of an earlier save of the same round on the same ``tensors``
         (:attr:`Written.plan`), skips DCP: each rank writes the items DCP gave it then, rank 0

@@ -29,8 +29,9 @@ def _fsync_dir(path: str) -> None:
 
 
 class CheckpointStore:
-    """The checkpoint folders under ``url`` (made if absent): ``fs`` and ``root`` are fsspec's
-    file system and the path on it."""
+    """The checkpoint folders under ``url`` (made if absent).
+
+    ``fs`` and ``root`` are fsspec's file system and the path on it."""
 
     def __init__(self, url: str) -> None:
         self.url = url.rstrip("/")
@@ -42,8 +43,9 @@ class CheckpointStore:
         return candidates(self.fs, self.root)
 
     def files(self, path: str) -> list[str]:
-        """The names of the files in the folder ``path``, its manifest and temporary files left
-        out."""
+        """The names of the files in the folder ``path``.
+
+        Its manifest and temporary files are left out."""
         self.fs.invalidate_cache(path)  # other processes wrote there
         names = [e.rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(path, detail=False)]
         return sorted(n for n in names if n != MANIFEST and not n.endswith(".tmp"))
@@ -58,8 +60,9 @@ class CheckpointStore:
         return bool(self.fs.exists(f"{path}/{MANIFEST}"))
 
     def manifest(self, path: str) -> dict[str, Any]:
-        """The manifest of the folder ``path``: FileNotFoundError without one, ValueError for
-        one that is not JSON."""
+        """The manifest of the folder ``path``.
+
+        FileNotFoundError without one, ValueError for one that is not JSON."""
         manifest: dict[str, Any] = json.loads(self.fs.cat_file(f"{path}/{MANIFEST}"))
         return manifest
 

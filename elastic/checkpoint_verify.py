@@ -28,15 +28,18 @@ class CheckpointInfo:
 
 
 class Verifier:
-    """Verifies the folders of ``store``; each one set aside is a ``checkpoint_skipped`` event
-    in ``events``."""
+    """Verifies the folders of ``store``.
+
+    Each one set aside is a ``checkpoint_skipped`` event in ``events``."""
 
     def __init__(self, store: CheckpointStore, events: EventLog | None = None) -> None:
         self._store, self._events = store, events
 
     def verify(self, path: str, rank: int = 0, world: int = 1) -> str | None:
-        """None if ``path`` has a manifest and rank ``rank``'s share (of ``world``) of the files
-        it lists match it, else the reason a load refuses it (the whole folder by default)."""
+        """The reason a load refuses ``path``, or None if its files match its manifest.
+
+        None if ``path`` has a manifest and rank ``rank``'s share (of ``world``) of the files it
+        lists match it (the whole folder by default)."""
         fs = self._store.fs
         try:
             manifest = self._store.manifest(path)
@@ -64,8 +67,10 @@ class Verifier:
         return CheckpointInfo(self._store.url_of(path), manifest["step"], manifest)
 
     def set_aside(self, path: str, reason: str) -> None:
-        """Remove an interrupted save (no manifest); move a damaged checkpoint (files that do
-        not match its manifest) aside as ``<folder>.corrupt`` for a person to look at."""
+        """Remove an interrupted save, or move a damaged checkpoint aside.
+
+        An interrupted save has no manifest. A damaged checkpoint (files that do not match its
+        manifest) moves aside as ``<folder>.corrupt`` for a person to look at."""
         fs = self._store.fs
         if reason != "incomplete":  # file by file: object stores have no folder to move
             aside = f"{path}.corrupt"
