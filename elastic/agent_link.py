@@ -1,10 +1,10 @@
-"""The worker's end of its agent's control channel (:mod:`elastic.control`): assignments in,
-heartbeats and reports out.
+"""The worker's end of its agent's control channel: assignments in, heartbeats and reports out.
 
-Why a thread of its own: a new assignment must reach a worker whose training thread is stuck in a
-collective on a peer that will never answer; the reader aborts the communicator, which pulls the
-training thread out. A planned leave is instead carried out by the training thread between two
-steps (:meth:`AgentLink.switch_due`), so that no step in flight is dropped.
+The channel is :mod:`elastic.control`. Why a thread of its own: a new assignment must reach a
+worker whose training thread is stuck in a collective on a peer that will never answer; the
+reader aborts the communicator, which pulls the training thread out. A planned leave is instead
+carried out by the training thread between two steps (:meth:`AgentLink.switch_due`), so that no
+step in flight is dropped.
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ class AgentLink:
         self, after_step: int, reason: str, before_round: int | None = None, stood_by: int = 0
     ) -> None:
         """Abort the current round now, or leave it to the training thread after ``after_step``.
+
         ``stood_by``: the number of the agent's ``standby``, echoed once it is carried out."""
         with self._lock:
             if after_step and self.status["phase"] in self.IN_ROUND:
@@ -85,8 +86,10 @@ class AgentLink:
             self.channel.send("status", waiting=False, **self.status)
 
     def switch_due(self, step: int) -> bool:
-        """Called by the training thread between steps, with the last step trained: leave the
-        round now if a planned switch is due (the communicator is aborted, as by a message)."""
+        """Leave the round now if a planned switch is due; whether it did.
+
+        Called by the training thread between steps, with the last step trained. The
+        communicator is aborted, as by a message."""
         with self._lock:
             if self._switch is None or step < self._switch[0]:
                 return False

@@ -24,9 +24,11 @@ def cache_dir() -> Path:
 
 
 def cached(name: str, valid: Callable[[object], bool], learn: Callable[[], T]) -> T:
-    """The fact kept as ``name``.json in the cache folder, or, where it is missing or fails
-    ``valid``, ``learn()``, written there for the next process. ``name`` must name every version
-    the fact depends on. A folder that cannot be written only costs the next caller ``learn()``."""
+    """The fact kept as ``name``.json in the cache folder, else ``learn()``, saved for next time.
+
+    ``learn()`` runs where the file is missing or fails ``valid``; its result is written there for
+    the next process. ``name`` must name every version the fact depends on. A folder that cannot
+    be written only costs the next caller ``learn()``."""
     path = cache_dir() / f"{name}.json"
     try:
         found = json.loads(path.read_text())

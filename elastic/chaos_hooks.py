@@ -1,5 +1,7 @@
-"""The faults ``python -m chaos`` asks a worker to make in itself: a NaN loss at chosen steps
-(``chaos.nan_steps``) and a bit flipped in a parameter (SIGUSR1, ``corrupt_replica``).
+"""The faults ``python -m chaos`` asks a worker to make in itself: a NaN loss, a flipped bit.
+
+The NaN loss comes at chosen steps (``chaos.nan_steps``); the bit is flipped in a parameter
+(SIGUSR1, ``corrupt_replica``).
 
 One seam, :class:`ChaosHooks`, which the trainer calls before and during each step. Without
 ``chaos.allow`` it installs no signal handler and its calls do nothing, so a production job
@@ -36,8 +38,9 @@ class ChaosHooks:
         return hooks
 
     def before_step(self, state: TrainState, events: EventLog, step: int) -> None:
-        """Flip the bit SIGUSR1 asked for, between two steps, so that no collective sees half
-        of it (:meth:`TrainState.flip_bit`)."""
+        """Flip the bit SIGUSR1 asked for.
+
+        Between two steps, so that no collective sees half of it (:meth:`TrainState.flip_bit`)."""
         if not (self.cfg.allow and self.flip.is_set()):
             return
         self.flip.clear()
@@ -45,8 +48,10 @@ class ChaosHooks:
         events.emit(ev.BIT_FLIPPED, step=step, param=name, index=0, bit=FLIPPED_BIT)
 
     def poison(self, rank: int, step: int) -> bool:
-        """Whether this rank's loss is made NaN at ``step``: each of chaos.nan_steps once, on
-        rank chaos.nan_rank, so that the steps a rollback trains again are clean."""
+        """Whether this rank's loss is made NaN at ``step``.
+
+        Each of chaos.nan_steps once, on rank chaos.nan_rank, so that the steps a rollback trains
+        again are clean."""
         c = self.cfg
         if not c.allow or rank != c.nan_rank or step not in c.nan_steps or step in self.poisoned:
             return False

@@ -44,16 +44,20 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
 
 
 def backend_for(device: torch.device, requested: str = "auto") -> str:
-    """NCCL on CUDA and gloo on the CPU; ``requested="gloo"`` (``comm.backend``) puts gloo on
-    CUDA tensors too, a test aid for simulated nodes that share one GPU."""
+    """The backend for ``device``: NCCL on CUDA and gloo on the CPU.
+
+    ``requested="gloo"`` (``comm.backend``) puts gloo on CUDA tensors too, a test aid for
+    simulated nodes that share one GPU."""
     if requested == "gloo":
         return "gloo"
     return "nccl" if device.type == "cuda" else "gloo"
 
 
 class Communicator:
-    """Owns the default process group of the current round: its set-up, its abortable
-    collectives and what failed in them, its abort and its close."""
+    """Owns the default process group of the current round.
+
+    It owns the group's set-up, its abortable collectives and what failed in them, its abort
+    and its close."""
 
     def __init__(self, device: torch.device, timeout_s: float, backend: str = "auto") -> None:
         self.device = device
@@ -113,8 +117,9 @@ class Communicator:
             raise RoundAborted(f"round {self._announced} was announced")
 
     def _can_shrink(self, excluded: list[int] | None) -> bool:
-        """Whether this rank can make the new round's group by shrinking its current one
-        (:func:`elastic.nccl_group.can_shrink`): what it offers at the meet."""
+        """Whether this rank can make the new round's group by shrinking its current one.
+
+        See :func:`elastic.nccl_group.can_shrink`: this is what the rank offers at the meet."""
         live = dist.is_initialized() and not self._group_aborted
         supported = live and (
             dist.distributed_c10d._get_default_group()._get_backend(self.device).supports_shrinking
@@ -122,8 +127,9 @@ class Communicator:
         return can_shrink(self.backend, excluded, live, supported)
 
     def abort(self, reason: str, before_round: int | None = None) -> None:
-        """Make the step in flight fail now; callable from any thread. On NCCL it also aborts
-        the communicator.
+        """Make the step in flight fail now; callable from any thread.
+
+        On NCCL it also aborts the communicator.
 
         With ``before_round``, only a round older than that is aborted: the training thread may
         already have entered the announced round by the time the message reader gets here, and
@@ -145,10 +151,12 @@ class Communicator:
         self._abort_group_if_needed()
 
     def _abort_group_if_needed(self) -> None:
-        """Abort the NCCL communicator unless it is idle and healthy
-        (:func:`elastic.nccl_group.must_abort`: an abort costs 0.5-1 s, a destroy milliseconds);
-        one with a failed collective is never destroyed without an abort, since the destroy may
-        wait for the failed kernel (a survivor hung so on the GPU machine, 2026-11-28)."""
+        """Abort the NCCL communicator unless it is idle and healthy.
+
+        The test is :func:`elastic.nccl_group.must_abort`: an abort costs 0.5-1 s, a destroy
+        milliseconds. One with a failed collective is never destroyed without an abort, since
+        the destroy may wait for the failed kernel (a survivor hung so on the GPU machine,
+        2026-11-28)."""
         if self.backend != "nccl" or not dist.is_initialized():
             return
         with self._lock:
@@ -165,16 +173,20 @@ class Communicator:
 
     @property
     def failure(self) -> CollectiveFailure | None:
-        """The first collective of the current round that failed, if one did: the comm hook's
-        all-reduce, the group's set-up, DDP's one-time bucket rebuild, or a block the trainer
-        runs under :meth:`collective` (the state sync and the checkpoint collectives)."""
+        """The first collective of the current round that failed, if one did.
+
+        That is the comm hook's all-reduce, the group's set-up, DDP's one-time bucket rebuild,
+        or a block the trainer runs under :meth:`collective` (the state sync and the checkpoint
+        collectives)."""
         with self._lock:
             return self._failure
 
     @contextlib.contextmanager
     def collective(self, what: str) -> Iterator[None]:
-        """Run collectives of the current round; an exception leaving the block is recorded as
-        the round's :attr:`failure` (and raised on).
+        """Run collectives of the current round, recording a failure as the round's.
+
+        An exception leaving the block is recorded as the round's :attr:`failure` (and raised
+        on).
 
         Only collectives and what they carry belong in the block: a local fault inside it would
         be taken for a broken round. DCP reports a rank's local failure through a collective that
@@ -197,8 +209,9 @@ class Communicator:
 
     @contextlib.contextmanager
     def _recorded(self, what: str) -> Iterator[None]:
-        """Record an exception leaving the block as the round's :attr:`failure`; the launches of
-        tracked collectives (the hook's, :meth:`all_reduce`'s) run only in this."""
+        """Record an exception leaving the block as the round's :attr:`failure`.
+
+        The launches of tracked collectives (the hook's, :meth:`all_reduce`'s) run only in this."""
         try:
             yield
         except Exception as exc:
@@ -207,10 +220,12 @@ class Communicator:
             raise
 
     def _idle(self) -> bool:
-        """Whether no collective of the round may still run: no block open, every tracked work
-        completed, the last block's device mark reached; with the lock held. Errors are the
-        backend's to report (:func:`elastic.nccl_group.healthy`): ``Work.exception()`` cannot be
-        called from Python (torch 2.11 to 2.14: pybind11 cannot convert its ``exception_ptr``).
+        """Whether no collective of the round may still run; with the lock held.
+
+        Idle means no block open, every tracked work completed, the last block's device mark
+        reached. Errors are the backend's to report (:func:`elastic.nccl_group.healthy`):
+        ``Work.exception()`` cannot be called from Python (torch 2.11 to 2.14: pybind11 cannot
+        convert its ``exception_ptr``).
         """
         if self._open_blocks:
             return False
@@ -253,10 +268,11 @@ class Communicator:
     # --- tracked all-reduces -----------------------------------------------------------------
 
     def launch(self, tensor: torch.Tensor, what: str) -> dist.Work | None:
-        """Start an all-reduce of ``tensor``, kept in this round's works; None once the round
-        was left. Under the lock: :meth:`abort` then sees every collective begun before it, and
-        none begins after it (a collective begun on a communicator it chose not to abort could
-        wait forever on a dead peer)."""
+        """Start an all-reduce of ``tensor``, kept in this round's works.
+
+        None once the round was left. Under the lock: :meth:`abort` then sees every collective
+        begun before it, and none begins after it (a collective begun on a communicator it chose
+        not to abort could wait forever on a dead peer)."""
         with self._recorded(what), self._lock:  # gloo may refuse at once: peer gone
             if self._aborted.is_set():
                 return None
@@ -268,11 +284,12 @@ class Communicator:
             return work
 
     def all_reduce(self, tensor: torch.Tensor, what: str) -> None:
-        """Sum ``tensor`` over the round's ranks in place, abortably: a blocking all-reduce
-        cannot be interrupted, and a peer frozen or moved on to a newer round would hold this
-        rank in it until the peer came back or for the whole ``rendezvous.pg_timeout_s``.
-        Raises :class:`RoundAborted` as soon as :meth:`abort` is called; a failure is recorded
-        as ``what``'s."""
+        """Sum ``tensor`` over the round's ranks in place, abortably.
+
+        A blocking all-reduce cannot be interrupted, and a peer frozen or moved on to a newer
+        round would hold this rank in it until the peer came back or for the whole
+        ``rendezvous.pg_timeout_s``. Raises :class:`RoundAborted` as soon as :meth:`abort` is
+        called; a failure is recorded as ``what``'s."""
         work = self.launch(tensor, what)
         if work is None:
             raise RoundAborted("the round was left")
@@ -288,7 +305,9 @@ class Communicator:
     def track(
         self, work: dist.Work, what: str, out: torch.Tensor, reduced: torch.Tensor
     ) -> torch.futures.Future[torch.Tensor]:
-        """A future of ``work`` (a collective of this round in flight, writing ``reduced``) that
+        """A future of ``work`` that completes with ``out`` once done, or fails on an abort.
+
+        ``work`` is a collective of this round in flight, writing ``reduced``. The future
         completes with ``out`` (``reduced`` copied into it, if another tensor) once the work is
         done, or with :class:`RoundAborted` when :meth:`abort` is called; a failure of the work
         is recorded as ``what``'s.

@@ -73,9 +73,10 @@ SCALARS: dict[str, Callable[[Mapping[str, Any]], list[Scalar]]] = {
 
 
 def scalars(event: Mapping[str, Any]) -> list[Scalar]:
-    """The scalars of one event, ``(tag, value, global step)``; none for an event without a
-    curve. Accuracies are fractions, as in the event; a rollback's value is the steps it threw
-    away, a run of non-finite steps its length so far, an fp16 skip the loss scale after it."""
+    """The scalars of one event, ``(tag, value, global step)``; none for an event without a curve.
+
+    Accuracies are fractions, as in the event; a rollback's value is the steps it threw away, a
+    run of non-finite steps its length so far, an fp16 skip the loss scale after it."""
     mapping = SCALARS.get(event.get("event", ""))
     return mapping(event) if mapping else []
 

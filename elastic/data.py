@@ -35,8 +35,9 @@ def val_root(cfg: DataConfig) -> Path | None:
 
 
 def imagenet_transform(crop_size: int, min_crop_scale: float = 0.08) -> transforms.Compose:
-    """The standard ImageNet training transforms (random-resized crop, flip, normalise); the
-    crop covers ``min_crop_scale`` to all of the image's area (``data.min_crop_scale``)."""
+    """The standard ImageNet training transforms (random-resized crop, flip, normalise).
+
+    The crop covers ``min_crop_scale`` to all of the image's area (``data.min_crop_scale``)."""
     return transforms.Compose(
         [
             transforms.RandomResizedCrop(crop_size, scale=(min_crop_scale, 1.0)),
@@ -48,9 +49,11 @@ def imagenet_transform(crop_size: int, min_crop_scale: float = 0.08) -> transfor
 
 
 def eval_transform(crop_size: int) -> transforms.Compose:
-    """The ImageNet evaluation transform of torchvision's reference scripts: the short side
-    resized to ``crop_size * 256 / 224`` (256 for 224), the centre ``crop_size`` square,
-    normalised. Deterministic, so every evaluation of a model gives the same numbers."""
+    """The ImageNet evaluation transform of torchvision's reference scripts.
+
+    The short side is resized to ``crop_size * 256 / 224`` (256 for 224), the centre
+    ``crop_size`` square cut, and normalised. Deterministic, so every evaluation of a model gives
+    the same numbers."""
     return transforms.Compose(
         [
             transforms.Resize(round(crop_size * 256 / 224)),
@@ -62,8 +65,10 @@ def eval_transform(crop_size: int) -> transforms.Compose:
 
 
 class Encoded(NamedTuple):
-    """A training sample left for the device to decode (``data.decode=device``): its JPEG's
-    bytes, and the crop and flip its seed drew, exactly as the host transform would have."""
+    """A training sample left for the device to decode (``data.decode=device``).
+
+    Its JPEG's bytes, and the crop and flip its seed drew, exactly as the host transform would
+    have."""
 
     jpeg: torch.Tensor  # uint8, the file as it is on disk
     box: tuple[int, int, int, int]  # top, left, height, width in the decoded image
@@ -110,8 +115,9 @@ class SeededImageFolder(Dataset[tuple[torch.Tensor, int] | Encoded]):
             return self.transform(image), target
 
     def _encoded(self, index: int) -> Encoded:
-        """The draws of :func:`imagenet_transform` in its order (the crop, then the flip), from
-        the image's size as its header gives it; nothing is decoded."""
+        """The draws of :func:`imagenet_transform` in its order (the crop, then the flip).
+
+        They come from the image's size as its header gives it; nothing is decoded."""
         path, target = self.folder.samples[index]
         crop, flip = self.transform.transforms[:2]
         with Image.open(path) as image:
@@ -121,8 +127,9 @@ class SeededImageFolder(Dataset[tuple[torch.Tensor, int] | Encoded]):
 
 
 class ValImageFolder(Dataset[tuple[torch.Tensor, int]]):
-    """The validation split ``<data.root>/<data.val_dir>/<class>/<image>`` with
-    :func:`eval_transform`, indexed by plain int.
+    """The validation split ``<data.root>/<data.val_dir>/<class>/<image>``, indexed by plain int.
+
+    Its images go through :func:`eval_transform`.
 
     Labels are the training split's class indices (its sorted class folders, as
     :class:`SeededImageFolder` numbers them), not the validation folder's own: a split that lacks

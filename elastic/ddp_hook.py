@@ -34,8 +34,10 @@ BUFFERS_PER_REPLICA = (
 
 
 class DDPHook:
-    """Wraps a round's model in DDP whose gradients travel through the communicator's abortable
-    all-reduce, in :attr:`grad_dtype`; counts and times each step's buckets."""
+    """Wraps a round's model in DDP whose gradients travel through the abortable all-reduce.
+
+    The all-reduce is the communicator's, in :attr:`grad_dtype`. It counts and times each step's
+    buckets."""
 
     def __init__(self, comm: Communicator, grad_dtype: torch.dtype = torch.float32) -> None:
         self.comm = comm
@@ -135,10 +137,12 @@ class DDPHook:
         return self.comm.track(work, "gradient all-reduce", out, wire)
 
     def _wires(self, index: int, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Bucket ``index``'s kept tensors: the mean in the bucket's dtype, and the one the
-        network carries (the same tensor unless ``grad_dtype`` is narrower). A round's first
-        step has buckets of other sizes (DDP rebuilds them after it), so two sets are kept:
-        twice the gradients' size, allocated once for the worker's life."""
+        """Bucket ``index``'s kept tensors: the mean, and the one the network carries.
+
+        The mean is in the bucket's dtype; the network's is the same tensor unless
+        ``grad_dtype`` is narrower. A round's first step has buckets of other sizes (DDP rebuilds
+        them after it), so two sets are kept: twice the gradients' size, allocated once for the
+        worker's life."""
         key = (index, buffer.numel(), buffer.dtype, self.grad_dtype)
         kept = self._kept.get(key)
         if kept is None:

@@ -21,10 +21,12 @@ WINDOW_S = 60.0
 def eta_s(
     history: Sequence[tuple[float, int]], total_samples: int, window_s: float = WINDOW_S
 ) -> float | None:
-    """Seconds until ``total_samples`` are trained, from ``history``: ``(time, samples seen)``
-    of the steps, oldest first. The pace runs from the newest step back to the last step at or
-    before ``window_s`` earlier, and never across a rollback (samples seen that went down).
-    0 once every sample is trained; None while it cannot be told (no total, no pace yet)."""
+    """Seconds until ``total_samples`` are trained, from ``history``.
+
+    ``history`` is ``(time, samples seen)`` of the steps, oldest first. The pace runs from the
+    newest step back to the last step at or before ``window_s`` earlier, and never across a
+    rollback (samples seen that went down). 0 once every sample is trained; None while it cannot
+    be told (no total, no pace yet)."""
     if not history or total_samples <= 0:
         return None
     end_t, end_samples = history[-1]

@@ -74,8 +74,9 @@ def _batch_norms(model: torch.nn.Module) -> list[_BatchNorm]:
 
 
 def use_last_batch_stats(model: torch.nn.Module) -> int:
-    """Make every batch norm keep the last training minibatch's statistics
-    (``model.bn_stats=last_batch``, Akiba et al., arXiv:1711.04325); returns how many.
+    """Make every batch norm keep the last training minibatch's statistics; returns how many.
+
+    This is ``model.bn_stats=last_batch`` (Akiba et al., arXiv:1711.04325).
 
     A batch norm updates ``running = (1 - momentum) * running + momentum * batch``; at momentum
     1.0 this is ``running = batch`` exactly (the old value is multiplied by zero), so after each

@@ -1,6 +1,8 @@
-"""What the progress display says for each event worth showing: one line, keyed by the event's
-declaration (:mod:`elastic.event_types`), so that an event's fields and its words sit one lookup
-apart and :func:`describe` is that lookup. An event absent from :data:`LINES` is not shown.
+"""What the progress display says for each event worth showing: one line per event.
+
+Each line is keyed by the event's declaration (:mod:`elastic.event_types`), so that an event's
+fields and its words sit one lookup apart and :func:`describe` is that lookup. An event absent
+from :data:`LINES` is not shown.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ def describe(e: Event) -> str | None:
 
 
 def crashed(e: Event) -> bool:
-    """Whether ``e`` is a worker's exit of its own failure (not the job's end, not its agent's
-    stop)."""
+    """Whether ``e`` is a worker's exit of its own failure.
+
+    Not the job's end, not its agent's stop."""
     return ev.WORKER_EXITED.matches(e) and e["code"] not in ENDED and not e["stopped_by_agent"]
 
 

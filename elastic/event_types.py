@@ -21,8 +21,10 @@ COMMON = frozenset({"ts", "event", "node", "host", "pid", "role", "local_rank", 
 
 @dataclass(frozen=True)
 class EventType:
-    """One kind of event: its ``name`` in the files, the process that writes it (``by``: agent,
-    launcher, worker, chaos or bench), its own ``fields``, and what it says (``doc``)."""
+    """One kind of event: its name, the process that writes it, its fields, and what it says.
+
+    ``name`` is its name in the files; ``by`` the process that writes it (agent, launcher,
+    worker, chaos or bench); ``fields`` its own fields; ``doc`` what it says."""
 
     name: str
     by: str

@@ -70,8 +70,10 @@ def rotation_number(path: Path) -> int | None:
 
 
 def event_files(run_dir: str | os.PathLike[str], pattern: str = "*.jsonl") -> list[Path]:
-    """The event files of the nodes whose current file ``pattern`` names, in the order their
-    lines were written: each node's rotated files, oldest first, then its current file.
+    """The event files of the nodes whose current file ``pattern`` names, in writing order.
+
+    That is the order their lines were written: each node's rotated files, oldest first, then
+    its current file.
 
     A node's rotated files are listed even while it has no current file (between a rotation and
     the next line)."""
@@ -128,9 +130,10 @@ class EventLog:
         level: int = logging.INFO,
         **fields: Any,
     ) -> dict[str, Any]:
-        """Append one event of a declared type (:mod:`elastic.event_types`; a name declared
-        nowhere raises :class:`~elastic.event_types.UndeclaredEvent`); with ``message``, also log
-        that line at ``level``."""
+        """Append one event of a declared type; with ``message``, also log that line at ``level``.
+
+        Types are declared in :mod:`elastic.event_types`; a name declared nowhere raises
+        :class:`~elastic.event_types.UndeclaredEvent`."""
         name = event.name if isinstance(event, EventType) else declared(event).name
         record = {"ts": time.time(), "event": name, **self._fields, **fields}
         line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
@@ -151,8 +154,10 @@ class EventLog:
         return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def _follow_rotation(self) -> None:
-        """Before a line: rotate the file when it is full, and write to the path's file when
-        another writer rotated it. Two ``stat`` calls a line (about 4 us)."""
+        """Before a line: rotate a full file, and follow another writer's rotation.
+
+        Rotate the file when it is full, and write to the path's file when another writer
+        rotated it. Two ``stat`` calls a line (about 4 us)."""
         mine = os.fstat(self._fd)
         if self._rotation is not None and mine.st_size >= self._rotation.max_bytes:
             self._rotate(mine, self._rotation)
@@ -165,9 +170,10 @@ class EventLog:
         os.close(fd)
 
     def _rotate(self, mine: os.stat_result, rotation: Rotation) -> None:
-        """Rename the full file, unless another writer of it has already: the ``flock`` on the
-        file makes its writers take turns, and only the one that still finds it at the path
-        renames it (after which the path names another file)."""
+        """Rename the full file, unless another writer of it has already.
+
+        The ``flock`` on the file makes its writers take turns, and only the one that still finds
+        it at the path renames it (after which the path names another file)."""
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         try:
             if _inode(self.path) != (mine.st_dev, mine.st_ino):

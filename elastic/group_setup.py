@@ -1,6 +1,8 @@
-"""How a round's process group is set up (:meth:`elastic.communicator.Communicator.enter`): the
-ranks first meet on the round's store, abortably; then each builds the group anew on that store,
-or shrinks its previous one when every rank offered to.
+"""How a round's process group is set up: the ranks meet, then build or shrink the group.
+
+The caller is :meth:`elastic.communicator.Communicator.enter`. The ranks first meet on the
+round's store, abortably; then each builds the group anew on that store, or shrinks its previous
+one when every rank offered to.
 
 These are the calls into torch that make a group, each bounded by the group's timeout; the
 communicator decides which to make (:mod:`elastic.nccl_group`) and keeps the round's bookkeeping.
@@ -28,8 +30,9 @@ MEET_POLL_S = 0.1  # doubling up to this: how soon it sees an abort
 def meet(
     assignment: Assignment, offer: bool, timeout: timedelta, aborted: threading.Event
 ) -> list[bytes] | None:
-    """Wait until every rank of the round has reached its set-up, abortably; what every rank
-    offered (:data:`~elastic.nccl_group.SHRINK` when ``offer``-ed, else
+    """Wait until every rank of the round has reached its set-up, abortably; what each offered.
+
+    Returns what every rank offered (:data:`~elastic.nccl_group.SHRINK` when ``offer``-ed, else
     :data:`~elastic.nccl_group.REBUILD`), or None once ``aborted`` is set.
 
     The group's own set-up cannot be interrupted: begun while a peer is frozen (a node
@@ -85,9 +88,10 @@ def meet(
 def init_group(
     assignment: Assignment, backend: str, device: torch.device, timeout: timedelta
 ) -> None:
-    """Build the round's group on the c10d TCPStore that the agent of the round's first node
-    hosts, under a key prefix per round, so that groups of different rounds never mix even
-    on the same store."""
+    """Build the round's group on the c10d TCPStore of the round's first node's agent.
+
+    That agent hosts the store. The group's keys sit under a key prefix per round, so that
+    groups of different rounds never mix even on the same store."""
     store = dist.TCPStore(
         assignment.store_host, assignment.store_port, is_master=False, timeout=timeout
     )
@@ -115,9 +119,10 @@ def init_group(
 
 
 def shrink(excluded: list[int]) -> bool:
-    """Shrink the current group by ``excluded``, as every rank agreed to; whether it worked. A
-    shrink that fails is no failure of the round: the rank builds the group anew, and its peers'
-    set-up (bounded by the group's timeout) shows whether they did too."""
+    """Shrink the current group by ``excluded``, as every rank agreed to; whether it worked.
+
+    A shrink that fails is no failure of the round: the rank builds the group anew, and its
+    peers' set-up (bounded by the group's timeout) shows whether they did too."""
     try:
         # SHRINK_ABORT is not exported as torch.distributed.SHRINK_ABORT (2.11 to 2.14).
         dist.shrink_group(excluded, shrink_flags=dist.distributed_c10d.SHRINK_ABORT)

@@ -46,10 +46,11 @@ Batch: TypeAlias = "tuple[torch.Tensor, ...]"
 
 
 class Loss(NamedTuple):
-    """What :meth:`Job.loss` may return instead of the bare per-sample losses: those, and
-    metrics of the step, each a tensor of one value per sample (token accuracy, a loss term).
-    The runtime averages each over the step's samples as it does the loss; rank 0 logs them in
-    its ``step`` event and to TensorBoard (``train/<name>``)."""
+    """What :meth:`Job.loss` may return instead of the bare per-sample losses: those, and metrics.
+
+    The metrics are of the step, each a tensor of one value per sample (token accuracy, a loss
+    term). The runtime averages each over the step's samples as it does the loss; rank 0 logs
+    them in its ``step`` event and to TensorBoard (``train/<name>``)."""
 
     per_sample: torch.Tensor
     metrics: dict[str, torch.Tensor]
@@ -65,10 +66,12 @@ S = TypeVar("S")
 
 @dataclass(frozen=True)
 class EvalContext:
-    """What an evaluation needs from the runtime: this rank's place in the round, the round's
-    all-reduce (which a lost peer or a new round breaks, as any collective), the precision's
-    autocast, and ``stop``, which says the round was left (raise
-    :class:`~elastic.round_end.RoundAborted`; the next round redoes the evaluation)."""
+    """What an evaluation needs from the runtime: rank, all-reduce, autocast, and a stop check.
+
+    This rank's place in the round; the round's all-reduce (which a lost peer or a new round
+    breaks, as any collective); the precision's autocast; and ``stop``, which says the round was
+    left (raise :class:`~elastic.round_end.RoundAborted`; the next round redoes the
+    evaluation)."""
 
     rank: int
     world_size: int
@@ -86,9 +89,10 @@ class EvalContext:
         predict: Predict | None = None,
         move: Callable[[Any], Batch] | None = None,
     ) -> EvalResult:
-        """The mean loss and top-1/top-5 accuracy of ``predict``'s logits (by default a
-        classifier's: ``model(batch[0])`` against ``batch[1]``) over ``dataset``, each rank
-        its share, summed over the round (:func:`elastic.evaluate.evaluate`)."""
+        """The mean loss and top-1/top-5 accuracy of ``predict``'s logits over ``dataset``.
+
+        ``predict`` is by default a classifier's: ``model(batch[0])`` against ``batch[1]``. Each
+        rank evaluates its share, summed over the round (:func:`elastic.evaluate.evaluate`)."""
         from elastic.evaluate import classify, evaluate
 
         return evaluate(
@@ -108,10 +112,11 @@ class EvalContext:
 
 
 class Job(ABC, Generic[S]):
-    """One training job. Built once per worker, before the first round, with the whole
-    configuration, its own ``job.*`` settings (an instance of :attr:`Settings`, checked like
-    every key: types, ranges declared with :func:`elastic.config.bounded`, :meth:`problems`) and
-    the worker's device.
+    """One training job, built once per worker before the first round.
+
+    It is built with the whole configuration, its own ``job.*`` settings (an instance of
+    :attr:`Settings`, checked like every key: types, ranges declared with
+    :func:`elastic.config.bounded`, :meth:`problems`) and the worker's device.
 
     Subclasses implement :meth:`train_data`, :meth:`build_model` and :meth:`loss`; the rest has
     defaults.
@@ -127,9 +132,10 @@ class Job(ABC, Generic[S]):
 
     @classmethod
     def problems(cls, cfg: Config, settings: S) -> list[str]:
-        """What the settings' types and ranges cannot say is wrong, each as
-        :func:`elastic.config.problem` words it (key, value, fix); checked before anything
-        starts, with every other key."""
+        """What the settings' types and ranges cannot say is wrong.
+
+        Each as :func:`elastic.config.problem` words it (key, value, fix); checked before
+        anything starts, with every other key."""
         return []
 
     @classmethod
@@ -138,16 +144,19 @@ class Job(ABC, Generic[S]):
 
     @abstractmethod
     def train_data(self) -> Dataset[Any]:
-        """The training set: ``len()`` samples an epoch, each read by an ``(epoch, index)``
-        key, the same sample for the same key."""
+        """The training set: ``len()`` samples an epoch, each read by an ``(epoch, index)`` key.
+
+        The same key gives the same sample."""
 
     @abstractmethod
     def build_model(self) -> torch.nn.Module:
-        """The model, on :attr:`device` (the runtime seeds torch with ``trainer.seed`` first,
-        so every rank builds the same one)."""
+        """The model, on :attr:`device`.
+
+        The runtime seeds torch with ``trainer.seed`` first, so every rank builds the same one."""
 
     def build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         """The optimizer; by default the ``optim`` group's (SGD, LARS, Akiba's RMSprop warm-up).
+
         The runtime sets every param group's ``lr`` before each step, as the LR policy says."""
         from elastic.optim import build_optimizer
 
@@ -155,22 +164,27 @@ class Job(ABC, Generic[S]):
 
     @abstractmethod
     def loss(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor | Loss:
-        """The loss of each sample of ``batch`` (shape ``(len(batch[0]),)``), from ``model``'s
-        forward (DDP's wrapper: call it, do not reach into it), or a :class:`Loss` with the
-        step's metrics besides. Runs under the precision's autocast; the runtime weights, sums
-        and back-propagates."""
+        """The loss of each sample of ``batch``, or a :class:`Loss` with the step's metrics.
+
+        The losses have shape ``(len(batch[0]),)``, from ``model``'s forward (DDP's wrapper:
+        call it, do not reach into it). Runs under the precision's autocast; the runtime
+        weights, sums and back-propagates."""
 
     def after_step(self, model: torch.nn.Module) -> None:
-        """After each optimizer step taken, on every rank alike: update :meth:`state` (an
-        average of the weights, a counter). ``model`` is the module, not DDP's wrapper."""
+        """Update :meth:`state` after each optimizer step taken, on every rank alike.
+
+        The state may be an average of the weights, a counter. ``model`` is the module, not DDP's
+        wrapper."""
 
     def collate(self) -> Callable[[list[Any]], Any] | None:
         """How the loader makes a batch of samples; None: stacked (PyTorch's default)."""
         return None
 
     def to_device(self, batch: Any) -> Batch:
-        """A loader batch on :attr:`device`, run on a side stream while the previous step
-        trains (:class:`elastic.pipeline.Prefetcher`); by default each tensor copied."""
+        """A loader batch on :attr:`device`; by default each tensor copied.
+
+        It runs on a side stream while the previous step trains
+        (:class:`elastic.pipeline.Prefetcher`)."""
         return tuple(t.to(self.device, non_blocking=True) for t in batch)
 
     def has_validation(self) -> bool:
@@ -178,11 +192,14 @@ class Job(ABC, Generic[S]):
         return False
 
     def evaluate(self, model: torch.nn.Module, ctx: EvalContext) -> EvalResult:
-        """Evaluate ``model`` (the module, not DDP's wrapper) on this rank's share of the
-        validation set and sum over the round with ``ctx.all_reduce``: a collective."""
+        """Evaluate ``model`` on this rank's share of the validation set, summed over the round.
+
+        ``model`` is the module, not DDP's wrapper. The sum uses ``ctx.all_reduce``: a
+        collective."""
         raise NotImplementedError(f"{type(self).__name__} has no validation")
 
     def state(self) -> dict[str, torch.Tensor]:
-        """Tensors the job keeps besides the model's and the optimizer's, updated in place:
-        checkpointed with them, and sent to a rank that joins."""
+        """Tensors the job keeps besides the model's and the optimizer's, updated in place.
+
+        They are checkpointed with them, and sent to a rank that joins."""
         return {}

@@ -68,8 +68,10 @@ def job_class(target: str) -> type[Job[Any]]:
 
 
 def job_settings(cls: type[Job[Any]], section: dict[str, Any]) -> Any:
-    """``job.*`` but ``_target_`` as an instance of ``cls.Settings``, its defaults filled in;
-    :class:`ConfigError` naming a key the job does not have, or a value of the wrong type."""
+    """``job.*`` but ``_target_`` as an instance of ``cls.Settings``, its defaults filled in.
+
+    Raises :class:`ConfigError` naming a key the job does not have, or a value of the wrong
+    type."""
     given = {k: v for k, v in section.items() if k != "_target_"}
     schema = OmegaConf.structured(cls.Settings)
     try:
