@@ -17,12 +17,13 @@ from elastic.config import ConfigError, OptimConfig, Policy, Schedule, poly_warm
 
 @dataclass(frozen=True)
 class LRSchedule:
-    """The LR's shape over the samples of the job. After warm-up, ``step`` multiplies it by
-    ``gamma`` at each milestone (Goyal et al.: /10 at epochs 30, 60, 80), and ``poly`` is ``end +
-    (peak - end) * (1 - progress) ** poly_power`` from the end of warm-up to the end of
-    training, ``end = end_lr_factor * peak`` (the MLPerf ResNet-50 LARS schedule). Akiba et
-    al.'s slow start (arXiv:1711.04325) multiplies the LR by ``slow_start_factor`` for the first
-    ``slow_start_epochs``, whatever the shape."""
+    """The LR's shape over the samples of the job.
+
+    After warm-up, ``step`` multiplies it by ``gamma`` at each milestone (Goyal et al.: /10 at
+    epochs 30, 60, 80). ``poly`` is ``end + (peak - end) * (1 - progress) ** poly_power`` from
+    the end of warm-up to the end of training, ``end = end_lr_factor * peak`` (the MLPerf
+    ResNet-50 LARS schedule). Akiba et al.'s slow start (arXiv:1711.04325) multiplies the LR by
+    ``slow_start_factor`` for the first ``slow_start_epochs``, whatever the shape."""
 
     base_lr: float  # the LR for reference_batch samples
     reference_batch: int
@@ -40,10 +41,12 @@ class LRSchedule:
     def from_config(
         cls, cfg: OptimConfig, samples_per_epoch: int, total_samples: int | None = None
     ) -> LRSchedule:
-        """``total_samples`` (the job's, ``trainer.epochs`` of samples) is needed by ``poly``,
-        which decays to the end of training; ``step`` does without. Warm-up must end before the
-        job does (:func:`elastic.config.poly_warmup_problem`, which ``validate`` checks in
-        epochs), here in the samples this schedule rounds both to."""
+        """The schedule of ``optim`` settings ``cfg``, its epochs turned into samples.
+
+        ``total_samples`` (the job's, ``trainer.epochs`` of samples) is needed by ``poly``, which
+        decays to the end of training; ``step`` does without. Warm-up must end before the job
+        does (:func:`elastic.config.poly_warmup_problem`, which ``validate`` checks in epochs),
+        here in the samples this schedule rounds both to."""
         warmup_samples = round(cfg.warmup_epochs * samples_per_epoch)
         if cfg.schedule == Schedule.poly:
             if total_samples is None:
@@ -74,7 +77,9 @@ class LRSchedule:
         return self.base_lr * global_batch / self.reference_batch
 
     def lr(self, samples_seen: int, global_batch: int) -> float:
-        """The warmed-up LR times the shape's decay, times the slow-start factor while it
+        """The LR after ``samples_seen`` samples at ``global_batch``.
+
+        It is the warmed-up LR times the shape's decay, times the slow-start factor while it
         lasts."""
         lr = self._warmed(samples_seen, self.target(global_batch)) * self._decay(samples_seen)
         if samples_seen < self.slow_start_samples:
@@ -89,9 +94,11 @@ class LRSchedule:
         return start + (peak - start) * samples_seen / self.warmup_samples
 
     def _decay(self, samples_seen: int) -> float:
-        """The shape's factor on the peak: gamma per milestone passed (step; a milestone inside
-        warm-up counts too), or the poly curve from 1 at the end of warm-up to
-        ``end_lr_factor`` at the end of training (poly)."""
+        """The shape's factor on the peak.
+
+        With ``step`` it is gamma per milestone passed (a milestone inside warm-up counts too).
+        With ``poly`` it is the poly curve from 1 at the end of warm-up to ``end_lr_factor`` at
+        the end of training."""
         if self.schedule == Schedule.step:
             return self.gamma ** sum(samples_seen >= m for m in self.milestones)
         if samples_seen < self.warmup_samples:
@@ -111,12 +118,14 @@ class Ramp:
 
 @dataclass(frozen=True)
 class LRPolicy:
-    """What a change of world size from N to M does to the LR. ``rescale_lr``: the per-worker
-    batch is fixed, so the global batch becomes M/N of what it was and the LR follows the linear
-    scaling rule for it; a decrease applies at once, an increase is ramped in linearly from the
-    LR in use over ``optim.resize_warmup_epochs`` of samples (a sudden jump of the LR is what
-    warm-up exists to avoid). ``keep_global_batch``: the global batch of the job's first round is
-    kept with gradient accumulation, so the LR does not change at all."""
+    """What a change of world size from N to M does to the LR.
+
+    ``rescale_lr``: the per-worker batch is fixed, so the global batch becomes M/N of what it
+    was, and the LR follows the linear scaling rule for it. A decrease applies at once. An
+    increase is ramped in linearly from the LR in use over ``optim.resize_warmup_epochs`` of
+    samples (a sudden jump of the LR is what warm-up exists to avoid). ``keep_global_batch``: the
+    global batch of the job's first round is kept with gradient accumulation, so the LR does not
+    change at all."""
 
     schedule: LRSchedule
     policy: Policy
@@ -131,7 +140,9 @@ class LRPolicy:
         samples_per_epoch: int,
         total_samples: int | None = None,
     ) -> LRPolicy:
-        """``total_samples``: the job's, needed by ``optim.schedule=poly`` (see
+        """The policy of ``optim`` settings ``cfg`` for a per-worker batch of ``batch_size``.
+
+        ``total_samples``: the job's, needed by ``optim.schedule=poly`` (see
         :meth:`LRSchedule.from_config`)."""
         return cls(
             schedule=LRSchedule.from_config(cfg, samples_per_epoch, total_samples),
@@ -141,8 +152,9 @@ class LRPolicy:
         )
 
     def global_batch(self, world_size: int, first_global_batch: int) -> int:
-        """The samples one step trains at ``world_size``; ``first_global_batch`` is the first
-        round's (0 when this is the first round)."""
+        """The samples one step trains at ``world_size``.
+
+        ``first_global_batch`` is the first round's (0 when this is the first round)."""
         if self.policy is Policy.keep_global_batch and first_global_batch:
             return first_global_batch
         return world_size * self.batch_size

@@ -33,9 +33,11 @@ _READ_AHEAD = 2  # pieces read per hashing thread before it hashes them, when ve
 
 
 class PieceDigest:
-    """A file's record, ``{"size", "pieces_sha256", "piece_bytes"}``: the sha256 of the sha256
-    digests of its ``piece_bytes`` pieces in order, the pieces hashed on ``threads`` threads of
-    their own while the caller writes (or reads) the same bytes.
+    """A file's record, ``{"size", "pieces_sha256", "piece_bytes"}``, hashed in pieces on threads.
+
+    Its digest is the sha256 of the sha256 digests of its ``piece_bytes`` pieces in order. The
+    pieces are hashed on ``threads`` threads of their own while the caller writes (or reads) the
+    same bytes.
 
     Why pieces: one sha256 runs on one core at about 1.8 GB/s here, so hashing a 205 MB shard
     took 0.115 s, longer than ``dd`` took to write it (``bench/checkpoint.py``); in pieces, as
@@ -111,8 +113,9 @@ class PieceDigest:
 def file_record(
     fs: AbstractFileSystem, path: str, like: dict[str, Any] | None = None, threads: int = 1
 ) -> dict[str, Any]:
-    """A file's record from one read of it, in the form of ``like`` (a record to check it
-    against): hashed whole (``sha256``, manifest formats 1 and 2) or in pieces (the default),
+    """A file's record from one read of it, in the form of ``like`` (a record to check it against).
+
+    The file is hashed whole (``sha256``, manifest formats 1 and 2) or in pieces (the default),
     on ``threads`` threads."""
     if like is not None and "sha256" in like:
         digest, size = hashlib.sha256(), 0
@@ -136,8 +139,9 @@ def folder(root: str, step: int) -> str:
 
 
 def candidates(fs: AbstractFileSystem, root: str) -> list[str]:
-    """Checkpoint folders under ``root``, newest first, committed or not; ``*.corrupt`` folders
-    (moved aside by the loader) are not among them."""
+    """Checkpoint folders under ``root``, newest first, committed or not.
+
+    ``*.corrupt`` folders (moved aside by the loader) are not among them."""
     fs.invalidate_cache(root)  # other processes write there (an object store's listing is cached)
     try:
         entries = fs.ls(root, detail=False)

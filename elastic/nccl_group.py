@@ -1,5 +1,4 @@
-"""The decisions over a round's NCCL communicator: abort it or only destroy it, shrink it or
-build it anew.
+"""The decisions over a round's NCCL communicator: abort or only destroy it, shrink or rebuild it.
 
 An abort is what frees a kernel stuck on a dead peer, but it costs 0.5-1 s (NCCL's proxy threads
 see its flag only when their 500 ms poll returns), and it frees the communicator, which a shrink
@@ -18,16 +17,18 @@ SHRINK, REBUILD = b"shrink", b"rebuild"  # what a rank offers at the meet
 
 
 def must_abort(backend: str, aborted: bool, idle: bool, healthy: bool) -> bool:
-    """Whether a round's group must be aborted before it is destroyed: on NCCL, unless it was
-    already, or nothing of it may still run (``idle``) and it reports no error (``healthy``).
-    gloo has no abort: its collectives end at their timeout
+    """Whether a round's group must be aborted before it is destroyed.
+
+    It must on NCCL, unless it was already, or nothing of it may still run (``idle``) and it
+    reports no error (``healthy``). gloo has no abort: its collectives end at their timeout
     (:meth:`elastic.communicator.Communicator.close`)."""
     return backend == "nccl" and not aborted and not (idle and healthy)
 
 
 def healthy(group: dist.ProcessGroup, device: torch.device) -> bool:
-    """Whether the group's backend reports no error (a failed collective, a lost peer, a
-    timeout); unknown (a torch without ``get_error``) counts as not."""
+    """Whether the group's backend reports no error (a failed collective, a lost peer, a timeout).
+
+    Unknown (a torch without ``get_error``) counts as not."""
     backend = group._get_backend(device)
     if not hasattr(backend, "get_error"):
         return False
@@ -40,7 +41,9 @@ def agreed_to_shrink(offers: list[bytes], world_size: int) -> bool:
 
 
 def can_shrink(backend: str, excluded: list[int] | None, live: bool, supported: bool) -> bool:
-    """Whether a round's group may be the previous one shrunk: only NCCL shrinks, only a round
-    that removed ranks and added none (``excluded``), and only a communicator that still lives
-    (``live``: ncclCommShrink needs its parent, which an abort frees) and can (``supported``)."""
+    """Whether a round's group may be the previous one shrunk.
+
+    Only NCCL shrinks, only a round that removed ranks and added none (``excluded``), and only a
+    communicator that still lives (``live``: ncclCommShrink needs its parent, which an abort
+    frees) and can (``supported``)."""
     return backend == "nccl" and excluded is not None and live and supported

@@ -27,8 +27,9 @@ SURVIVABLE_HANDLING = frozenset({"0", "2"})
 def survivor_settings(
     environ: Mapping[str, str], timeout_s: float
 ) -> tuple[dict[str, str], list[str]]:
-    """The settings to add to ``environ``, and a warning for each of its own that would end the
-    survivors of a lost peer."""
+    """The settings to add to ``environ``, and warnings about the settings it has.
+
+    There is a warning for each of its own settings that would end the survivors of a lost peer."""
     add: dict[str, str] = {}
     warnings: list[str] = []
     handling = environ.get(ERROR_HANDLING)
@@ -47,8 +48,9 @@ def survivor_settings(
 
 
 def apply(timeout_s: float, environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
-    """Set :func:`survivor_settings` in this process's environment (before its first NCCL group),
-    log each warning; what was added."""
+    """Set :func:`survivor_settings` in this process's environment, and log each warning.
+
+    It runs before the process's first NCCL group. Returns what was added."""
     add, warnings = survivor_settings(environ, timeout_s)
     environ.update(add)
     for warning in warnings:

@@ -1,5 +1,7 @@
-"""Non-finite steps: a step whose gradients hold an inf or a NaN is skipped on every rank, and a
-run of them rolls the job back to its newest checkpoint.
+"""Non-finite steps: skipped on every rank, and a run of them rolls the job back.
+
+A step whose gradients hold an inf or a NaN is skipped on every rank. A run of them rolls the job
+back to its newest checkpoint.
 
 The decision needs no collective of its own: DDP's gradient all-reduce carries any rank's inf or
 NaN to every rank (a rank's non-finite loss reaches its gradients through backward), so every
@@ -39,8 +41,10 @@ class NonFiniteSteps:
     producers: list[int] = field(default_factory=list)  # the streak's first non-finite ranks
 
     def update(self, finite: bool, producer: int = -1) -> Verdict:
-        """After a step's gradients were averaged: ``finite`` says whether they all are;
-        ``producer`` is the first rank whose loss was not (-1: none, the gradients alone)."""
+        """Count a step after its gradients were averaged, and say what to do with it.
+
+        ``finite`` says whether they all are; ``producer`` is the first rank whose loss was not
+        (-1: none, the gradients alone)."""
         if finite:
             self.streak, self.producers = 0, []
             return Verdict.TRAIN
@@ -64,12 +68,14 @@ SENTINEL_ELEMENTS = 1 << 16  # gradient elements read per step, from each end of
 
 
 def gradients_finite(params: Sequence[torch.nn.Parameter]) -> bool:
-    """Whether the gradients are finite, read where every inf and NaN passes: the parameters
-    nearest the loss (the last ones) and nearest the input (the first ones, whose gradients
-    backward computes last), about :data:`SENTINEL_ELEMENTS` of each. A non-finite loss, input
-    or activation, or a NaN weight, spoils the gradient of every layer below it, down to the
-    first; reading them all would cost a pass over every gradient each step (5 % of a ResNet-18
-    step on a CPU core). A host sync, which the step's loss already costs."""
+    """Whether the gradients are finite, read where every inf and NaN passes.
+
+    It reads the parameters nearest the loss (the last ones) and nearest the input (the first
+    ones, whose gradients backward computes last), about :data:`SENTINEL_ELEMENTS` of each. A
+    non-finite loss, input or activation, or a NaN weight, spoils the gradient of every layer
+    below it, down to the first. Reading them all would cost a pass over every gradient each
+    step (5 % of a ResNet-18 step on a CPU core). A host sync, which the step's loss already
+    costs."""
     grads = [p.grad for p in params if p.grad is not None]
     picked: dict[int, torch.Tensor] = {}
     for ordered in (grads, grads[::-1]):
@@ -91,8 +97,9 @@ def first_producer(flags: Sequence[float]) -> int:
 
 
 class BufferBackup:
-    """A copy of a model's buffers (batch-norm statistics), taken before each step and put back
-    when the step is skipped."""
+    """A copy of a model's buffers (batch-norm statistics), to undo a skipped step's changes.
+
+    It is taken before each step and put back when the step is skipped."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._buffers = [b for b in model.buffers() if b is not None]

@@ -59,8 +59,10 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Opt
 
 
 def _param_groups(model: torch.nn.Module, cfg: OptimConfig) -> list[dict[str, Any]]:
-    """Weights in one group, batch-norm parameters and biases in another unless
-    ``decay_bn_and_bias``; empty groups are left out (torch refuses them)."""
+    """The parameter groups: weights in one, batch-norm parameters and biases in another.
+
+    Under ``decay_bn_and_bias`` they all go in the weights' group. Empty groups are left out (torch
+    refuses them)."""
     weights, exempt = [], []
     for p in model.parameters():
         if p.requires_grad:
@@ -122,8 +124,10 @@ def _zeros(p: torch.Tensor) -> torch.Tensor:
 
 
 class _EagerState(torch.optim.Optimizer):
-    """An optimizer whose per-parameter state (``STATE_KEYS``, zeros) is created as soon as a
-    parameter joins it, so that a loaded or broadcast state can be copied into it in place."""
+    """An optimizer whose per-parameter state is created as soon as a parameter joins it.
+
+    The state is ``STATE_KEYS``, zeros, so that a loaded or broadcast state can be copied into it
+    in place."""
 
     STATE_KEYS: tuple[str, ...] = ()
 
@@ -142,9 +146,11 @@ def _closure_loss(closure: Callable[[], float] | None) -> float | None:
 
 
 class Akiba(_EagerState):
-    """RMSprop warm-up (Akiba et al., arXiv:1711.04325): momentum SGD on a blend of the SGD step
-    and an RMSprop step, the blend set by the group's ``sgd_share`` (s). The SGD share ramps
-    from 0 to 1 over the first epochs, so that the first steps at a 32k batch do not diverge.
+    """RMSprop warm-up (Akiba et al., arXiv:1711.04325): momentum SGD on a blend of SGD and RMSprop.
+
+    The blend of the SGD step and an RMSprop step is set by the group's ``sgd_share`` (s). The
+    SGD share ramps from 0 to 1 over the first epochs, so that the first steps at a 32k batch do
+    not diverge.
 
     Per parameter, with g the gradient plus ``weight_decay * p`` (as SGD adds it)::
 
@@ -204,8 +210,10 @@ class Akiba(_EagerState):
 
 
 class LARS(_EagerState):
-    """Layer-wise adaptive rate scaling (You et al., arXiv:1708.03888) in the form of the MLPerf
-    ResNet-50 reference (mlcommons/training, image_classification/tensorflow2/lars_optimizer.py).
+    """Layer-wise adaptive rate scaling (You et al., arXiv:1708.03888), as in the MLPerf reference.
+
+    Its form is the MLPerf ResNet-50 reference's (mlcommons/training,
+    image_classification/tensorflow2/lars_optimizer.py).
 
     Per parameter tensor of a group that is not ``lars_exclude``, with g its raw gradient::
 
@@ -263,9 +271,10 @@ class LARS(_EagerState):
 def trust_ratio(
     p: torch.Tensor, grad: torch.Tensor, weight_decay: float, coefficient: float, eps: float
 ) -> torch.Tensor:
-    """LARS's per-layer trust ratio, a 0-d tensor on ``p``'s device (no host sync per layer):
-    ``coefficient * ||p|| / (||grad|| + weight_decay * ||p|| + eps)``, or 1 where either norm
-    is 0 (a layer that starts at zero, or gets no gradient, still moves at the plain LR)."""
+    """LARS's per-layer trust ratio, a 0-d tensor on ``p``'s device (no host sync per layer).
+
+    It is ``coefficient * ||p|| / (||grad|| + weight_decay * ||p|| + eps)``, or 1 where either
+    norm is 0 (a layer that starts at zero, or gets no gradient, still moves at the plain LR)."""
     w_norm = torch.linalg.vector_norm(p)
     g_norm = torch.linalg.vector_norm(grad)
     ratio = coefficient * w_norm / (g_norm + weight_decay * w_norm + eps)

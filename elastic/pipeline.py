@@ -37,8 +37,10 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 def loader_workers(requested: int, workers_on_node: int, cores: int) -> int:
-    """Loader processes for one training worker: ``requested``, or with ``-1`` (auto) this
-    worker's share of the node's ``cores`` minus one.
+    """The number of loader processes for one training worker.
+
+    It is ``requested``, or with ``-1`` (auto) this worker's share of the node's ``cores`` minus
+    one.
 
     The core left over is for the training process itself: it runs the Python loop that launches
     the kernels, DDP's hooks and the optimizer, and the pin-memory thread. It is the one process
@@ -96,15 +98,18 @@ def make_loader(
 
 
 def ignore_sigterm(_worker_id: int) -> None:
-    """Loader processes outlive a SIGTERM sent to the whole node, like the training worker that
-    owns them (it finishes its steps in a planned leave); they end with it."""
+    """Make a loader process ignore SIGTERM (the loader's ``worker_init_fn``).
+
+    Loader processes outlive a SIGTERM sent to the whole node, like the training worker that owns
+    them (it finishes its steps in a planned leave); they end with it."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 class EncodedBatch(NamedTuple):
-    """A batch of :class:`Encoded` samples: the JPEGs end to end in one tensor (a loader process
-    hands a batch over as one shared-memory block, and the pinned copy is one), their draws as
-    tensors."""
+    """A batch of :class:`Encoded` samples: the JPEGs in one tensor, their draws as tensors.
+
+    The JPEGs lie end to end in one tensor because a loader process hands a batch over as one
+    shared-memory block, and the pinned copy is one."""
 
     jpegs: torch.Tensor  # uint8: the files one after the other
     lengths: list[int]  # of each file in ``jpegs``
@@ -114,10 +119,12 @@ class EncodedBatch(NamedTuple):
 
 
 class DeviceDecoder:
-    """Decodes an :class:`EncodedBatch` on ``device`` into the pixels :func:`imagenet_transform
-    <elastic.data.imagenet_transform>` gives on the host: each image decoded as RGB (nvJPEG on
-    CUDA, libjpeg on the CPU), its box resized to ``crop_size`` square (bilinear, antialiased),
-    flipped where drawn, scaled to [0, 1] and normalised with ImageNet's mean and std.
+    """Decodes an :class:`EncodedBatch` on ``device`` into the pixels the host transform gives.
+
+    The host transform is :func:`imagenet_transform <elastic.data.imagenet_transform>`. Each image
+    is decoded as RGB (nvJPEG on CUDA, libjpeg on the CPU). Its box is resized to ``crop_size``
+    square (bilinear, antialiased), flipped where drawn, scaled to [0, 1] and normalised with
+    ImageNet's mean and std.
 
     The loader processes only read the files and draw each sample's crop and flip, the host
     transform's draws from the same seeds (:class:`~elastic.data.Encoded`), so the samples are the
@@ -209,9 +216,10 @@ class Prefetcher:
 def image_mover(
     device: torch.device, channels_last: bool = False, decoder: DeviceDecoder | None = None
 ) -> Callable[[Any], Batch]:
-    """How a :class:`Prefetcher` moves a batch of ``(images, targets)``: copied, or decoded on
-    the device by ``decoder`` (``data.decode=device``), the images converted to channels_last on
-    the way when asked."""
+    """How a :class:`Prefetcher` moves a batch of ``(images, targets)`` to ``device``.
+
+    The batch is copied, or decoded on the device by ``decoder`` (``data.decode=device``). The
+    images are converted to channels_last on the way when asked."""
     memory_format = torch.channels_last if channels_last else torch.preserve_format
 
     def move(batch: Any) -> Batch:

@@ -32,8 +32,10 @@ def dtype_of(choice: Precision | GradDtype) -> torch.dtype:
 def resolve_precision(
     requested: Precision, device: torch.device, bf16_supported: bool | None = None
 ) -> Precision:
-    """The precision this worker computes in: ``auto`` is bf16 on a GPU with native bf16, else
-    fp32 (a CPU's bf16 matmuls are rarely faster, and an old GPU only emulates bf16).
+    """The precision this worker computes in: ``auto`` is bf16 on a GPU with native bf16, else fp32.
+
+    fp32 otherwise, because a CPU's bf16 matmuls are rarely faster, and an old GPU only emulates
+    bf16.
 
     ``bf16_supported`` is whether the CUDA device has native bf16; None asks the device. An
     explicit bf16 on a GPU without it is refused: emulated bf16 is slower than fp32, which is
@@ -59,8 +61,10 @@ def resolve_precision(
 
 
 def resolve_channels_last(requested: bool | None, device: torch.device) -> bool:
-    """NHWC convolutions: None is on for CUDA, whose tensor-core kernels want NHWC, and off for
-    the CPU, where NCHW is as fast or faster."""
+    """Whether convolutions run in NHWC (channels_last): ``requested``, or by device for None.
+
+    None is on for CUDA, whose tensor-core kernels want NHWC, and off for the CPU, where NCHW is
+    as fast or faster."""
     return device.type == "cuda" if requested is None else requested
 
 
@@ -92,8 +96,9 @@ class MixedPrecision:
         return torch.autocast(self.device.type, dtype=self.dtype)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The scaler's state (the scale, and the count of good steps since it last changed),
-        the very tensors it updates in place; empty without a scaler."""
+        """The scaler's state: the very tensors it updates in place; empty without a scaler.
+
+        They are the scale, and the count of good steps since it last changed."""
         if not self.scaler.is_enabled():
             return {}
         return {
@@ -106,8 +111,9 @@ class MixedPrecision:
         self.scaler.scale(loss).backward()
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Unscale the gradients, step ``optimizer`` unless they hold an inf or nan, and update
-        the scale. Returns whether the step was taken.
+        """Unscale the gradients, step ``optimizer`` if they are finite, and update the scale.
+
+        Returns whether the step was taken: it is not when they hold an inf or nan.
 
         Whether it was taken is read from the scaler's own inf/nan findings for ``optimizer``,
         the values its ``step`` just decided with, before ``update`` clears them. (The scale

@@ -1,5 +1,7 @@
-"""Silent corruption across replicas: the ranks compare a checksum of their parameters and
-optimizer state every ``health.replica_check_every`` steps, while the job trains.
+"""Silent corruption across replicas, found by comparing a checksum while the job trains.
+
+The ranks compare a checksum of their parameters and optimizer state every
+``health.replica_check_every`` steps.
 
 Data-parallel replicas are equal bit for bit after every step. A bit flipped in one replica's
 memory (a GPU's or host's silent data corruption) changes no loss visibly and persists, and its
@@ -24,8 +26,10 @@ WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def checksum(tensors: Mapping[str, torch.Tensor], names: Sequence[str]) -> torch.Tensor:
-    """An int64 scalar, on the tensors' device, over the bytes of ``tensors[n]`` for ``n`` in
-    ``names`` (in that order): equal for equal bytes, changed by any single flipped bit."""
+    """An int64 checksum of the named tensors' bytes, a scalar on the tensors' device.
+
+    It covers ``tensors[n]`` for ``n`` in ``names``, in that order. It is equal for equal bytes,
+    and changed by any single flipped bit."""
     total = None
     for place, name in enumerate(names, 1):
         t = tensors[name].detach()
@@ -38,8 +42,10 @@ def checksum(tensors: Mapping[str, torch.Tensor], names: Sequence[str]) -> torch
 
 @dataclass(frozen=True)
 class ReplicaVerdict:
-    """``corrupt``: the ranks to repair from ``source`` (a rank of the majority); ``roll_back``:
-    no majority, every rank loads the newest checkpoint."""
+    """What to do about the replicas: repair some ranks, roll every rank back, or nothing.
+
+    ``corrupt``: the ranks to repair from ``source`` (a rank of the majority). ``roll_back``: no
+    majority, every rank loads the newest checkpoint."""
 
     corrupt: tuple[int, ...] = ()
     source: int = -1
@@ -51,8 +57,9 @@ class ReplicaVerdict:
 
 
 def judge(sums: Sequence[int]) -> ReplicaVerdict:
-    """The verdict on the ranks' checksums: all equal, a strict majority and the others, or no
-    majority."""
+    """The verdict on the ranks' checksums.
+
+    They are all equal, or a strict majority and the others, or there is no majority."""
     counts = Counter(sums)
     if len(counts) == 1:
         return ReplicaVerdict()

@@ -41,9 +41,11 @@ class CollectiveFailure:
 
 
 def is_device_fault(error: BaseException | None) -> bool:
-    """Whether ``error`` is, or was raised from, an error of the device itself (torch's
-    ``AcceleratorError``: a device-side assert, an illegal address). CUDA keeps such an error
-    in the process's context, so every later call fails too: only a new process recovers."""
+    """Whether ``error`` is, or was raised from, an error of the device itself.
+
+    That is torch's ``AcceleratorError``: a device-side assert, an illegal address. CUDA keeps
+    such an error in the process's context, so every later call fails too: only a new process
+    recovers."""
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         if isinstance(error, torch.AcceleratorError):
@@ -79,10 +81,11 @@ def release(error: BaseException) -> None:
 def round_end(
     aborted: bool, failure: CollectiveFailure | None, error: BaseException | None = None
 ) -> RoundEnd:
-    """Why a round ended with ``error``, from its type and what the communicator recorded: a
-    device fault is local whatever else happened (the worker must be replaced, its node struck);
-    then the agent's abort (the failure it causes is expected), then a failed collective;
-    anything else is local."""
+    """Why a round ended with ``error``, from its type and what the communicator recorded.
+
+    A device fault is local whatever else happened (the worker must be replaced, its node
+    struck). Then comes the agent's abort (the failure it causes is expected), then a failed
+    collective. Anything else is local."""
     if is_device_fault(error):
         return RoundEnd.LOCAL_FAULT
     if aborted:

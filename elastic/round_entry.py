@@ -1,6 +1,8 @@
-"""A worker entering a round: the new group (:mod:`elastic.communicator`), the newest state from
-a peer's memory or a checkpoint (:mod:`elastic.state`), the sampler, batch and LR fitted to the
-round's world size, and the recovery's breakdown reported once the first step is done."""
+"""A worker entering a round: its group, the newest state, a fitted batch and LR, and a report.
+
+It builds the new group (:mod:`elastic.communicator`) and takes the newest state from a peer's
+memory or a checkpoint (:mod:`elastic.state`). It fits the sampler, batch and LR to the round's
+world size, and reports the recovery's breakdown once the first step is done."""
 
 from __future__ import annotations
 
@@ -16,8 +18,10 @@ from elastic.worker import Worker
 
 @dataclass(frozen=True)
 class RoundStart:
-    """Where a round begins: the state every rank now holds, the global batch for this world
-    size, and when each step of entering it ended (for the recovery breakdown)."""
+    """Where a round begins: the state every rank holds, its global batch, and entry times.
+
+    It holds the state every rank now holds, the global batch for this world size, and when each
+    step of entering the round ended (for the recovery breakdown)."""
 
     progress: Progress
     global_batch: int
@@ -28,9 +32,10 @@ class RoundStart:
 
 
 def enter_round(w: Worker, a: Assignment, ckpt: CheckpointManager) -> RoundStart:
-    """The recovery steps of ARCHITECTURE.md that make a round trainable: build its group, agree
-    on the newest state any rank holds (a checkpoint only when none does), and set the LR the
-    policy gives for this world size, ramped when it grew."""
+    """Take the recovery steps of ARCHITECTURE.md that make a round trainable.
+
+    They build its group and agree on the newest state any rank holds (a checkpoint only when
+    none does). Then they set the LR the policy gives for this world size, ramped when it grew."""
     assigned_at = time.time()
     w.link.status.update(phase="joining", round=a.round)
     w.comm.enter(a)
@@ -67,8 +72,10 @@ def enter_round(w: Worker, a: Assignment, ckpt: CheckpointManager) -> RoundStart
 
 
 def fit_world(w: Worker, a: Assignment, progress: Progress) -> Progress:
-    """``progress`` with the global batch the LR policy gives round ``a``'s world size, ramped
-    (and the change logged) when that world differs from the one the state last trained in."""
+    """``progress`` with the global batch the LR policy gives round ``a``'s world size.
+
+    Its LR ramp is set (and the change logged) when that world differs from the one the state
+    last trained in."""
     global_batch = w.policy.global_batch(a.world_size, progress.global_batch)
     resized = bool(progress.global_batch) and progress.global_batch != global_batch
     progress = replace(progress, global_batch=global_batch)
@@ -93,8 +100,9 @@ def fit_world(w: Worker, a: Assignment, progress: Progress) -> Progress:
 
 
 def report_recovery(w: Worker, a: Assignment, start: RoundStart, step: int) -> None:
-    """The first step after a round broke: how long detection, rendezvous, rebuild, state sync
-    and the first step took (rank 0's ``recovered`` event)."""
+    """Report the recovery at the first step after a round broke (rank 0's ``recovered`` event).
+
+    It says how long detection, rendezvous, rebuild, state sync and the first step took."""
     assert w.interrupted_at is not None
     now = time.time()
     w.events.emit(

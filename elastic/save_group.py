@@ -21,13 +21,16 @@ class SaveGroup:
         self.group: dist.ProcessGroup | None = None  # this round's, for checkpoint saves
 
     def open(self) -> None:
-        """Make this round's save group: a collective of the round's ranks, once its training
-        group is set up."""
+        """Make this round's save group, once its training group is set up.
+
+        It is a collective of the round's ranks."""
         self.group = dist.new_group(
             backend="gloo", timeout=self.timeout, group_desc="checkpoint saves"
         )
 
     def drop(self) -> None:
-        """Let go of the group, destroyed with the training group: a group lives (threads,
-        sockets) while a reference does; a save still running holds its own."""
+        """Let go of the group, destroyed with the training group.
+
+        A group lives (threads, sockets) while a reference does; a save still running holds its
+        own."""
         self.group = None

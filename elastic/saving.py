@@ -1,6 +1,8 @@
-"""A worker's checkpoints: when to save (:func:`checkpoint_every`), each save started in the
-background (:mod:`elastic.async_checkpoint`), and the final save, which the end waits for and
-retries, since the trained state is the run's product (its words: :mod:`elastic.final_save`)."""
+"""A worker's checkpoints: when to save, each save started in the background, and the final save.
+
+When to save is :func:`checkpoint_every`; each save starts in the background
+(:mod:`elastic.async_checkpoint`). The end waits for the final save and retries it, since the
+trained state is the run's product (its words: :mod:`elastic.final_save`)."""
 
 from __future__ import annotations
 
@@ -28,8 +30,9 @@ log = logging.getLogger("elastic.trainer")
 
 
 def final_save(w: Worker, a: Assignment, ckpt: CheckpointManager, progress: Progress) -> bool:
-    """Whether the final state, ``progress``'s, is in a committed checkpoint, as every rank
-    agrees; a collective, once its save was started (or found unneeded).
+    """Whether the final state, ``progress``'s, is in a committed checkpoint, as every rank agrees.
+
+    A collective, once its save was started (or found unneeded).
 
     The final weights are the run's product, so a save of them that failed (a full disk, a store
     that is down) is not the end: every rank keeps the state in memory, and the ranks save it
@@ -74,9 +77,11 @@ def report_unsaved(
     elapsed_s: float,
     pause_s: float | None,
 ) -> None:
-    """Rank 0: the final state, of ``step``, is not saved after ``failed`` attempts over
-    ``elapsed_s``; the newest checkpoint is ``saved_step``'s. Either the save is retried in
-    ``pause_s`` (``final_save_retry``), or (None) the run gives up (``final_save_failed``)."""
+    """Report, on rank 0, that the final state is not saved: a retry, or giving up.
+
+    The final state, of ``step``, is not saved after ``failed`` attempts over ``elapsed_s``; the
+    newest checkpoint is ``saved_step``'s. Either the save is retried in ``pause_s``
+    (``final_save_retry``), or (None) the run gives up (``final_save_failed``)."""
     limit_s = w.cfg.checkpoint.final_retry_s
     lost = unsaved_steps(saved_step, step)
     newest = "none" if saved_step is None else f"the checkpoint of step {saved_step}"
@@ -111,8 +116,10 @@ def report_unsaved(
 
 
 def newest_saved(url: str) -> int | None:
-    """The step of the newest committed checkpoint at ``url`` (rank 0, at the end); None when
-    there is none, or when the store cannot be listed, which is then what failed the save."""
+    """The step of the newest committed checkpoint at ``url`` (rank 0, at the end).
+
+    None when there is none, or when the store cannot be listed, which is then what failed the
+    save."""
     try:
         newest = newest_manifest(url)
     except Exception as exc:  # any fsspec backend's error: the store is what is down
@@ -122,8 +129,10 @@ def newest_saved(url: str) -> int | None:
 
 
 def checkpoint_every(cfg: config.CheckpointConfig, progress: Progress) -> int:
-    """Steps between checkpoints: ``every_steps``, or the interval the ranks last agreed on
-    when it depends on measurements (``every_minutes``, ``interval=auto``)."""
+    """Steps between checkpoints: ``every_steps``, or the interval the ranks last agreed on.
+
+    The agreed interval is used when it depends on measurements (``every_minutes``,
+    ``interval=auto``)."""
     measured = cfg.interval == config.CheckpointInterval.auto or cfg.every_minutes > 0
     return progress.checkpoint_every if measured and progress.checkpoint_every else cfg.every_steps
 
@@ -131,9 +140,10 @@ def checkpoint_every(cfg: config.CheckpointConfig, progress: Progress) -> int:
 def save(
     w: Worker, ckpt: CheckpointManager, progress: Progress, a: Assignment, step_s: float
 ) -> Progress:
-    """Checkpoint this step in the background (:mod:`elastic.async_checkpoint`): training is
-    held only while the state is copied. A save that fails is reported by the saver, and
-    training goes on: the newest good checkpoint stays, and the next interval tries again.
+    """Checkpoint this step in the background (:mod:`elastic.async_checkpoint`).
+
+    Training is held only while the state is copied. A save that fails is reported by the saver,
+    and training goes on: the newest good checkpoint stays, and the next interval tries again.
 
     Returns the progress with the interval to the next checkpoint, chosen from what the previous
     save measured on every rank (:func:`elastic.checkpoint_interval.choose_interval`), the same
@@ -177,8 +187,9 @@ def start_save(
 
 
 def pause(w: Worker, seconds: float) -> None:
-    """Wait ``seconds`` between two attempts of the final save, leaving as soon as the round
-    is left (:class:`RoundAborted`; the next round keeps the state and saves it again)."""
+    """Wait ``seconds`` between two attempts of the final save, or until the round is left.
+
+    Leaving raises :class:`RoundAborted`; the next round keeps the state and saves it again."""
     until = time.monotonic() + seconds
     while (left := until - time.monotonic()) > 0:
         if w.comm.aborted:

@@ -46,8 +46,9 @@ WRITEBACK_BYTES = 16 << 20  # how much a local shard's writer writes before it s
 
 
 def _descriptor(stream: Any) -> int | None:
-    """A local file's descriptor; None for an object store's file, which has none: its upload
-    is complete, and atomic, when the file is closed."""
+    """A local file's descriptor; None for an object store's file, which has none.
+
+    An object store's upload is complete, and atomic, when the file is closed."""
     try:
         return stream.fileno()
     except (AttributeError, io.UnsupportedOperation):
@@ -55,13 +56,14 @@ def _descriptor(stream: Any) -> int | None:
 
 
 def _start_writeback(stream: Any, start: int, end: int) -> None:
-    """Start writing bytes ``start:end`` of a local file to disk now, without waiting. Left to
-    itself, the kernel writes a file's dirty pages back at the fsync, after the last write: the
-    copies into the page cache and the disk's transfer then take their times one after the other.
-    Started per ``WRITEBACK_BYTES``, they overlap; for the ResNet-50 state on this machine the
-    write and fsync took 0.073-0.080 s instead of 0.105-0.111 s, where ``dd conv=fsync`` takes
-    about the latter. Linux's ``POSIX_FADV_DONTNEED`` starts the writeback of a range's dirty
-    pages; elsewhere the advice may do nothing, and the fsync does it all."""
+    """Start writing bytes ``start:end`` of a local file to disk now, without waiting.
+
+    Left to itself, the kernel writes a file's dirty pages back at the fsync, after the last
+    write: the copies into the page cache and the disk's transfer then take their times one after
+    the other. Started per ``WRITEBACK_BYTES``, they overlap. For the ResNet-50 state on this
+    machine the write and fsync took 0.073-0.080 s instead of 0.105-0.111 s, where
+    ``dd conv=fsync`` takes about the latter. Linux's ``POSIX_FADV_DONTNEED`` starts the writeback
+    of a range's dirty pages; elsewhere the advice may do nothing, and the fsync does it all."""
     if hasattr(os, "posix_fadvise") and (fd := _descriptor(stream)) is not None:
         stream.flush()
         os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
@@ -75,9 +77,10 @@ def _sync(stream: Any) -> None:
 
 
 class ShardWriter(FsspecWriter):
-    """DCP's fsspec writer (any URL fsspec opens) with this module's layout: one file per rank,
-    fsynced where local, whose manifest entry (size and digest) is in ``written`` by file name
-    once :meth:`write_data` returns.
+    """DCP's fsspec writer (any URL fsspec opens) with this module's layout: one file per rank.
+
+    Each file is fsynced where local. Its manifest entry (size and digest) is in ``written`` by
+    file name once :meth:`write_data` returns.
 
     The file holds a tensor item as its memory is, and a non-tensor item as the pickle DCP's
     planner made of it. Its digest is taken from that memory, in pieces on threads of its own,
@@ -93,14 +96,16 @@ class ShardWriter(FsspecWriter):
         self.results: list[WriteResult] = []  # where each item went, as DCP gets it
 
     def storage_meta(self) -> StorageMeta | None:
-        """None: DCP's ``.metadata`` then names no folder and no save, so that the same bytes
-        serve every save of a round (``elastic.checkpoint_save.Plan``); the manifest says which
-        step a checkpoint is."""
+        """None, so that DCP's ``.metadata`` names no folder and no save.
+
+        The same bytes then serve every save of a round (``elastic.checkpoint_save.Plan``); the
+        manifest says which step a checkpoint is."""
         return None
 
     def write_metadata(self, data: bytes) -> None:
-        """Write DCP's ``.metadata`` as pickled at an earlier save, durably where local, and
-        record it in ``written`` as :meth:`write_data` records a shard."""
+        """Write DCP's ``.metadata`` as pickled at an earlier save, durably where local.
+
+        It is recorded in ``written`` as :meth:`write_data` records a shard."""
         with (
             PieceDigest(threads=1) as digest,
             self.fs.create_stream(self.fs.concat_path(self.path, METADATA), "wb") as stream,
@@ -153,11 +158,12 @@ def _read_exact(stream: Any, length: int) -> bytearray:
 
 
 class ShardReader(FsspecReader):
-    """Reads what :class:`ShardWriter` wrote, into the tensors DCP's planner asks for, at any
-    world size: each item's bytes become a tensor of the dtype and chunk shape that ``.metadata``
-    records, narrowed to what the loading rank asks for, so resharding works as with DCP's
-    reader. :meth:`elastic.checkpoint.CheckpointManager.load` picks this reader or DCP's by the
-    manifest's format."""
+    """Reads what :class:`ShardWriter` wrote into the tensors DCP's planner asks for.
+
+    It reads at any world size. Each item's bytes become a tensor of the dtype and chunk shape
+    that ``.metadata`` records, narrowed to what the loading rank asks for, so resharding works
+    as with DCP's reader. :meth:`elastic.checkpoint.CheckpointManager.load` picks this reader or
+    DCP's by the manifest's format."""
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any

@@ -96,8 +96,9 @@ class TrainState:
         return out
 
     def apply(self, settings: dict[str, float]) -> None:
-        """Set every key of ``settings`` in every param group: the LR and the other per-step
-        settings (:func:`elastic.optim.step_settings`)."""
+        """Set every key of ``settings`` in every param group.
+
+        They are the LR and the other per-step settings (:func:`elastic.optim.step_settings`)."""
         for group in self.optimizer.param_groups:
             group.update(settings)
 
@@ -123,19 +124,23 @@ class TrainState:
         return h.hexdigest()[:16]
 
     def fingerprint(self) -> str:
-        """A CRC-32 of every parameter's bytes (hex): cheap enough to log before every step
-        (``trainer.record_samples``; about 10 ms for ResNet-18 on a CPU core), and equal on every
-        replica of one history, so two worlds that train the same step from different states
-        show up in the event log. Bytes, not a sum: a float sum depends on the reduction's
-        order, which changes with the thread count, so equal replicas could differ."""
+        """A CRC-32 of every parameter's bytes (hex).
+
+        It is cheap enough to log before every step (``trainer.record_samples``; about 10 ms for
+        ResNet-18 on a CPU core). It is equal on every replica of one history, so two worlds that
+        train the same step from different states show up in the event log. Bytes, not a sum: a
+        float sum depends on the reduction's order, which changes with the thread count, so
+        equal replicas could differ."""
         crc = 0
         for p in self.model.parameters():
             crc = zlib.crc32(p.detach().reshape(-1).cpu().view(torch.uint8).numpy(), crc)
         return f"{crc:08x}"
 
     def flip_bit(self, bit: int) -> str:
-        """Flip ``bit`` of the first element of the largest parameter, as a memory fault would
-        (chaos's corrupt_replica); its name. In the layout it has: channels_last too."""
+        """Flip ``bit`` of the largest parameter's first element, as a memory fault would.
+
+        This is chaos's corrupt_replica; it returns the parameter's name. The element is the
+        first in the layout the parameter has: channels_last too."""
         name, param = max(self.model.named_parameters(), key=lambda np: np[1].numel())
         with torch.no_grad():
             words = param.data.view(torch.int32)  # fp32 parameters: same element size
@@ -148,8 +153,10 @@ class TrainState:
 
 
 def sync_key(progress: Progress | None, trained_round: int) -> list[int]:
-    """How a rank's state ranks in :func:`sync_state`: the round it last trained in, its step,
-    the evaluations it completed, and a fingerprint of its whole progress record.
+    """How a rank's state ranks in :func:`sync_state`.
+
+    The key is the round it last trained in, its step, the evaluations it completed, and a
+    fingerprint of its whole progress record.
 
     A replica that trained in a later round is on the job's current line of history, whatever
     its step count. At the same step, one that completed an evaluation the round's break cut

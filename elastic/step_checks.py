@@ -1,8 +1,9 @@
-"""What a worker does after each step, on every rank alike and in one order (some of it is a
-collective): :data:`AFTER_STEP`, an ordered list of small checks, each of which reads the step
-just trained (:class:`StepDone`) and the round's training (:class:`Steps`) and returns an
-:class:`Action` the loop acts on, the way torch elastic's rendezvous operations return an
-``_Action``.
+"""What a worker does after each step, on every rank alike and in one order.
+
+That is :data:`AFTER_STEP`, an ordered list of small checks; some are collectives. Each
+check reads the step just trained (:class:`StepDone`) and the round's training (:class:`Steps`).
+It returns an :class:`Action` the loop acts on, the way torch elastic's rendezvous operations
+return an ``_Action``.
 
 The checks: a non-finite step skipped and a run of them rolled back (:mod:`elastic.nonfinite`),
 this rank's compute compared with its peers' (:mod:`elastic.stragglers`), the replicas
@@ -40,10 +41,11 @@ from elastic.worker import Worker
 
 
 def skip_nonfinite(w: Worker, a: Assignment, loss: float, step: int) -> Verdict:
-    """A step whose averaged gradients were not finite, skipped on every rank: find the first
-    rank whose loss was not finite (one small all-reduce), count it, and say so (rank 0). After
-    ``health.nonfinite_rollback`` in a row, the rank that produced every one of them has its
-    node struck (:mod:`elastic.nonfinite`)."""
+    """Handle a step skipped on every rank because its averaged gradients were not finite.
+
+    Find the first rank whose loss was not finite (one small all-reduce), count the step, and say
+    so (rank 0). After ``health.nonfinite_rollback`` in a row, the rank that produced every one of
+    them has its node struck (:mod:`elastic.nonfinite`)."""
     flags = torch.zeros(a.world_size, dtype=torch.float64, device=w.device)
     flags[a.rank] = 0.0 if math.isfinite(loss) else 1.0
     w.comm.all_reduce(flags, "non-finite step")
@@ -71,8 +73,10 @@ def skip_nonfinite(w: Worker, a: Assignment, loss: float, step: int) -> Verdict:
 def roll_back(
     w: Worker, a: Assignment, ckpt: CheckpointManager, progress: Progress, why: str
 ) -> Progress | None:
-    """Load the newest checkpoint on every rank (a collective) because of ``why``; the progress
-    to train on from, or None (and training goes on) when there is no checkpoint yet."""
+    """Load the newest checkpoint on every rank (a collective) because of ``why``.
+
+    Returns the progress to train on from, or None (and training goes on) when there is no
+    checkpoint yet."""
     w.saver.wait(lambda: w.comm.aborted)  # a save in flight is the newest checkpoint
     info = ckpt.restore(w.tensors)
     w.nonfinite.rolled_back()
@@ -94,10 +98,11 @@ def roll_back(
 
 
 def check_replicas(w: Worker, a: Assignment) -> bool:
-    """Compare every rank's checksum of its parameters and optimizer state (one all-reduce of
-    one integer per rank, :mod:`elastic.replicas`); a minority takes the state of a majority
-    rank (a broadcast) and its node gets a strike. False when no majority agrees: the caller
-    rolls back."""
+    """Compare every rank's checksum of its parameters and optimizer state, and repair a minority.
+
+    The comparison is one all-reduce of one integer per rank (:mod:`elastic.replicas`). A
+    minority takes the state of a majority rank (a broadcast) and its node gets a strike. False
+    when no majority agrees: the caller rolls back."""
     replicated = w.state.replicated()
     names = sorted(replicated)
     sums = torch.zeros(a.world_size, dtype=torch.int64, device=w.device)
@@ -139,9 +144,11 @@ def straggler_watch(cfg: config.HealthConfig, world: int) -> StragglerWatch | No
 def compare_compute(
     w: Worker, a: Assignment, watch: StragglerWatch, computed: list[float], step: int
 ) -> None:
-    """Share this rank's mean compute time per step since the last comparison with the round's
-    ranks (one all-reduce, a collective) and, if the comparison makes it a straggler, say so,
-    in an event and to the agent, which acts on ``health.straggler``."""
+    """Compare this rank's compute time with its peers', and say so if it became a straggler.
+
+    It shares this rank's mean compute time per step since the last comparison with the round's
+    ranks (one all-reduce, a collective). If the comparison makes it a straggler, it says so in
+    an event and to the agent, which acts on ``health.straggler``."""
     times = torch.zeros(a.world_size, dtype=torch.float64, device=w.device)
     times[a.rank] = sum(computed) / len(computed)
     w.comm.all_reduce(times, "straggler comparison")
@@ -183,8 +190,10 @@ class StepDone:
 
 @dataclass
 class Steps:
-    """One round's training as the loop and the checks share it: where it stands, the last
-    save, and the counters the reports and comparisons keep between steps."""
+    """One round's training as the loop and the checks share it.
+
+    It holds where the training stands, the last save, and the counters the reports and
+    comparisons keep between steps."""
 
     a: Assignment
     ckpt: CheckpointManager
@@ -200,8 +209,9 @@ class Steps:
     step_saved: int = 0
 
     def restart(self, cfg: config.HealthConfig) -> None:
-        """Begin a stretch of steps (the round's, or after a rollback): its comparisons and
-        rates count from here."""
+        """Begin a stretch of steps (the round's, or after a rollback).
+
+        Its comparisons and rates count from here."""
         self.watch, self.computed = straggler_watch(cfg, self.a.world_size), []
         self.t_log = self.t_saved = time.perf_counter()
         self.samples_log, self.step_saved = self.progress.samples_seen, self.progress.step
@@ -228,8 +238,9 @@ def stragglers(w: Worker, s: Steps, done: StepDone) -> Action:
 
 
 def replicas(w: Worker, s: Steps, done: StepDone) -> Action:
-    """Every ``health.replica_check_every`` steps, compare the replicas; roll back when no
-    majority agrees."""
+    """Every ``health.replica_check_every`` steps, compare the replicas.
+
+    Roll back when no majority agrees."""
     every = w.cfg.health.replica_check_every
     if not every or s.a.world_size < 2 or s.progress.step % every:
         return Action.GO_ON
@@ -300,8 +311,9 @@ def evaluation(w: Worker, s: Steps, done: StepDone) -> Action:
 
 
 def checkpoint(w: Worker, s: Steps, done: StepDone) -> Action:
-    """Start the checkpoint due after this step; none within a run of non-finite steps, whose
-    state may be spoiled (batch norm)."""
+    """Start the checkpoint due after this step.
+
+    None starts within a run of non-finite steps, whose state may be spoiled (batch norm)."""
     due = s.progress.step % checkpoint_every(w.cfg.checkpoint, s.progress) == 0
     if due and w.nonfinite.streak == 0:
         now = time.perf_counter()
@@ -326,8 +338,9 @@ AFTER_STEP: tuple[Check, ...] = (
 
 
 def evaluate_if_due(w: Worker, a: Assignment, progress: Progress) -> Progress:
-    """Run the validation that is due after ``progress`` (a collective), if any; the progress
-    that records it.
+    """Run the validation that is due after ``progress`` (a collective), if any.
+
+    Returns the progress that records it.
 
     Which evaluation is due is a pure function of the progress record
     (:func:`elastic.evaluate.due_evaluation`), which travels with the state: an evaluation a

@@ -15,8 +15,10 @@ import torch
 
 
 class StepTiming:
-    """Times each step's compute: :meth:`begin` at its start, :meth:`bucket_handed` at each
-    gradient bucket, :meth:`end` once the step is done; the result is :attr:`last_compute_s`."""
+    """Times each step's compute; the result is :attr:`last_compute_s`.
+
+    :meth:`begin` is called at the step's start, :meth:`bucket_handed` at each gradient bucket,
+    and :meth:`end` once the step is done."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -43,9 +45,11 @@ class StepTiming:
             self._marked = True
 
     def end(self) -> None:
-        """After the optimizer step: until the last bucket was handed over (or until now, when
-        none was); on a GPU by its events (the step's loss was read on the host, so they have
-        completed)."""
+        """End timing a step, after the optimizer step.
+
+        The compute time runs until the last bucket was handed over (or until now, when none
+        was). On a GPU it is read from its events (the step's loss was read on the host, so they
+        have completed)."""
         self.last_compute_s = (self._handed_at or time.perf_counter()) - self._began
         if self._marks is not None and self._marked:
             began, handed = self._marks

@@ -25,18 +25,21 @@ def slowdowns(compute_s: Sequence[float]) -> list[float]:
 
 @dataclass
 class StragglerWatch:
-    """The comparisons of one round. A rank is a straggler once it was slower than the median by
-    ``factor`` in ``windows`` comparisons running; it is reported once, when it becomes one, and
-    again only after a comparison in which it kept up."""
+    """The comparisons of one round.
+
+    A rank is a straggler once it was slower than the median by ``factor`` in ``windows``
+    comparisons running. It is reported once, when it becomes one, and again only after a
+    comparison in which it kept up."""
 
     factor: float
     windows: int
     _streaks: dict[int, int] = field(default_factory=dict)
 
     def update(self, compute_s: Sequence[float]) -> dict[int, float]:
-        """The ranks that became stragglers with this comparison, with their slowdown. With two
-        ranks the median is their mean, so only a rank ``2 * factor - 1`` times slower than the
-        other is one; a rank alone is never one."""
+        """The ranks that became stragglers with this comparison, with their slowdown.
+
+        With two ranks the median is their mean, so only a rank ``2 * factor - 1`` times slower
+        than the other is one. A rank alone is never one."""
         if len(compute_s) < 2:
             return {}
         found = {}

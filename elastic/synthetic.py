@@ -26,8 +26,7 @@ SPEC_FILE = ".synthetic.json"
 
 
 def ensure_synthetic(cfg: DataConfig) -> bool:
-    """Generate the ImageFolder of ``cfg.generate`` (stripes or digits) at ``cfg.root`` unless
-    it is already there.
+    """Generate the ImageFolder of ``cfg.generate`` (stripes or digits) at ``cfg.root`` if missing.
 
     Returns True when it generated. The folder is built under a temporary name and renamed into
     place, so concurrent callers (several local nodes, or a killed run) never see half of it.
@@ -87,10 +86,10 @@ def _spec(cfg: DataConfig) -> dict[str, object]:
 
 
 def _write_stripes(tmp: Path, cfg: DataConfig) -> None:
-    """The stripes' train split and, with ``data.val_dir``, their validation split under
-    ``tmp``: each class its own colour and stripe orientation, blurred by noise. The validation
-    split is drawn from the same classes with a random stream of its own, so no image is in
-    both."""
+    """Write the stripes' splits under ``tmp``: train, and validation with ``data.val_dir``.
+
+    Each class has its own colour and stripe orientation, blurred by noise. The validation split
+    is drawn from the same classes with a random stream of its own, so no image is in both."""
     g = cfg.generate
     _draw_stripes(tmp / cfg.train_dir, g, g.images_per_class, np.random.default_rng(g.seed))
     if cfg.val_dir:
@@ -102,8 +101,10 @@ def _write_stripes(tmp: Path, cfg: DataConfig) -> None:
 def _draw_stripes(
     out: Path, g: SyntheticDataConfig, per_class: int, rng: np.random.Generator
 ) -> None:
-    """``per_class`` JPEGs of each class under ``out/class_<c>/``; the class fixes the colour,
-    the stripes' orientation and frequency, ``rng`` the jitter, phase and noise of each image."""
+    """Draw ``per_class`` JPEGs of each class under ``out/class_<c>/``.
+
+    The class fixes the colour, the stripes' orientation and frequency; ``rng`` fixes the
+    jitter, phase and noise of each image."""
     size = g.image_size
     yy, xx = np.mgrid[0:size, 0:size].astype(np.float32) / size
     for c in range(g.classes):
@@ -124,9 +125,11 @@ def _draw_stripes(
 
 
 def _write_digits(tmp: Path, cfg: DataConfig) -> None:
-    """scikit-learn's digits 0 to ``classes - 1`` under ``tmp/<split>/digit_<d>/``: of each
-    digit, ``images_per_class`` images for training and ``val_images_per_class`` others for
-    validation, picked by a permutation seeded with ``seed`` (the same split on every machine).
+    """Write scikit-learn's digits 0 to ``classes - 1`` under ``tmp/<split>/digit_<d>/``.
+
+    Of each digit, ``images_per_class`` images are for training and ``val_images_per_class``
+    others for validation. They are picked by a permutation seeded with ``seed`` (the same split
+    on every machine).
 
     Each 8x8 scan (16 grey levels) is upscaled bicubically to ``image_size`` and saved as a
     greyscale JPEG named by its index in ``load_digits``, so a split can be traced back to the

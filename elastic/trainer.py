@@ -1,5 +1,6 @@
-"""The worker: one process per GPU (or CPU slot), started once by its node's agent, the runtime
-around a job (:mod:`elastic.job`: what to train, named by ``job._target_``).
+"""The worker: one process per GPU (or CPU slot), started once by its node's agent.
+
+It is the runtime around a job (:mod:`elastic.job`: what to train, named by ``job._target_``).
 
 A worker outlives rounds, so that a broken round costs at most the step in flight: the survivors
 keep their state in memory and carry on from it. Read it top to bottom: :func:`main` builds what
@@ -74,9 +75,12 @@ log = logging.getLogger("elastic.trainer")
 
 
 def main() -> int:
-    """Build what does not depend on the round (the job's data, model and optimizer), then loop:
-    wait for the agent's assignment, train in that round until the job is trained or the round
-    breaks, and when it breaks wait for the next assignment with everything still in memory."""
+    """Run the worker: build what outlives rounds, then train in each round the agent assigns.
+
+    It builds what does not depend on the round (the job's data, model and optimizer), then
+    loops. It waits for the agent's assignment and trains in that round until the job is trained
+    or the round breaks. When it breaks, it waits for the next assignment with everything still
+    in memory."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     # The agent decides when this worker stops (it closes the control channel). A SIGTERM sent
     # to the whole node (a scheduler's preemption, systemd) must reach the agent's planned leave
@@ -126,8 +130,10 @@ def main() -> int:
 
 
 def build_worker(cfg: config.Config, env: WorkerEnv, events: EventLog) -> Worker:
-    """Everything that outlives a round: the communicator and the agent link, the job and its
-    data, model and optimizer, and the runtime around them (sampler, LR policy, precision)."""
+    """Build everything that outlives a round.
+
+    That is the communicator and the agent link, the job and its data, model and optimizer, and
+    the runtime around them (sampler, LR policy, precision)."""
     device = pick_device(cfg.cluster.device, env.local_rank)
     comm = Communicator(device, cfg.rendezvous.pg_timeout_s, backend=str(cfg.comm.backend))
     hook = DDPHook(comm, dtype_of(cfg.comm.grad_dtype))
@@ -183,8 +189,9 @@ def report_local_fault(w: Worker, a: Assignment, exc: BaseException) -> None:
 
 
 def leave_round(w: Worker, a: Assignment, exc: BaseException, end: RoundEnd) -> None:
-    """Leave round ``a``, which a new round or a lost peer ended (``end``), with the state in
-    memory for the next one."""
+    """Leave round ``a``, which a new round or a lost peer ended (``end``).
+
+    The state stays in memory for the next one."""
     w.interrupted_at = time.time()
     w.saver.abandon()
     failure = w.comm.failure
@@ -205,11 +212,13 @@ def leave_round(w: Worker, a: Assignment, exc: BaseException, end: RoundEnd) -> 
 
 
 def train_round(w: Worker, a: Assignment) -> bool:
-    """Enter round ``a`` (:func:`enter_round`: its group, the newest state any rank holds, the
-    LR for its world size), wrap DDP, then train step by step from where the state says until
-    the job is trained, and save the final state (:func:`final_save`); a collective. A rollback
-    starts the steps again from the checkpoint it loaded. Returns whether the final state is
-    saved, the same on every rank."""
+    """Train in round ``a`` until the job is trained, and save the final state; a collective.
+
+    It enters round ``a`` (:func:`enter_round`: its group, the newest state any rank holds, the
+    LR for its world size) and wraps DDP. Then it trains step by step from where the state says
+    until the job is trained, and saves the final state (:func:`final_save`). A rollback starts
+    the steps again from the checkpoint it loaded. Returns whether the final state is saved, the
+    same on every rank."""
     cfg, events, rank, world = w.cfg, w.events, a.rank, a.world_size
     ckpt = CheckpointManager(cfg.checkpoint.url, cfg.checkpoint.keep, events, w.comm.collective)
     start = enter_round(w, a, ckpt)
@@ -249,9 +258,10 @@ def train_round(w: Worker, a: Assignment) -> bool:
 
 
 def train_steps(w: Worker, s: Steps, ddp: DistributedDataParallel) -> Action:
-    """Train from ``s.progress`` to the end of the job, running the checks of
-    :data:`~elastic.step_checks.AFTER_STEP` after each step; ``ROLL_BACK`` if one rolled the
-    ranks back (the steps start again from ``s.progress``), else ``GO_ON`` at the end."""
+    """Train from ``s.progress`` to the end of the job, running the checks after each step.
+
+    The checks are :data:`~elastic.step_checks.AFTER_STEP`. Returns ``ROLL_BACK`` if one rolled
+    the ranks back (the steps start again from ``s.progress``), else ``GO_ON`` at the end."""
     cfg, rank, world = w.cfg, s.a.rank, s.a.world_size
     s.restart(cfg.health)
     global_batch = s.progress.global_batch
@@ -298,12 +308,14 @@ def train_step(
     world: int,
     poison: bool = False,
 ) -> tuple[float, dict[str, float], bool, bool]:
-    """One optimizer step on this rank's share of the global batch, the job's loss of each
-    sample (:meth:`elastic.job.Job.loss`) weighted and back-propagated; returns its mean loss,
-    the mean of each of the job's metrics over the same samples, whether the optimizer stepped,
-    and whether the averaged gradients were finite. A step with inf/nan gradients is skipped on
-    every rank alike: by fp16's loss scaler (:class:`elastic.precision.MixedPrecision`), else by
-    :mod:`elastic.nonfinite`. ``poison`` (chaos.nan_steps) makes this rank's loss NaN.
+    """One optimizer step on this rank's share of the global batch.
+
+    The job's loss of each sample (:meth:`elastic.job.Job.loss`) is weighted and
+    back-propagated. Returns its mean loss, the mean of each of the job's metrics over the same
+    samples, whether the optimizer stepped, and whether the averaged gradients were finite. A
+    step with inf/nan gradients is skipped on every rank alike: by fp16's loss scaler
+    (:class:`elastic.precision.MixedPrecision`), else by :mod:`elastic.nonfinite`. ``poison``
+    (chaos.nan_steps) makes this rank's loss NaN.
 
     The share is split into micro-batches of at most ``data.batch_size`` (more than one only under
     ``keep_global_batch`` on a smaller world); gradients accumulate locally and are all-reduced

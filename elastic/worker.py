@@ -1,5 +1,7 @@
-"""Everything a worker keeps across rounds (:class:`Worker`): what :func:`elastic.trainer.main`
-builds once, and the state and progress every round trains on."""
+"""Everything a worker keeps across rounds (:class:`Worker`).
+
+That is what :func:`elastic.trainer.main` builds once, and the state and progress every round
+trains on."""
 
 from __future__ import annotations
 

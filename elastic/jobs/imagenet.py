@@ -1,5 +1,6 @@
-"""The default job: a torchvision classifier trained on an ImageFolder the way Goyal et al. train
-ResNet-50 on ImageNet.
+"""The default job: a torchvision classifier trained on an ImageFolder.
+
+It is trained the way Goyal et al. train ResNet-50 on ImageNet.
 
 Its settings are the ``model`` and ``data`` groups (and ``optim.label_smoothing``), where every
 recipe and launch has always set them; it has no ``job.*`` keys. The data is ImageNet's layout

@@ -1,8 +1,9 @@
-"""A second job, to prove the contract is not shaped by images: a small transformer language
-model (:mod:`.tiny_lm`) learning next tokens of generated sequences (:mod:`.tokens`), its loss
-each sequence's mean cross-entropy (its next-token accuracy a metric of each step), its
-evaluation the next token's top-1/top-5 on held-out sequences. ``job=lm``; its settings are
-``job.*`` (conf/job/lm.yaml).
+"""A second job, a small language model, to prove the contract is not shaped by images.
+
+A small transformer language model (:mod:`.tiny_lm`) learns the next tokens of generated
+sequences (:mod:`.tokens`). Its loss is each sequence's mean cross-entropy, and its next-token
+accuracy is a metric of each step. Its evaluation is the next token's top-1/top-5 on held-out
+sequences. ``job=lm``; its settings are ``job.*`` (conf/job/lm.yaml).
 """
 
 from __future__ import annotations
@@ -90,8 +91,9 @@ class LanguageModelJob(Job[LanguageModelSettings]):
 
 
 def next_tokens(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every position's logits and the token that follows it, flattened: ``(tokens, vocab)``
-    and ``(tokens,)``."""
+    """Every position's logits and the token that follows it, flattened.
+
+    Their shapes are ``(tokens, vocab)`` and ``(tokens,)``."""
     (tokens,) = batch
     logits: Any = model(tokens[:, :-1])
     return logits.flatten(0, 1), tokens[:, 1:].flatten()

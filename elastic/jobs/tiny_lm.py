@@ -1,5 +1,7 @@
-"""A small decoder-only transformer: token and position embeddings, torch's pre-norm encoder
-layers under a causal mask, and a linear head to the next token's logits."""
+"""A small decoder-only transformer.
+
+It has token and position embeddings, torch's pre-norm encoder layers under a causal mask, and a
+linear head to the next token's logits."""
 
 from __future__ import annotations
 

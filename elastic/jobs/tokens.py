@@ -16,8 +16,9 @@ LIKELY = 0.9  # the probability that the next token is one of them
 
 
 class TokenSequences:
-    """``count`` sequences of ``length`` tokens below ``vocab``, numbered from ``first``; a
-    sample is ``(tokens,)``, read by an ``(epoch, index)`` key (training) or an index."""
+    """``count`` sequences of ``length`` tokens below ``vocab``, numbered from ``first``.
+
+    A sample is ``(tokens,)``, read by an ``(epoch, index)`` key (training) or an index."""
 
     def __init__(self, vocab: int, length: int, count: int, grammar_seed: int, first: int = 0):
         self.length, self.count, self.first, self.seed = length, count, first, grammar_seed
