@@ -169,9 +169,10 @@ def dcp_async_saves(
     group: dist.ProcessGroup,
     where: torch.device,
 ) -> tuple[list[float], list[float]]:
-    """The same state through DCP's own background save, ``async_save``: how long the call
-    holds training, and until its future says the checkpoint is written. Kept as ours are: the
-    newest two."""
+    """Save the same state through DCP's own background save, ``async_save``, and time it.
+
+    It times how long the call holds training, and until its future says the checkpoint is
+    written. Checkpoints are kept as ours are: the newest two."""
     from torch.distributed.checkpoint import async_save
 
     stall, done = [], []
@@ -194,9 +195,10 @@ def dcp_async_saves(
 
 
 def dd(root: Path, size: int, n: int, keep: int) -> float:
-    """Seconds of ``dd bs=4M conv=fsync`` writing ``size`` bytes to its ``n``-th file; its files
-    are kept and removed as the checkpoints are (the newest ``keep``), so that the page cache
-    churns as much for it as for them."""
+    """Seconds of ``dd bs=4M conv=fsync`` writing ``size`` bytes to its ``n``-th file.
+
+    Its files are kept and removed as the checkpoints are (the newest ``keep``), so that the page
+    cache churns as much for it as for them."""
     t0 = time.perf_counter()
     subprocess.run(
         ["dd", "if=/dev/zero", f"of={root}/dd_{n}", "bs=4M", f"count={-(-size // (4 << 20))}"]

@@ -29,8 +29,9 @@ from launcher.rendezvous.embedded_etcd import EmbeddedEtcd  # noqa: E402
 
 
 def draw(fault_free: Trial, faulted: Trial, out: Path) -> None:
-    """Top-1 per evaluation above, training loss per step below; the faulted run's stretch at
-    world size 1 shaded, from the kill to the rejoin."""
+    """Draw top-1 per evaluation above and training loss per step below.
+
+    The faulted run's stretch at world size 1 is shaded, from the kill to the rejoin."""
     assert faulted.killed is not None and faulted.rejoined is not None
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
     for trial, label, colour in ((fault_free, "fault-free", "C0"), (faulted, "faulted", "C3")):

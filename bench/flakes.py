@@ -1,5 +1,6 @@
-"""A flake hunt: the fault-tolerance tests run again and again, idle and under load, and every
-failure kept with what it needs to be explained.
+"""Hunt flakes: run the fault-tolerance tests again and again, idle and under load.
+
+Every failure is kept with what it needs to be explained.
 
 A test that passed 11 times and then failed once has a cause nobody has found yet. This runs
 each chosen test ``--runs`` times in a fresh pytest process, under each ``--load``:
@@ -90,8 +91,9 @@ def _write(folder: str) -> None:
 
 
 def loopback_qdisc(args: argparse.Namespace) -> tuple[str | None, str]:
-    """The qdisc that slows a new namespace's loopback here (netem's delay, else tbf's rate),
-    or None, and why."""
+    """The qdisc that slows a new namespace's loopback here, or None, and why.
+
+    It is netem's delay, else tbf's rate."""
     if os.geteuid() != 0:
         return None, "not root"
     for tool in ("unshare", "tc", "ip"):
@@ -150,9 +152,10 @@ def command(test: str, basetemp: Path, qdisc: str | None) -> list[str]:
 
 
 def timeline(folder: Path) -> str:
-    """Every event of every job under ``folder`` (each run directory's ``events/``, read as
-    :func:`elastic.events.read_events` reads one), in time order, one a line: seconds from the
-    first, the job, the node, the kind, the rest."""
+    """Every event of every job under ``folder``, in time order, one a line.
+
+    The events are each run directory's ``events/``, read as :func:`elastic.events.read_events`
+    reads one. Each line holds seconds from the first, the job, the node, the kind, the rest."""
     events = [
         e | {"_job": run_dir.name}
         for run_dir in sorted({p.parent for p in folder.rglob("events") if p.is_dir()})
@@ -180,7 +183,8 @@ def slug(test: str) -> str:
 
 
 def run_once(test: str, run: Path, qdisc: str | None) -> tuple[bool, float, str]:
-    """One pytest run of ``test`` in ``run``: whether it passed, its seconds, its last line.
+    """Run pytest on ``test`` once in ``run``: whether it passed, its seconds, its last line.
+
     A failure keeps ``run`` (pytest's output, the test's folder, the jobs' timeline)."""
     run.mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
@@ -216,9 +220,10 @@ def run_once(test: str, run: Path, qdisc: str | None) -> tuple[bool, float, str]
 def hunt(
     tests: list[str], loads: list[str], args: argparse.Namespace, qdisc: str | None
 ) -> list[Tally]:
-    """Run every test ``args.runs`` times under every load (``qdisc`` slows the loopback of
-    the loads with ``net``), the tests taken in turn, so that a hunt cut short has tried each
-    about as often; keep what each failure left."""
+    """Run every test ``args.runs`` times under every load, and keep what each failure left.
+
+    ``qdisc`` slows the loopback of the loads with ``net``. The tests are taken in turn, so that a
+    hunt cut short has tried each about as often."""
     tallies = []
     for spec in loads:
         kinds = set(spec.split("+")) - {"idle"}
@@ -285,8 +290,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def collect(specs: list[str]) -> list[str]:
-    """Each test that ``specs`` (files, node ids, folders) names, as a node id of its own, so
-    that each is tallied alone."""
+    """Each test that ``specs`` (files, node ids, folders) names, as a node id of its own.
+
+    That way each is tallied alone."""
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *specs],
         cwd=REPO,

@@ -1,6 +1,8 @@
-"""Goodput under seeded campaigns: this project next to the torchrun peer at its defaults and
-tuned, in one run, with the same faults at the same moments, over several seeds; or, with
-``--scenario straggler``, under a node that is slow and not dead.
+"""Goodput under seeded campaigns: this project next to the torchrun peer, with the same faults.
+
+The peer runs at its defaults and tuned, in one run, with the same faults at the same moments,
+over several seeds. With ``--scenario straggler``, they run under a node that is slow and not
+dead instead.
 
 **faults** (the default). Each seed draws a campaign (chaos/campaign.py): faults at random
 moments ``--mtbf-s`` apart on average, each a SIGKILL or a SIGSTOP of a node other than rank 0's
@@ -138,8 +140,9 @@ def campaign(args: argparse.Namespace, seed: int) -> CampaignConfig:
 
 
 def run_chaos(run_dir: Path, overrides: list[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """``python -m chaos`` with ``overrides`` in ``run_dir``: its report and events (a broken
-    invariant is said)."""
+    """Run ``python -m chaos`` with ``overrides`` in ``run_dir``: its report and events.
+
+    A broken invariant is said."""
     done = subprocess.run(
         [sys.executable, "-m", "chaos", f"run_dir={run_dir}", *overrides],
         cwd=run_dir.parent,
@@ -173,9 +176,10 @@ def step_time(events: list[dict[str, Any]]) -> tuple[float, int]:
 
 
 def run_ours(work: Path, args: argparse.Namespace, seed: int) -> tuple[Outcome, float, int, float]:
-    """``python -m chaos`` on a 3-node job about ``--minutes`` long: the outcome, our median
-    step time (the peer's step is padded to it), our last step (the peer trains as many) and
-    the seconds from our first step to our last."""
+    """Run ``python -m chaos`` on a 3-node job about ``--minutes`` long.
+
+    It returns the outcome, our median step time (the peer's step is padded to it), our last step
+    (the peer trains as many) and the seconds from our first step to our last."""
     report, events = run_chaos(
         work / f"ours-seed{seed}",
         [
@@ -203,12 +207,13 @@ def peer_goodput(
     until: float,
     nodes_up: int | None = None,
 ) -> tuple[float, int]:
-    """The same goodput as ours (:func:`chaos.verdict.goodput`): the kept samples (the last
-    attempt of each step up to the last one) over the job's own pace at each step's world size
-    and time, or, with ``nodes_up``, at the pace of that many nodes up throughout (verdict's
-    goodput of the nodes up). A job that died before its last step is charged from its last
-    step ``until`` the campaign's end at the full world's pace: the time it was meant to train,
-    and did not."""
+    """The same goodput as ours (:func:`chaos.verdict.goodput`), for the peer.
+
+    It is the kept samples (the last attempt of each step up to the last one) over the job's own
+    pace at each step's world size and time. With ``nodes_up``, it is at the pace of that many
+    nodes up throughout (verdict's goodput of the nodes up). A job that died before its last step
+    is charged from its last step ``until`` the campaign's end at the full world's pace: the time
+    it was meant to train, and did not."""
     last_attempt: dict[int, int] = {}
     distinct: list[tuple[float, int, int]] = []
     for t, step, world in steps:
@@ -271,10 +276,11 @@ def run_peer(
     steps: int,
     seconds: float,
 ) -> Outcome:
-    """The peer under the same schedule, node picks and ends of faults as ours, for as many
-    steps as ours trained, each padded to our step time: the same length of job, so the same
-    faults fall in it. A peer that dies is charged to the end of our campaign (``seconds``
-    after its first step) or to its own last step, whichever is later."""
+    """Run the peer under the same schedule, node picks and ends of faults as ours.
+
+    It runs for as many steps as ours trained, each padded to our step time: the same length of
+    job, so the same faults fall in it. A peer that dies is charged to the end of our campaign
+    (``seconds`` after its first step) or to its own last step, whichever is later."""
     name = settings.name.split(", ")[1]
     peer = peer_job(work / f"peer-{name}-seed{seed}", args, settings, step_s, steps)
     peer.start_all()
@@ -324,9 +330,10 @@ def run_peer(
 
 
 class StepStop(Stopper):
-    """``--peer-slow steps``: after each step a peer node logs, its workers stop for ``stop_s``
-    (``factor - 1`` of its step), so that each of its steps takes ``factor`` times as long, sleep
-    and all."""
+    """``--peer-slow steps``: a peer node's workers, stopped for ``stop_s`` after each step it logs.
+
+    ``stop_s`` is ``factor - 1`` of its step, so that each of its steps takes ``factor`` times as
+    long, sleep and all."""
 
     def __init__(self, log: Path, workers: list[psutil.Process], stop_s: float) -> None:
         super().__init__(workers)
@@ -351,9 +358,10 @@ class StepStop(Stopper):
 def paces(
     points: list[tuple[float, int]], start: float | None, end: float | None
 ) -> tuple[float | None, float | None, float | None]:
-    """Samples/s before, during and after the slow window ``[start, end)``: the samples between
-    the first and the last step in each over the time between them, stalls included; None for
-    fewer than two steps (or no window)."""
+    """Samples/s before, during and after the slow window ``[start, end)``.
+
+    Each is the samples between the first and the last step in it over the time between them,
+    stalls included; None for fewer than two steps (or no window)."""
     if start is None or end is None:
         return None, None, None
 
@@ -369,9 +377,10 @@ def paces(
 def run_ours_slow(
     work: Path, args: argparse.Namespace, seed: int, policy: str
 ) -> tuple[Slowed, float, int, float]:
-    """``python -m chaos`` with one ``slow_node`` of a node other than rank 0's under
-    ``health.straggler=policy``: the outcome, our median step time, our last step and the
-    seconds from our first step to our last."""
+    """Run ``python -m chaos`` with one ``slow_node`` under ``health.straggler=policy``.
+
+    The node slowed is one other than rank 0's. It returns the outcome, our median step time, our
+    last step and the seconds from our first step to our last."""
     fault = f"{{kind:slow_node,at_s:{args.slow_at_s},target:not_rank0,duration_s:{args.slow_s}}}"
     report, events = run_chaos(
         work / f"ours-{policy}-seed{seed}",
@@ -418,8 +427,10 @@ def run_ours_slow(
 
 
 def slow_peer(peer: Peer, args: argparse.Namespace) -> CpuLimit:
-    """Slow the peer's node1 (its workers, not its agent) by ``--slow-factor`` (``--peer-slow``;
-    ``steps`` stops them for ``factor - 1`` of their median step so far)."""
+    """Slow the peer's node1 (its workers, not its agent) by ``--slow-factor``.
+
+    ``--peer-slow`` says how; ``steps`` stops them for ``factor - 1`` of their median step so
+    far."""
     workers = psutil.Process(peer.procs[SLOW_NODE].pid).children(recursive=True)
     if args.peer_slow == "duty":
         return DutyCycle(workers, args.slow_factor)
@@ -431,9 +442,10 @@ def slow_peer(peer: Peer, args: argparse.Namespace) -> CpuLimit:
 def run_peer_slow(
     work: Path, args: argparse.Namespace, seed: int, step_s: float, steps: int, seconds: float
 ) -> Slowed:
-    """The peer at its defaults for ``steps`` steps padded to ``step_s`` (ours under warn), its
-    node1 slowed from ``--slow-at-s`` after its first step for ``--slow-s``. A peer that dies is
-    charged as in :func:`run_peer`."""
+    """Run the peer at its defaults for ``steps`` steps padded to ``step_s`` (ours under warn).
+
+    Its node1 is slowed from ``--slow-at-s`` after its first step for ``--slow-s``. A peer that dies
+    is charged as in :func:`run_peer`."""
     peer = peer_job(work / f"peer-defaults-seed{seed}", args, DEFAULTS, step_s, steps)
     peer.start_all()
     started = start = end = None
@@ -484,8 +496,9 @@ def spread(values: list[float]) -> str:
 
 
 def faults(work: Path, args: argparse.Namespace, seeds: list[int]) -> None:
-    """The faults scenario: ours and the peer at its defaults and tuned under each seed's
-    campaign, and the table."""
+    """Run the faults scenario and print the table.
+
+    Ours and the peer at its defaults and tuned run under each seed's campaign."""
     rows: dict[str, list[Outcome]] = {"elastic": [], **{p.name: [] for p in PEERS}}
     step_times = []
     for seed in seeds:
@@ -535,8 +548,10 @@ def faults(work: Path, args: argparse.Namespace, seeds: list[int]) -> None:
 
 
 def straggler(work: Path, args: argparse.Namespace, seeds: list[int]) -> None:
-    """The straggler scenario: ours under warn and evict and the peer at its defaults, each
-    with a node slowed for the same window, and the table."""
+    """Run the straggler scenario and print the table.
+
+    Ours runs under warn and evict and the peer at its defaults, each with a node slowed for the
+    same window."""
     warn, evict = "elastic, warn", "elastic, evict"
     rows: dict[str, list[Slowed]] = {warn: [], evict: [], DEFAULTS.name: []}
     step_times = []

@@ -427,8 +427,10 @@ def run_part(part: Part, ctx: Context, limit_s: float) -> Result:
 
 
 def stop(child: subprocess.Popen[bytes]) -> None:
-    """End a child's whole session: SIGINT first, so that Python's clean-ups run (a chaos
-    campaign stops the job it started, whose nodes have sessions of their own), then SIGKILL."""
+    """End a child's whole session: SIGINT first, then SIGKILL.
+
+    SIGINT comes first so that Python's clean-ups run (a chaos campaign stops the job it started,
+    whose nodes have sessions of their own)."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(child.pid, signal.SIGINT)
     try:
@@ -483,8 +485,10 @@ def write_report(
 
 
 def pack(folder: Path, into: Path) -> None:
-    """``folder`` as one archive, replaced whole: a report of three files travels where a
-    folder of many does not (the lending tool returns eight), and etcd's data stays behind."""
+    """Pack ``folder`` into one archive, replaced whole, leaving etcd's data behind.
+
+    A report of three files travels where a folder of many does not (the lending tool returns
+    eight)."""
     partial = into.with_name(into.name + ".partial")
     with tarfile.open(partial, "w:gz") as tar:
         tar.add(folder, arcname=".", filter=lambda i: None if "/etcd/member" in i.name else i)
@@ -495,8 +499,10 @@ def pack(folder: Path, into: Path) -> None:
 
 
 def child_environment(device: str, wheels: Path | None, work: Path) -> dict[str, str]:
-    """The environment of every part: the wheels installed offline into ``work`` (when given)
-    ahead of the project's own packages."""
+    """The environment of every part.
+
+    It puts the wheels installed offline into ``work`` (when given) ahead of the project's own
+    packages."""
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     env["PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"] = "python"
@@ -528,9 +534,11 @@ def missing_modules(python: str, env: dict[str, str]) -> list[str]:
 
 
 def run_campaigns(out: Path, device: str) -> int:
-    """The recovery part, in the child: each campaign of ``CAMPAIGNS[device]`` in a run
-    directory of its own; its chaos report and picture are kept in ``out/recovery-<name>/``, and
-    the summary in ``out/recovery.json``. Exit 1 unless every campaign kept its invariants."""
+    """Run the recovery part, in the child: each campaign of ``CAMPAIGNS[device]``.
+
+    Each runs in a run directory of its own; its chaos report and picture are kept in
+    ``out/recovery-<name>/``, and the summary in ``out/recovery.json``. Exit 1 unless every
+    campaign kept its invariants."""
     found: dict[str, list[dict[str, object]]] = {"campaigns": []}
     until = time.monotonic() + float(os.environ.get(PART_LIMIT_ENV, "125"))
     with tempfile.TemporaryDirectory(prefix="gpu-proof-recovery-") as tmp:
@@ -564,8 +572,10 @@ def run_campaigns(out: Path, device: str) -> int:
 
 
 def judge_campaign(run_dir: Path, name: str, what: str, code: int | None) -> dict[str, object]:
-    """One campaign's outcome from its chaos report and event log: the stall of each fault,
-    where the state came from after it (a peer's rank, or a checkpoint's step), the verdict."""
+    """One campaign's outcome from its chaos report and event log.
+
+    It holds the stall of each fault, where the state came from after it (a peer's rank, or a
+    checkpoint's step), and the verdict."""
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
     from elastic import event_types as ev  # the standard library only, like this file
@@ -609,8 +619,9 @@ def judge_campaign(run_dir: Path, name: str, what: str, code: int | None) -> dic
 
 
 def probe_environment(into: Path) -> None:
-    """Write what this Python runs on as JSON, and print it (the environment part, in the
-    child)."""
+    """Write what this Python runs on as JSON, and print it.
+
+    This is the environment part, in the child."""
     import importlib.metadata
 
     import psutil
@@ -679,8 +690,9 @@ def probe_environment(into: Path) -> None:
 
 
 def with_limits(parts: tuple[Part, ...], limits: str) -> tuple[Part, ...]:
-    """``parts`` with the limits of ``limits`` (``name=seconds,...``) in place of their own:
-    a slower machine, or a part being looked into, needs more than the table's."""
+    """``parts`` with the limits of ``limits`` (``name=seconds,...``) in place of their own.
+
+    A slower machine, or a part being looked into, needs more than the table's."""
     given: dict[str, float] = {}
     for item in filter(None, limits.split(",")):
         name, _, seconds = item.partition("=")

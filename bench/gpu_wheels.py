@@ -98,8 +98,9 @@ def _marker_environment(python_version: str) -> dict[str, str]:
 
 
 def pins(python_version: str = PYTHON) -> dict[str, str]:
-    """Every distribution the project needs on ``python_version`` that the GPU machine lacks,
-    with the version installed in this interpreter's environment (the project's venv)."""
+    """Every distribution the project needs on ``python_version`` that the GPU machine lacks.
+
+    Each comes with the version installed in this interpreter's environment (the project's venv)."""
     from importlib import metadata
 
     from packaging.requirements import Requirement
@@ -211,10 +212,11 @@ def _sha256(path: Path) -> str:
 
 
 def prepare(wheels: Path, python_version: str = PYTHON, repo: Path = REPO) -> list[Path]:
-    """Put into ``wheels`` a wheel of each of :func:`pins` for ``python_version``, and a manifest
-    that :func:`install` checks. Wheels already there at the pinned version and a compatible
-    tag are kept; other wheels there are removed. Raises :class:`WheelsError` when a wheel
-    cannot be had, or when the wheels and the tracked code exceed :data:`LIMIT_BYTES`."""
+    """Put into ``wheels`` a wheel of each of :func:`pins` for ``python_version``, and a manifest.
+
+    :func:`install` checks the manifest. Wheels already there at the pinned version and a
+    compatible tag are kept; other wheels there are removed. Raises :class:`WheelsError` when a
+    wheel cannot be had, or when the wheels and the tracked code exceed :data:`LIMIT_BYTES`."""
     wanted = pins(python_version)
     supported = _supported_tags(python_version)
     wheels.mkdir(parents=True, exist_ok=True)
@@ -285,8 +287,9 @@ def prepare(wheels: Path, python_version: str = PYTHON, repo: Path = REPO) -> li
 
 
 def install(wheels: Path, target: Path) -> None:
-    """Install every wheel of ``wheels`` (as its manifest lists them) into ``target`` with this
-    interpreter's pip, offline: no index, no dependencies resolved, no venv."""
+    """Install every wheel of ``wheels`` (as its manifest lists them) into ``target``, offline.
+
+    It uses this interpreter's pip: no index, no dependencies resolved, no venv."""
     manifest_path = wheels / MANIFEST
     try:
         manifest = json.loads(manifest_path.read_text())
@@ -318,9 +321,10 @@ def install(wheels: Path, target: Path) -> None:
 
 
 def environment(target: Path, repo: Path = REPO) -> dict[str, str]:
-    """The variables to set in a child process's environment for it to import the project with
-    the packages :func:`install` put into ``target``: those first on ``PYTHONPATH``, then the
-    project, and their scripts first on ``PATH``."""
+    """The variables a child process needs to import the project with what :func:`install` put.
+
+    Those packages are in ``target``: they go first on ``PYTHONPATH``, then the project, and their
+    scripts first on ``PATH``."""
     return {
         "PYTHONPATH": os.pathsep.join([str(target.absolute()), str(repo.absolute())]),
         "PATH": os.pathsep.join([str((target / "bin").absolute()), os.environ.get("PATH", "")]),

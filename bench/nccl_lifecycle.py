@@ -110,9 +110,11 @@ def checked_allreduce(comm: Communicator, value: float) -> bool:
 
 
 def shrink_support(comm: Communicator) -> dict[str, Any]:
-    """What this torch and backend offer for the communicator's shrink path, probed on the live
-    one-rank group: ``shrink_group`` validates its arguments (the flag included) before refusing
-    a group of one rank, so the probe changes nothing. Any refusal is the probe's answer."""
+    """Probe what this torch and backend offer for the communicator's shrink path.
+
+    It probes the live one-rank group: ``shrink_group`` validates its arguments (the flag included)
+    before refusing a group of one rank, so the probe changes nothing. Any refusal is the probe's
+    answer."""
     c10d = dist.distributed_c10d
     info: dict[str, Any] = {
         "shrink_group": hasattr(dist, "shrink_group"),
@@ -134,10 +136,12 @@ def shrink_support(comm: Communicator) -> dict[str, Any]:
 
 
 def baseline_rounds(measured: int) -> range:
-    """The rounds (1-based) the last one is compared to: from round 3 to the middle of the run,
-    or in a short run the one before the last; empty for a single round, which cannot show
-    growth. A window, not one round: on an H200, NCCL's host memory warmed up until round 6 and
-    then alternated between two levels 31 MiB apart (the allocator's arenas) for good."""
+    """The rounds (1-based) the last one is compared to.
+
+    They run from round 3 to the middle of the run, or in a short run are the one before the last;
+    empty for a single round, which cannot show growth. A window, not one round: on an H200,
+    NCCL's host memory warmed up until round 6. It then alternated between two levels 31 MiB apart
+    (the allocator's arenas) for good."""
     if measured < 2:
         return range(0)
     if measured <= BASELINE_ROUND:
@@ -146,8 +150,10 @@ def baseline_rounds(measured: int) -> range:
 
 
 def grown(rounds: list[dict[str, Any]]) -> list[str]:
-    """The measures whose last value exceeds their highest in :func:`baseline_rounds` by more
-    than the allowance: a leak of a few MiB a round does, over the run's second half."""
+    """The measures whose last value exceeds their highest in :func:`baseline_rounds` by too much.
+
+    Too much is more than the allowance: a leak of a few MiB a round does, over the run's second
+    half."""
     window = baseline_rounds(len(rounds))
     if not window:
         return []

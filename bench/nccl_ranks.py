@@ -74,8 +74,9 @@ def round_of(rank: int, size: int, number: int, port: int) -> Any:
 
 
 def enter_and_check(comm: Any, assignment: Any) -> dict[str, Any]:
-    """Enter ``assignment``'s round and all-reduce each rank's number: the set-up and the first
-    all-reduce timed apart, and whether the sum is right."""
+    """Enter ``assignment``'s round and all-reduce each rank's number.
+
+    The set-up and the first all-reduce are timed apart, and it says whether the sum is right."""
     import torch
 
     began = time.perf_counter()
@@ -93,9 +94,10 @@ def enter_and_check(comm: Any, assignment: Any) -> dict[str, Any]:
 
 
 def survive_the_cut(comm: Any) -> dict[str, Any]:
-    """An all-reduce that the last rank never joins, cut by its death; the abort comes from
-    another thread when the parent writes ``abort``. How it ended, the abort's time, and the
-    device afterwards."""
+    """Run an all-reduce that the last rank never joins, cut by its death.
+
+    The abort comes from another thread when the parent writes ``abort``. It returns how it ended,
+    the abort's time, and the device afterwards."""
     import torch
 
     from elastic.round_end import RoundAborted
@@ -154,9 +156,10 @@ def survive_the_cut(comm: Any) -> dict[str, Any]:
 
 
 def rank_main(args: argparse.Namespace) -> int:
-    """One rank: set up and all-reduce; then a survivor lives through the last rank's death
-    (:func:`survive_the_cut`) and enters the next round without it, while the last rank waits
-    to be killed."""
+    """Run one rank: set up and all-reduce, then live through the cut or wait for the kill.
+
+    A survivor lives through the last rank's death (:func:`survive_the_cut`) and enters the next
+    round without it, while the last rank waits to be killed."""
     import torch
 
     sys.path.insert(0, str(REPO))

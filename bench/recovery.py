@@ -162,8 +162,9 @@ def run_ours(work: Path, fault: str, args: argparse.Namespace) -> Recovery:
 
 
 def run_ours_partitioned(run_dir: Path, args: argparse.Namespace) -> Recovery:
-    """Three bare-metal launchers, each in a network namespace (chaos/netns.py); a node that
-    does not hold rank 0 is cut off its peers, and its link is brought up again once the others
+    """Run three bare-metal launchers, each in a network namespace (chaos/netns.py), and cut one.
+
+    The node cut off its peers does not hold rank 0. Its link is brought up again once the others
     recovered (it rejoins)."""
     work = run_dir.parent
     overrides = [
@@ -208,9 +209,11 @@ def run_ours_partitioned(run_dir: Path, args: argparse.Namespace) -> Recovery:
 def run_peer(
     work: Path, fault: str, args: argparse.Namespace, settings: PeerSettings, step_sleep: float
 ) -> Outcome:
-    """The torchrun peer (3 nodes, ``--nnodes=2:3``, ``--max-restarts=3``, as the shared
-    peer's run.sh) with the same fault at the same step; waits until it made progress again
-    or ``--peer-wait-s`` (``--freeze-wait-s`` for a freeze) passed."""
+    """Run the torchrun peer with the same fault at the same step.
+
+    It has 3 nodes, ``--nnodes=2:3`` and ``--max-restarts=3``, as the shared peer's run.sh. It waits
+    until the job made progress again or ``--peer-wait-s`` (``--freeze-wait-s`` for a freeze)
+    passed."""
     peer = Peer(
         work / f"peer-{fault}-{time.monotonic_ns()}",
         args.peer / "train.py",

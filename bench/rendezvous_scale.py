@@ -1,7 +1,8 @@
-"""Rendezvous at scale: N nodes against one real etcd (the leader and two nodes that die running
-the agents' real rendezvous code, the others simulated as ``--clients`` says), next to torch's
-c10d dynamic rendezvous (what torchrun uses) in the same run, twice: with torchrun's defaults
-and tuned as a careful user would.
+"""Rendezvous at scale: N nodes against one real etcd, next to torch's c10d rendezvous.
+
+The leader and two nodes that die run the agents' real rendezvous code, the others simulated as
+``--clients`` says. Torch's c10d dynamic rendezvous (what torchrun uses) runs in the same run,
+twice: with torchrun's defaults and tuned as a careful user would.
 
 The rows, each labelled in the table with what it ran with:
 
@@ -151,8 +152,9 @@ class Busy:
 
 @dataclass
 class Result:
-    """One row at one N; None where a phase did not complete or does not apply (``why`` says
-    which)."""
+    """One row at one N.
+
+    A figure is None where a phase did not complete or does not apply (``why`` says which)."""
 
     first_s: float | None = None
     join_s: float | None = None  # ours: N - 1 nodes joining at once, until the last is ready
@@ -171,8 +173,9 @@ class Result:
 
 @dataclass
 class Seen:
-    """What the nodes reported: by node, the newest round it saw and its member count, and when
-    it first saw that (wall clock, shared by the processes)."""
+    """What the nodes reported: by node, the newest round it saw and its member count, and when.
+
+    The time is when it first saw that (wall clock, shared by the processes)."""
 
     rounds: dict[str, tuple[int, int]] = field(default_factory=dict)
     at: dict[str, float] = field(default_factory=dict)
@@ -201,9 +204,10 @@ class Seen:
         timeout_s: float,
         base: dict[str, tuple[int, int]] | None = None,
     ) -> float | None:
-        """Seconds from ``since`` until ``ok((number, size))`` held for every node (by when
-        the last of them reported it), for a report other than its ``base`` one when given;
-        None past ``since + timeout_s``."""
+        """Seconds from ``since`` until ``ok((number, size))`` held for every node.
+
+        It counts until the last of them reported it, for a report other than its ``base`` one when
+        given; None past ``since + timeout_s``."""
         base = base or {}
 
         def done(node: str) -> bool:
@@ -218,9 +222,11 @@ class Seen:
 
 
 class Hosts:
-    """The processes that host the simulated nodes: ``groups`` of ``(target, ids, args)``, each
-    called as ``target(conn, seen, ids, *args)`` in a process of its own; the last two are the
-    lone nodes, which die for real (SIGKILL) and come back (:meth:`restart`)."""
+    """The processes that host the simulated nodes.
+
+    ``groups`` holds ``(target, ids, args)``, each called as ``target(conn, seen, ids, *args)`` in a
+    process of its own. The last two are the lone nodes, which die for real (SIGKILL) and come back
+    (:meth:`restart`)."""
 
     def __init__(self, groups: list[tuple[Any, list[str], tuple[Any, ...]]]) -> None:
         self._ctx = mp.get_context("spawn")
@@ -292,11 +298,13 @@ def cpu_seconds(proc: Any) -> float:
 
 
 class Cores:
-    """Cores kept busy by the simulated nodes' processes (``pids()``, which changes as lone nodes
-    die and come back), by the server and by the whole machine: what limits how many nodes one
-    machine can simulate, and whether a phase's figures are the rendezvous' or the machine's.
-    Sampled every ``SAMPLE_S`` by a thread, so that any window's share can be read afterwards
-    (:meth:`window`), such as a round's formation known only from the nodes' reports."""
+    """Cores kept busy by the simulated nodes' processes, by the server and by the whole machine.
+
+    The nodes' processes are ``pids()``, which changes as lone nodes die and come back. This is
+    what limits how many nodes one machine can simulate, and whether a phase's figures are the
+    rendezvous' or the machine's. Sampled every ``SAMPLE_S`` by a thread, so that any window's share
+    can be read afterwards (:meth:`window`), such as a round's formation known only from the nodes'
+    reports."""
 
     def __init__(self, pids: Callable[[], list[int]], server: int) -> None:
         import psutil
@@ -324,8 +332,9 @@ class Cores:
         return time.time(), nodes, self._cpu(self._server) or 0.0, machine
 
     def window(self, t0: float, t1: float) -> Busy:
-        """The cores busy between wall times ``t0`` and ``t1``, from the samples around them; a
-        process that died meanwhile counts up to its last sample, one that started from 0."""
+        """The cores busy between wall times ``t0`` and ``t1``, from the samples around them.
+
+        A process that died meanwhile counts up to its last sample, one that started from 0."""
         self._samples.append(self._sample())
         before = max((x for x in self._samples if x[0] <= t0), key=lambda x: x[0])
         after = min((x for x in self._samples if x[0] >= t1), key=lambda x: x[0])
@@ -338,8 +347,9 @@ class Cores:
         return Busy(elapsed, nodes / elapsed, server / elapsed, machine / elapsed)
 
     def quiet(self, timeout_s: float) -> bool:
-        """Wait until the machine has been below ``QUIET`` of its cores busy for ``QUIET_S``
-        (the work a burst queued is done); False past ``timeout_s``."""
+        """Wait until the machine has been below ``QUIET`` of its cores busy for ``QUIET_S``.
+
+        Then the work a burst queued is done. False past ``timeout_s``."""
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             now = time.time()
@@ -376,9 +386,11 @@ class Spent:
 
 
 class Load:
-    """What the nodes cost etcd over each phase, summed over every live host process: requests,
-    watch events and bytes (the watch events' and the member keys each node read). A process
-    killed with its node takes that node's count with it: a node's share, not the figure."""
+    """What the nodes cost etcd over each phase, summed over every live host process.
+
+    The cost is requests, watch events and bytes (the watch events' and the member keys each node
+    read). A process killed with its node takes that node's count with it: a node's share, not the
+    figure."""
 
     def __init__(self, hosts: Hosts) -> None:
         self._hosts = hosts
@@ -403,8 +415,9 @@ class Load:
 
 
 class _Sink:
-    """The simulated node's event sink: keeps fencings by reason and counts late keep-alives,
-    drops the rest."""
+    """The simulated node's event sink.
+
+    It keeps fencings by reason and counts late keep-alives, and drops the rest."""
 
     def __init__(self) -> None:
         self.reasons: list[str] = []
@@ -427,8 +440,9 @@ def ours_process(
     n: int,
     clients: str,
 ) -> None:
-    """Host our simulated nodes ``ids`` with ``cfg`` (a RendezvousConfig); obey ``conn``'s
-    commands."""
+    """Host our simulated nodes ``ids`` with ``cfg`` (a RendezvousConfig).
+
+    It obeys ``conn``'s commands."""
     from launcher.rendezvous.etcd import INSECURE, connect
     from launcher.rendezvous.membership import NodeRecord
     from launcher.rendezvous.rendezvous import Rendezvous
@@ -503,8 +517,10 @@ def ours_process(
 def sim_process(
     conn: Connection, seen: Any, ids: list[str], endpoints: list[str], job_id: str, cfg: Any
 ) -> None:
-    """Host simulated nodes ``ids`` (:mod:`sim_nodes`: many on one loop and one channel, each
-    with its own lease and watches); obey ``conn``'s commands as :func:`ours_process` does."""
+    """Host simulated nodes ``ids``; obey ``conn``'s commands as :func:`ours_process` does.
+
+    The nodes are those of :mod:`sim_nodes`: many on one loop and one channel, each with its
+    own lease and watches."""
     import asyncio
 
     from sim_nodes import Fleet
@@ -657,10 +673,12 @@ def run_ours(
 
 @dataclass(frozen=True)
 class PeerRow:
-    """A torch row: torchrun's c10d rendezvous as ``settings`` run torchrun in the recovery and
-    goodput benches (:mod:`torchrun_peer`): its ``--rdzv-conf`` (the last one given, as
-    torchrun's parser keeps), and whether rank 0's agent shares the rendezvous store with its
-    workers (torchrun's default; ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` turns it off)."""
+    """A torch row: torchrun's c10d rendezvous as ``settings`` run torchrun in other benches.
+
+    Those are the recovery and goodput benches (:mod:`torchrun_peer`). The settings are its
+    ``--rdzv-conf`` (the last one given, as torchrun's parser keeps), and whether rank 0's agent
+    shares the rendezvous store with its workers (torchrun's default;
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` turns it off)."""
 
     name: str
     rdzv_conf: str
@@ -682,9 +700,11 @@ PEERS = (PeerRow.of(DEFAULTS), PeerRow.of(TUNED))
 
 
 class _TorchLog(logging.Handler):
-    """What torch's handlers say only in their log, counted: keep-alives that failed (warnings)
-    and the nodes a sync removed for want of a heartbeat (debug messages, logged only after the
-    sync's write won, so each is a removal that took). Kept off the bench's output."""
+    """Count what torch's handlers say only in their log, and keep it off the bench's output.
+
+    It counts keep-alives that failed (warnings) and the nodes a sync removed for want of a
+    heartbeat (debug messages, logged only after the sync's write won, so each is a removal that
+    took)."""
 
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
@@ -710,8 +730,9 @@ def peer_process(
     peer: PeerRow,
     clients: str,
 ) -> None:
-    """Host torch rendezvous handlers for ``ids``, built as torchrun builds its c10d handler
-    from ``peer``'s settings; obey ``conn``'s commands."""
+    """Host torch rendezvous handlers for ``ids``; obey ``conn``'s commands.
+
+    The handlers are built as torchrun builds its c10d handler, from ``peer``'s settings."""
     if not peer.share_store:
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -745,8 +766,9 @@ def peer_process(
         seen.put((node_id, rounds[node_id], info.world_size, time.time()))
 
     def monitor(node_id: str) -> None:
-        """Ask for the nodes waiting every ``MONITOR_S``, and go to a new round once there are
-        any, as torchrun's agent does (``num_nodes_waiting``; membership changes)."""
+        """Ask for the nodes waiting every ``MONITOR_S``, and go to a new round once there are any.
+
+        This is what torchrun's agent does (``num_nodes_waiting``; membership changes)."""
         while True:
             time.sleep(MONITOR_S)
             try:
@@ -879,8 +901,10 @@ def crashes(r: Result) -> str:
 
 
 def cell(r: Result, phase: str, seconds: float | None, applies: bool = True) -> str:
-    """A phase's time, or why there is none: a phase that kept the machine's cores busy
-    (:data:`SATURATED`) measured the queue for a core, and its time is not reported."""
+    """A phase's time, or why there is none.
+
+    A phase that kept the machine's cores busy (:data:`SATURATED`) measured the queue for a core,
+    and its time is not reported."""
     if not applies:
         return "n/a"
     if seconds is None:
@@ -892,8 +916,9 @@ def cell(r: Result, phase: str, seconds: float | None, applies: bool = True) -> 
 
 
 def per_node(r: Result, which: int, n: int, unit: str = "") -> str:
-    """Item ``which`` of the first round's and the loss re-form's load (:class:`Load`), per
-    node (N, then the N - 1 survivors)."""
+    """Item ``which`` of the first round's and the loss re-form's load (:class:`Load`), per node.
+
+    That is per N nodes, then per the N - 1 survivors."""
     got = [r.load.get(p) for p in ("first round", "re-form, lost")]
     parts = [
         f"{x[which] / k:.1f}{unit}" if x else "-" for x, k in zip(got, (n, n - 1), strict=True)

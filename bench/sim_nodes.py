@@ -1,6 +1,7 @@
-"""Simulated nodes for ``bench/rendezvous_scale.py``: many in one process, on one asyncio loop and
-one gRPC channel, each doing with etcd what a real node that does not lead does
-(:class:`launcher.rendezvous.rendezvous.Rendezvous`).
+"""Simulated nodes for ``bench/rendezvous_scale.py``: many in one process.
+
+They run on one asyncio loop and one gRPC channel, each doing with etcd what a real node that
+does not lead does (:class:`launcher.rendezvous.rendezvous.Rendezvous`).
 
 Each node has its own lease (TTL ``lease_ttl_s``, a keep-alive every quarter of it), registers
 its record under it by the same transaction, reads the job as of one revision (the round, the
@@ -59,8 +60,9 @@ class SimNode:
 
 @dataclass
 class _Stream:
-    """A bidirectional stream's request queue, and the order in which its watches are created
-    (etcd answers a stream's create requests in order)."""
+    """A bidirectional stream's request queue, and the order in which its watches are created.
+
+    Etcd answers a stream's create requests in order."""
 
     requests: asyncio.Queue = field(default_factory=asyncio.Queue)
     pending: deque = field(default_factory=deque)
@@ -71,8 +73,10 @@ class _Stream:
 
 
 class Fleet:
-    """The simulated nodes of one process. ``report(node_id, round, size)``: a node saw a new
-    round (its number and member count), as the bench's ``Seen`` counts them."""
+    """The simulated nodes of one process.
+
+    ``report(node_id, round, size)``: a node saw a new round (its number and member count), as the
+    bench's ``Seen`` counts them."""
 
     def __init__(
         self,
@@ -191,8 +195,9 @@ class Fleet:
             self._report(node.node_id, head["number"], head["size"])
 
     async def _keepalive_loop(self) -> None:
-        """Each node's lease renewed every quarter TTL from its grant, as its own keeper would;
-        the process sends what is due every ``TICK_S``."""
+        """Renew each node's lease every quarter TTL from its grant, as its own keeper would.
+
+        The process sends what is due every ``TICK_S``."""
 
         async def send() -> None:
             period = self._ttl_s / 4
@@ -243,8 +248,10 @@ class Fleet:
         await asyncio.gather(*(self.join(n) for n in self.nodes.values()))
 
     def stats(self) -> tuple[int, int, int, list[str], int]:
-        """Requests, watch events, bytes (watch and own member keys), fencings by reason and
-        late keep-alives, over every node so far."""
+        """Requests, watch events, bytes, fencings by reason and late keep-alives, over every node.
+
+        The bytes are of the watch events and of the nodes' own member keys; the counts run over
+        every node so far."""
         nodes = list(self.nodes.values())
         return (
             sum(n.requests for n in nodes),

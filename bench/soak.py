@@ -118,8 +118,9 @@ def launcher_of(chaos: subprocess.Popen[bytes]) -> psutil.Process | None:
 
 
 def stop(chaos: subprocess.Popen[bytes], watch: ResourceWatch) -> None:
-    """SIGTERM to the job's launcher and to every agent (those the campaign started again are
-    not the launcher's): each node leaves as planned."""
+    """Send SIGTERM to the job's launcher and to every agent, so that each node leaves as planned.
+
+    The agents the campaign started again are not the launcher's, hence every agent."""
     job = launcher_of(chaos)
     agents = [pid for pid, (_, role, _) in watch.procs.items() if role == "agent"]
     for proc in ([job] if job else []) + [
@@ -130,9 +131,10 @@ def stop(chaos: subprocess.Popen[bytes], watch: ResourceWatch) -> None:
 
 
 def spaced(args: argparse.Namespace) -> str:
-    """``--every-steps``: the campaign's faults written out, one every that many steps, their
-    kinds in turn from ``--kinds``; each strikes a node other than rank 0's, or the last node
-    for ``--pattern same-node``."""
+    """``--every-steps``: the campaign's faults written out, one every that many steps.
+
+    Their kinds come in turn from ``--kinds``; each strikes a node other than rank 0's, or the last
+    node for ``--pattern same-node``."""
     kinds = args.kinds.split(",")
     same = args.pattern == SAME_NODE
     # One worker a node (a CPU node's cluster.cpu_workers): the node back means every rank is.

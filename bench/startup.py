@@ -1,5 +1,6 @@
-"""Start-up cost: an agent from process start to ``node_ready``, and ``python -m
-launcher.commands.doctor``.
+"""Start-up cost: an agent from process start to ``node_ready``, and the doctor command.
+
+The doctor command is ``python -m launcher.commands.doctor``.
 
 A node's agent imports its dependencies, connects to etcd, runs the health checks, registers and
 starts its workers; ``node_ready`` is the moment its workers wait for a round. The peer is
@@ -54,8 +55,9 @@ def one_node_job(workdir: Path, job_id: str, extra: list[str]) -> list[str]:
 
 
 def agent_startup(workdir: Path, job_id: str, extra: list[str]) -> tuple[float, float]:
-    """Seconds from the agent process's creation to its ``node_ready`` event, and of those the
-    seconds its health checks took (its ``health_checked`` event)."""
+    """Seconds from the agent process's creation to its ``node_ready`` event, and its checks'.
+
+    The latter are the seconds its health checks took (its ``health_checked`` event)."""
     run_dir = workdir / job_id
     launched = time.time()
     launcher = subprocess.Popen(

@@ -1,5 +1,6 @@
-"""Steady-state training throughput: this project's trainer next to a plain DDP loop, with and
-without checkpoints in the measured window.
+"""Steady-state training throughput: this project's trainer next to a plain DDP loop.
+
+Both run with and without checkpoints in the measured window.
 
 What the runtime adds to every step (the elastic sampler's plans, the abortable comm hook, the
 per-sample weights, heartbeats and step events) and what its background checkpoints take from a
@@ -168,8 +169,10 @@ Z975 = statistics.NormalDist().inv_cdf(0.975)
 
 
 def t975(df: int) -> float:
-    """Student's t quantile for a two-sided 95 % interval: the table up to 30 degrees of freedom,
-    past it the Cornish-Fisher expansion around the normal quantile (within 1e-4 there)."""
+    """Student's t quantile for a two-sided 95 % interval.
+
+    It takes the table up to 30 degrees of freedom, and past it the Cornish-Fisher expansion around
+    the normal quantile (within 1e-4 there)."""
     if df < 1:
         raise ValueError(f"a t interval needs at least 1 degree of freedom, not {df}")
     if df <= len(T975):
@@ -204,8 +207,10 @@ class Interval:
 
 
 def paired(differences: list[float], target: float) -> Interval:
-    """The 95 % t interval of the mean of ``differences`` (one per pair of runs), and how many
-    pairs would make it ``target`` wide on either side at their standard deviation."""
+    """The 95 % t interval of the mean of ``differences`` (one per pair of runs), and pairs needed.
+
+    The pairs needed are how many would make it ``target`` wide on either side at their standard
+    deviation."""
     mean = statistics.fmean(differences)
     if len(differences) < 2:
         return Interval(mean, None, None)
@@ -240,8 +245,9 @@ def cpu_at(samples: list[CpuSample], t: float) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class Window:
-    """One run's steady state: samples/s, seconds per step, and CPU seconds per sample by role
-    (the process tree's groups: ours has workers, launcher and agents, etcd)."""
+    """One run's steady state: samples/s, seconds per step, and CPU seconds per sample by role.
+
+    The roles are the process tree's groups: ours has workers, launcher and agents, etcd."""
 
     samples_per_s: float
     step_s: float
@@ -255,9 +261,10 @@ class Window:
 def window(
     ends: list[float], samples: list[int], warmup: int, steps: int, cpu: list[CpuSample]
 ) -> Window:
-    """The steady state from the step end times (time.time()) and global samples of steps 1, 2,
-    ...: steps ``warmup + 1`` to ``warmup + steps``, timed from the end of step ``warmup``, and the
-    process tree's CPU over the same span."""
+    """The steady state from the step end times (time.time()) and global samples of steps 1, 2, ...
+
+    It spans steps ``warmup + 1`` to ``warmup + steps``, timed from the end of step ``warmup``, and
+    the process tree's CPU over the same span."""
     last = warmup + steps
     if len(ends) < last:
         raise RuntimeError(f"only {len(ends)} steps were timed; {last} are needed")
@@ -269,8 +276,10 @@ def window(
 
 
 class TreeCPU:
-    """The user + system CPU seconds of the process trees under ``roots``, summed by
-    ``role(process)``, read every :data:`CPU_SAMPLE_S` in a thread while in the ``with`` block.
+    """The user + system CPU seconds of the process trees under ``roots``, summed by role.
+
+    The role is ``role(process)``. They are read every :data:`CPU_SAMPLE_S` in a thread while in
+    the ``with`` block.
 
     A process is found at the first reading after it starts and counted at its last reading
     after it exits; the window's processes live through it. Its role is asked at every reading,
@@ -354,17 +363,20 @@ def row_name(every: int) -> str:
 
 
 def our_role(proc: psutil.Process) -> str:
-    """The part of our job a process of its tree is: a worker (and its loader processes, which
-    share its command line), etcd, or the launcher and its agents."""
+    """The part of our job a process of its tree is.
+
+    That is a worker (and its loader processes, which share its command line), etcd, or the
+    launcher and its agents."""
     if proc.name() == "etcd":
         return "etcd"
     return "workers" if "elastic.trainer" in proc.cmdline() else "launcher and agents"
 
 
 def run_ours(setup: Setup, work: Path, every: int, extra: tuple[str, ...] = ()) -> Window:
-    """One job of this project, trained for exactly ``setup.total_steps`` steps, checkpointing
-    every ``every`` steps (0: only at its end, after the window), with the Hydra overrides
-    ``extra`` besides the setup's."""
+    """Run one job of this project for exactly ``setup.total_steps`` steps.
+
+    It checkpoints every ``every`` steps (0: only at its end, after the window), with the Hydra
+    overrides ``extra`` besides the setup's."""
     run_dir = work / f"ours-{time.monotonic_ns()}"
     world = setup.procs
     # The job's length in samples: those of its first total_steps steps (the last step of an
@@ -447,8 +459,9 @@ class PlainJob:
 
 
 def plain_save(state: dict[str, object], path: str) -> None:
-    """The reference's ``utils.save_on_master``, on rank 0, made durable as bench/checkpoint.py
-    makes its ``torch.save`` figure."""
+    """The reference's ``utils.save_on_master``, on rank 0, made durable.
+
+    It is made durable as bench/checkpoint.py makes its ``torch.save`` figure."""
     with open(path, "wb") as f:
         torch.save(state, f)
         f.flush()
@@ -642,9 +655,10 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Setup:
 
 
 def window_problem(steps: int, warmup: int, every: int, aggressive: int) -> str | None:
-    """What keeps this window from holding whole checkpoint intervals, the default one at least
-    twice, with the round's first save at the default interval in the warm-up (see the module
-    docstring); None when nothing does."""
+    """What keeps this window from holding whole checkpoint intervals; None when nothing does.
+
+    The window must hold the default interval at least twice, with the round's first save at the
+    default interval in the warm-up (see the module docstring)."""
     if not (aggressive == 0 or 1 <= aggressive < every):
         return (
             f"--aggressive-every {aggressive}: give a checkpoint interval in steps shorter than "
@@ -713,8 +727,9 @@ class Runs:
 
 
 def measure(setup: Setup, repeats: int, work: Path) -> Runs:
-    """Every row's pair of runs, ``repeats`` times; within a pair the runtime that goes first
-    alternates from one repeat to the next."""
+    """Run every row's pair of runs, ``repeats`` times.
+
+    Within a pair the runtime that goes first alternates from one repeat to the next."""
     runs = Runs({e: [] for e in setup.intervals}, {e: [] for e in setup.intervals}, [])
     runtimes = (("ours", run_ours, runs.ours), ("plain", run_plain, runs.plain))
     began = time.monotonic()
@@ -746,9 +761,10 @@ def measure(setup: Setup, repeats: int, work: Path) -> Runs:
 
 
 def replica_check_s(setup: Setup, calls: int = 20) -> tuple[float, int]:
-    """Seconds per replica check's checksum (:mod:`elastic.replicas`) of this job's model and
-    optimizer state on its device, and the bytes it reads. The check's all-reduce of one
-    integer per rank is left out: a few bytes, next to the gradients' megabytes."""
+    """Seconds per replica check's checksum (:mod:`elastic.replicas`), and the bytes it reads.
+
+    The checksum is of this job's model and optimizer state on its device. The check's all-reduce
+    of one integer per rank is left out: a few bytes, next to the gradients' megabytes."""
     cfg, device = setup.cfg, torch.device(setup.device)
     classes = len(datasets.ImageFolder(str(train_root(cfg.data))).classes)
     model = build_model(cfg.model, classes).to(device)

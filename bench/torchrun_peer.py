@@ -1,6 +1,7 @@
-"""The torchrun peer, driven from Python: three torchrun agents running the shared peer's
-``train.py`` (``shared/bench/peer_torchrun``), at torch's defaults or tuned, with the node that
-hosts the c10d store known.
+"""The torchrun peer, driven from Python: three torchrun agents running the shared ``train.py``.
+
+The script is the shared peer's (``shared/bench/peer_torchrun``). The agents run at torch's
+defaults or tuned, with the node that hosts the c10d store known.
 
 The benches start node0 first and the others only once its agent serves the store, so that
 node0 hosts it (started at once, any agent may win the race for the port; the shared ``run.sh``
@@ -158,9 +159,10 @@ class Peer:
         return max((s for _, s, _ in self.steps()), default=0)
 
     def pace(self) -> dict[int, float]:
-        """The job's own fault-free pace: at each world size, the median samples/s between
-        consecutive steps of one worker incarnation (a node's log between two ``start``
-        lines), as :func:`chaos.verdict.pace` takes ours within a round."""
+        """The job's own fault-free pace: the median samples/s at each world size.
+
+        It is taken between consecutive steps of one worker incarnation (a node's log between two
+        ``start`` lines), as :func:`chaos.verdict.pace` takes ours within a round."""
         by_size: dict[int, list[float]] = {}
         for node in NODES:
             previous = None
@@ -175,10 +177,11 @@ class Peer:
         return {w: statistics.median(r) for w, r in by_size.items()}
 
     def recovery(self, fault_ts: float, victim: str) -> PeerRecovery:
-        """The survivors' stall and redone steps after a fault at ``fault_ts`` on ``victim``:
-        the stall runs until a survivor completes a step beyond the one in flight, or any step
-        of a job restarted after the fault; redone steps are the ones trained again because
-        the job resumed from an older checkpoint."""
+        """The survivors' stall and redone steps after a fault at ``fault_ts`` on ``victim``.
+
+        The stall runs until a survivor completes a step beyond the one in flight, or any step of a
+        job restarted after the fault. Redone steps are the ones trained again because the job
+        resumed from an older checkpoint."""
         last_before, after, resumed_from = 0, [], None
         for node in NODES:
             if node == victim:

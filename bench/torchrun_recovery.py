@@ -1,6 +1,8 @@
-"""torchrun's recovery from a SIGKILLed node: ``--rdzv-backend=etcd-v3`` (this project's backend,
-``launcher/torchrun/backend.py``) next to torch's own ``--rdzv-backend=c10d``, in one run, on one
-machine, each at torch's default ``--rdzv-conf`` and tuned for fast recovery.
+"""torchrun's recovery from a SIGKILLed node: this project's etcd-v3 backend next to c10d.
+
+It runs ``--rdzv-backend=etcd-v3`` (this project's backend, ``launcher/torchrun/backend.py``)
+next to torch's own ``--rdzv-backend=c10d``, in one run, on one machine. Each runs at torch's
+default ``--rdzv-conf`` and tuned for fast recovery.
 
 Every run is a fresh 3-node job of real torchrun agents (``--nnodes=2:3 --nproc-per-node=1
 --max-restarts=3 --local-addr=127.0.0.1``; each agent in a session of its own, as a node): a gloo
@@ -163,8 +165,9 @@ dist.destroy_process_group()
 
 @dataclass(frozen=True)
 class Line:
-    """One progress line: ``start`` (``step`` is the step resumed from; ``restarts`` torchrun's
-    restart count) or ``step``."""
+    """One progress line: ``start`` or ``step``.
+
+    For ``start``, ``step`` is the step resumed from and ``restarts`` torchrun's restart count."""
 
     kind: str
     step: int
@@ -174,8 +177,10 @@ class Line:
 
 
 def parse_progress(text: str) -> list[Line]:
-    """The lines of one progress file; a last line without its newline (being written) is left
-    out, and so is any line that is not a progress line."""
+    """Parse the lines of one progress file.
+
+    A last line without its newline (being written) is left out, and so is any line that is not a
+    progress line."""
     lines = []
     for raw in text.split("\n")[:-1]:
         f = raw.split()
@@ -193,12 +198,13 @@ class Survivor:
 
 
 def survivor_recovery(lines: list[Line], kill_ts: float, world: int = 2) -> Survivor:
-    """From the kill at ``kill_ts`` to this node's first step at ``world`` after it; the steps
-    it trains again: its last step at a larger world size minus the step that the incarnation
-    of that first step resumed from; and its restarts for failures since: that incarnation's
-    restart count minus the last larger-world incarnation's. Steps at
-    ``world`` before the kill (a first round that formed before the last node joined) do not
-    count."""
+    """One survivor's recovery after the kill at ``kill_ts``: its time, steps redone and restarts.
+
+    The time runs from the kill to this node's first step at ``world`` after it. The steps it
+    trains again are its last step at a larger world size minus the step that the incarnation of
+    that first step resumed from. Its restarts for failures since are that incarnation's restart
+    count minus the last larger-world incarnation's. Steps at ``world`` before the kill (a first
+    round that formed before the last node joined) do not count."""
     first = next(
         (
             i
@@ -284,9 +290,11 @@ def last_step(run: Path, world: int) -> int:
 
 
 def choose_victim(backend: str, found: dict[int, dict]) -> tuple[str, int] | None:
-    """etcd-v3: the node of rank 0 at world size 3. c10d: a node at world size 3 that is not
-    node0 (the rendezvous store's) and never had rank 0 (the shared workers' store's); the
-    last of them."""
+    """Choose the node to kill for a backend.
+
+    etcd-v3: the node of rank 0 at world size 3. c10d: a node at world size 3 that is not node0
+    (the rendezvous store's) and never had rank 0 (the shared workers' store's); the last of
+    them."""
     at3 = {w["node"]: w["rank"] for w in found.values() if w["world"] == 3}
     if backend == "etcd-v3":
         return next(((n, r) for n, r in at3.items() if r == 0), None)
@@ -296,10 +304,11 @@ def choose_victim(backend: str, found: dict[int, dict]) -> tuple[str, int] | Non
 
 
 def kill_node(agent: subprocess.Popen, workers: list[int], train: Path) -> None:
-    """SIGKILL a node: its agent's process group, every process under the agent and each of its
-    workers' sessions (torchrun starts each worker in a session of its own). Only processes of
-    this run: a worker pid is signalled only while it runs ``train``, the agent's group only
-    while the agent is not reaped (its pid cannot have been reused)."""
+    """SIGKILL a node: its agent's group, the processes under the agent, its workers' sessions.
+
+    Torchrun starts each worker in a session of its own. Only processes of this run are signalled:
+    a worker pid only while it runs ``train``, the agent's group only while the agent is not reaped
+    (its pid cannot have been reused)."""
     groups, under = [], []
     if agent.poll() is None:
         groups.append(agent.pid)
@@ -446,8 +455,9 @@ def median(values: list[float]) -> float | None:
 
 
 def median_recovery(times: list[float | None]) -> float | None:
-    """The median over every run, one that did not recover counted as longer than any: of
-    (80.5, none, 45.5) it is 80.5, not the 63.0 of the two that did; None when the median run
+    """The median recovery over every run, one that did not recover counted as longer than any.
+
+    Of (80.5, none, 45.5) it is 80.5, not the 63.0 of the two that did; None when the median run
     itself did not recover."""
     found = median([math.inf if t is None else t for t in times])
     return None if found is None or math.isinf(found) else found

@@ -7,8 +7,10 @@ from chaos.cli import main
 
 
 def _stop(signum: int, frame: object) -> None:
-    """SIGTERM unwinds like Ctrl-C: the campaign thaws what it froze, heals what it cut and
-    stops the job it launched on its way out, instead of leaving them so."""
+    """Exit on SIGTERM as on Ctrl-C, so that the campaign unwinds.
+
+    On its way out the campaign thaws what it froze, heals what it cut and stops the job it
+    launched, instead of leaving them so."""
     raise SystemExit(128 + signum)
 
 

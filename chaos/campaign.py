@@ -171,8 +171,10 @@ def target_ok(target: str, nodes: int) -> bool:
 
 
 def schedule(c: CampaignConfig) -> list[FaultSpec]:
-    """The campaign's faults: the written ones (by step, then by time), then the random ones
-    (by time), each random one drawn from ``seed`` alone."""
+    """List the campaign's faults: the written ones, then the random ones.
+
+    The written ones come by step, then by time; the random ones by time, each random one drawn
+    from ``seed`` alone."""
     written = sorted(c.faults, key=lambda f: (f.at_step == 0, f.at_step, f.at_s))
     if c.mtbf_s <= 0:
         return written

@@ -1,5 +1,6 @@
-"""``python -m chaos [campaign=<name>] [campaign.<key>=...] [job overrides...]``: run a chaos
-campaign against a job and judge it.
+"""Run a chaos campaign against a job and judge it.
+
+Usage: ``python -m chaos [campaign=<name>] [campaign.<key>=...] [job overrides...]``.
 
 Overrides that start with ``campaign`` choose and tune the campaign (``conf/campaign/``, the
 schema in :mod:`chaos.campaign`); every other override is the job's, as for ``python -m
@@ -99,8 +100,10 @@ def refuse(found: list[str]) -> int:
 
 
 def nothing_to_judge(events: list[dict[str, Any]], out_dir: Path) -> str | None:
-    """Why a campaign's job cannot be judged (it trained fewer than two steps: a node refused
-    by its health checks, a bad setting), or None."""
+    """Say why a campaign's job cannot be judged, or None when it can.
+
+    It cannot when it trained fewer than two steps: a node refused by its health checks, a bad
+    setting."""
     if sum(ev.STEP.matches(e) for e in events) >= 2:
         return None
     refused = next((e for e in events if ev.HEALTH_FAILED.matches(e)), None)
@@ -112,8 +115,10 @@ def nothing_to_judge(events: list[dict[str, Any]], out_dir: Path) -> str | None:
 
 
 def launch(cfg: Config, campaign: CampaignConfig, job: list[str]) -> int:
-    """Launch a local job on an etcd of our own, run the campaign on it, and judge it. The job
-    records every rank's samples (``trainer.record_samples=true``): the invariants need them."""
+    """Launch a local job on an etcd of our own, run the campaign on it, and judge it.
+
+    The job records every rank's samples (``trainer.record_samples=true``): the invariants need
+    them."""
     found = problems(campaign, cfg.cluster.nodes)
     if cfg.cluster.mode is not ClusterMode.local:
         found.append(
@@ -208,9 +213,10 @@ def launch(cfg: Config, campaign: CampaignConfig, job: list[str]) -> int:
 
 
 def attach(cfg: Config, campaign: CampaignConfig) -> int:
-    """Run the campaign on the running job ``cfg`` names, through fault requests, and judge
-    it from its event log. ``run_dir`` is where the job's config and events are (a shared file
-    system, or this machine); the job must have been started with ``chaos.allow=true`` and
+    """Run the campaign on the running job ``cfg`` names, through fault requests, and judge it.
+
+    It is judged from its event log. ``run_dir`` is where the job's config and events are (a shared
+    file system, or this machine); the job must have been started with ``chaos.allow=true`` and
     ``trainer.record_samples=true``."""
     run_dir = Path(cfg.run_dir)
     if not (run_dir / "config.yaml").exists():
@@ -274,8 +280,9 @@ def attach(cfg: Config, campaign: CampaignConfig) -> int:
 def report(
     events: list[dict[str, Any]], job_cfg: Config, out_dir: Path, campaign: CampaignConfig
 ) -> int:
-    """Judge the campaign (whose job trained: :func:`nothing_to_judge`), write its report,
-    summary and picture; the exit code."""
+    """Judge the campaign, write its report, summary and picture, and return the exit code.
+
+    Its job must have trained (:func:`nothing_to_judge`)."""
     verdict = judge(events, job_cfg)
     (out_dir / "report.json").write_text(verdict.to_json())
     text = summary(verdict)

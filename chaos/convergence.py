@@ -82,8 +82,10 @@ class TrialFailed(RuntimeError):
 
 @dataclass(frozen=True)
 class Trial:
-    """One finished run: its events, and for a faulted run when its node was killed, started
-    again, and back in a round (``ts`` of those events; None in a fault-free run)."""
+    """One finished run: its events, and for a faulted run the times of its fault.
+
+    Those are when its node was killed, started again, and back in a round (``ts`` of those events;
+    None in a fault-free run)."""
 
     run_dir: Path
     events: list[dict[str, Any]]
@@ -103,8 +105,9 @@ class Trial:
 
     @property
     def steps(self) -> list[dict[str, Any]]:
-        """Rank 0's ``step`` events, the newest one of each step (a step trained again after a
-        fault counts as trained then)."""
+        """Rank 0's ``step`` events, the newest one of each step.
+
+        A step trained again after a fault counts as trained then."""
         newest = {e["step"]: e for e in ev.STEP.of(self.events)}
         return [newest[s] for s in sorted(newest)]
 
@@ -130,8 +133,9 @@ class _Job:
         return TrialFailed(f"{why}; the launcher's output ends:\n{self.output()}")
 
     def wait_event(self, what: str, predicate: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
-        """The first new event matching ``predicate``, within :data:`WAIT_S`; fails as soon as
-        the launcher has exited without it."""
+        """Wait for the first new event matching ``predicate``, within :data:`WAIT_S`.
+
+        It fails as soon as the launcher has exited without it."""
         try:
             return self.follower.wait_for(
                 predicate, WAIT_S, POLL_S, running=lambda: self.proc.poll() is None
@@ -160,8 +164,10 @@ class _Job:
                 raise self.fail(f"the node started again exited {code}")
 
     def stop(self) -> None:
-        """Kill whatever still runs (after a failure): the launcher takes its nodes with it
-        (:mod:`elastic.lifeline`); a node started again has a session of its own."""
+        """Kill whatever still runs (after a failure).
+
+        The launcher takes its nodes with it (:mod:`elastic.lifeline`); a node started again has a
+        session of its own."""
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=30)
@@ -174,10 +180,11 @@ class _Job:
 def run(
     run_dir: Path, etcd_endpoint: str, *, fault: bool, overrides: tuple[str, ...] = ()
 ) -> Trial:
-    """Run :data:`JOB` (with ``overrides`` after it) to its end on the etcd at
-    ``etcd_endpoint``; with ``fault``, SIGKILL the node without rank 0 after step
-    :data:`KILL_AT_STEP`, and once the other trained a step alone, start it again and wait until
-    it is back in a round. Raises :class:`TrialFailed` when any of it does not happen in time.
+    """Run :data:`JOB` (with ``overrides`` after it) to its end on the etcd at ``etcd_endpoint``.
+
+    With ``fault``, SIGKILL the node without rank 0 after step :data:`KILL_AT_STEP`. Once the other
+    trained a step alone, start it again and wait until it is back in a round. Raises
+    :class:`TrialFailed` when any of it does not happen in time.
 
     The etcd is the caller's, not one the launcher embeds: the node started again is this
     process's child, not the launcher's, and may still be ending when the launcher has ended

@@ -1,5 +1,6 @@
-"""Hold processes to a share of the CPU they use: the ``slow_node`` fault, a node that is slow and
-not dead (a throttled GPU, a host with failing memory).
+"""Hold processes to a share of the CPU they use: the ``slow_node`` fault.
+
+That fault is a node that is slow and not dead (a throttled GPU, a host with failing memory).
 
 Where the kernel offers a CPU controller (cgroup v2's ``cpu.max``, or v1's ``cpu.cfs_quota_us``,
 both writable as root) the processes move into a cgroup of their own whose quota is the CPU they
@@ -27,8 +28,10 @@ MIN_CORES = 0.01
 
 
 class CpuLimit:
-    """A slow-down in force; :meth:`add` extends it to new processes (a slow machine's new
-    workers are as slow), :meth:`end` lifts it (processes that exited meanwhile are skipped)."""
+    """A slow-down in force.
+
+    :meth:`add` extends it to new processes (a slow machine's new workers are as slow); :meth:`end`
+    lifts it (processes that exited meanwhile are skipped)."""
 
     how = ""
 
@@ -86,8 +89,10 @@ class CgroupLimit(CpuLimit):
 
 
 class Stopper(CpuLimit):
-    """Processes stopped and continued by a thread of its own (:meth:`_run`, which subclasses
-    write and :meth:`start` runs); :meth:`end` stops the thread and continues them all."""
+    """Processes stopped and continued by a thread of its own.
+
+    The thread runs :meth:`_run`, which subclasses write and :meth:`start` runs; :meth:`end` stops
+    the thread and continues them all."""
 
     def __init__(self, procs: list[psutil.Process]) -> None:
         self.procs, self._done = list(procs), threading.Event()
@@ -133,8 +138,9 @@ class DutyCycle(Stopper):
 
 
 def cpu_controller() -> tuple[Path, str] | None:
-    """Where a cgroup with a CPU quota can be made here, and its quota file; None if nowhere
-    (no cgroup file system, no CPU controller, or not root)."""
+    """Find where a cgroup with a CPU quota can be made here, and its quota file.
+
+    None if nowhere (no cgroup file system, no CPU controller, or not root)."""
     if os.geteuid() != 0:
         return None
     controllers = CGROUP_ROOT / "cgroup.controllers"
@@ -147,8 +153,9 @@ def cpu_controller() -> tuple[Path, str] | None:
 
 
 def limit_cpu(procs: list[psutil.Process], factor: float, name: str) -> CpuLimit:
-    """Slow ``procs`` down by ``factor`` (2.0: half the CPU they were using), with a cgroup quota
-    where there is one (named ``name``), else a duty cycle."""
+    """Slow ``procs`` down by ``factor`` (2.0: half the CPU they were using).
+
+    It uses a cgroup quota where there is one (named ``name``), else a duty cycle."""
     found = cpu_controller()
     if found is not None:
         root, quota_file = found

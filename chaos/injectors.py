@@ -1,6 +1,7 @@
-"""Fault injectors: real signals to real processes, found through the run's event log, and
-network partitions and slow links of nodes run in namespaces (:mod:`chaos.netns`), and slow
-nodes (:mod:`chaos.cpu_limit`).
+"""Fault injectors: real signals to real processes, partitions, slow links and slow nodes.
+
+Processes are found through the run's event log. Network partitions and slow links are of
+nodes run in namespaces (:mod:`chaos.netns`); slow nodes come from :mod:`chaos.cpu_limit`.
 
 Nodes and workers are found through the events; etcd members through the
 :class:`~launcher.rendezvous.embedded_etcd.EmbeddedEtcd` that owns them, or, for the one ``python -m
@@ -79,9 +80,10 @@ def thaw_node(run_dir: str | os.PathLike[str], node_id: str) -> float:
 def kill_agent(
     run_dir: str | os.PathLike[str], node_id: str, sig: signal.Signals = signal.SIGKILL
 ) -> float:
-    """Signal a node's agent alone, its workers left running: ``SIGSTOP`` is an agent that
-    stops answering (its lease runs out) while its workers still train; :func:`thaw_node`
-    resumes it."""
+    """Signal a node's agent alone, its workers left running.
+
+    ``SIGSTOP`` is an agent that stops answering (its lease runs out) while its workers still
+    train; :func:`thaw_node` resumes it."""
     agent = node_processes(run_dir, node_id)[0]
     return send(run_dir, [agent], sig, kind="agent", target=node_id)
 
@@ -102,9 +104,10 @@ def kill_worker(
 
 
 def slow_node(run_dir: str | os.PathLike[str], node_id: str, factor: float) -> CpuLimit:
-    """Hold a node's workers (and their loader processes) to ``1 / factor`` of the CPU they use
-    (:func:`chaos.cpu_limit.limit_cpu`), its agent untouched: a node that is slow, not dead, as
-    a throttled GPU is. :func:`unslow_node` lifts it."""
+    """Hold a node's workers (and their loader processes) to ``1 / factor`` of the CPU they use.
+
+    The limit is :func:`chaos.cpu_limit.limit_cpu`'s, its agent untouched: a node that is slow, not
+    dead, as a throttled GPU is. :func:`unslow_node` lifts it."""
     workers = node_processes(run_dir, node_id)[1:]
     if not workers:
         raise TargetNotFound(f"{node_id} runs no worker")
@@ -122,8 +125,9 @@ def slow_node(run_dir: str | os.PathLike[str], node_id: str, factor: float) -> C
 
 
 def keep_slow(agent_pid: int, limit: CpuLimit) -> None:
-    """Extend a :func:`slow_node` to the workers its node's agent (``agent_pid``) started since
-    (a restart, a rejoin): the machine is what is slow."""
+    """Extend a :func:`slow_node` to the workers its node's agent (``agent_pid``) started since.
+
+    Those come from a restart, a rejoin: the machine is what is slow."""
     with contextlib.suppress(TargetNotFound, psutil.NoSuchProcess):
         limit.add(process_tree(agent_pid, "the slow node's agent")[1:])
 
@@ -135,10 +139,11 @@ def unslow_node(run_dir: str | os.PathLike[str], node_id: str, limit: CpuLimit) 
 
 
 def corrupt_replica(run_dir: str | os.PathLike[str], node_id: str) -> float:
-    """SIGUSR1 to a node's first worker: with ``chaos.allow`` it flips one bit of a parameter
-    between two steps (:meth:`elastic.chaos_hooks.ChaosHooks.before_step`), a silent memory
-    fault that the replica check must find and repair. Without it the signal would kill the
-    worker: the caller checks."""
+    """Send SIGUSR1 to a node's first worker, which flips a bit of its parameters.
+
+    With ``chaos.allow`` it flips one bit of a parameter between two steps
+    (:meth:`elastic.chaos_hooks.ChaosHooks.before_step`), a silent memory fault that the replica
+    check must find and repair. Without it the signal would kill the worker: the caller checks."""
     started = _newest(Path(run_dir), ev.WORKER_STARTED, node=node_id, local_rank=0)
     try:
         proc = psutil.Process(started["worker_pid"])
@@ -150,9 +155,11 @@ def corrupt_replica(run_dir: str | os.PathLike[str], node_id: str) -> float:
 def restart_node(
     run_dir: str | os.PathLike[str], node_id: str, endpoints: list[str], nodes_on_machine: int
 ) -> tuple[float, subprocess.Popen[bytes]]:
-    """Start a killed or departed node's agent again, as a repaired machine rejoins: a fresh
-    agent on the run's ``config.yaml``, in a session of its own (so that :func:`kill_node`
-    reaches all of it), tied to this process. Logged as ``fault_cleared`` before it starts."""
+    """Start a killed or departed node's agent again, as a repaired machine rejoins.
+
+    It is a fresh agent on the run's ``config.yaml``, in a session of its own (so that
+    :func:`kill_node` reaches all of it), tied to this process. Logged as ``fault_cleared`` before
+    it starts."""
     run_dir = Path(run_dir)
     sent = log_event(run_dir, ev.FAULT_CLEARED, kind="restart", target=node_id)
     argv = [
@@ -183,8 +190,10 @@ def restart_node(
 
 
 def stop_etcd(run_dir: str | os.PathLike[str], etcd: EmbeddedEtcd, member: int = 0) -> float:
-    """SIGKILL one member of an etcd this process started (an outage of a 1-member etcd, a lost
-    member of three); :func:`start_etcd` brings it back on the same port and data."""
+    """SIGKILL one member of an etcd this process started.
+
+    That is an outage of a 1-member etcd, or a lost member of three; :func:`start_etcd` brings it
+    back on the same port and data."""
     pid = etcd.pid(member)
     if pid is None:
         raise TargetNotFound(f"etcd member {member} is not running")
@@ -196,15 +205,18 @@ def stop_etcd(run_dir: str | os.PathLike[str], etcd: EmbeddedEtcd, member: int =
 
 
 def start_etcd(run_dir: str | os.PathLike[str], etcd: EmbeddedEtcd, member: int = 0) -> float:
-    """Start a member stopped by :func:`stop_etcd` again, as an operator restarts etcd; returns
-    once it is healthy (logged as ``fault_cleared`` at that moment)."""
+    """Start a member stopped by :func:`stop_etcd` again, as an operator restarts etcd.
+
+    It returns once the member is healthy (logged as ``fault_cleared`` at that moment)."""
     etcd.start_member(member)
     return log_event(run_dir, ev.FAULT_CLEARED, kind="etcd", target=f"member{member}")
 
 
 def kill_embedded_etcd_member(run_dir: str | os.PathLike[str], member: int) -> float:
-    """SIGKILL one member of the embedded etcd that ``python -m launcher`` started for the run
-    (``cluster.embedded_etcd_members=3``), found by its data directory under the run's."""
+    """SIGKILL one member of the embedded etcd that ``python -m launcher`` started for the run.
+
+    That etcd has ``cluster.embedded_etcd_members=3``; the member is found by its data directory
+    under the run's."""
     data_dir = str(Path(run_dir) / "etcd" / f"member{member}")
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
@@ -214,11 +226,13 @@ def kill_embedded_etcd_member(run_dir: str | os.PathLike[str], member: int) -> f
 
 
 def corrupt_shard(run_dir: str | os.PathLike[str], url: str) -> float:
-    """Flip one byte in the middle of the largest shard of the newest committed checkpoint at
-    ``url``, as a disk or a copy gone bad would, then verify that checkpoint as every load does
-    (:meth:`elastic.checkpoint_verify.Verifier.verify`) and log the answer
-    (``checkpoint_verified``): a load must refuse it, and in-place recovery never loads one, so
-    the fault is judged here (the verdict also checks that no such checkpoint was loaded later)."""
+    """Flip one byte of the newest committed checkpoint at ``url``, then verify it and log that.
+
+    The byte is in the middle of its largest shard, as a disk or a copy gone bad would flip it. The
+    checkpoint is verified as every load does (:meth:`elastic.checkpoint_verify.Verifier.verify`)
+    and the answer logged (``checkpoint_verified``). A load must refuse it, and in-place recovery
+    never loads one, so the fault is judged here (the verdict also checks that no such checkpoint
+    was loaded later)."""
     from elastic.checkpoint_store import CheckpointStore
     from elastic.checkpoint_verify import Verifier  # torch: only for this fault
 
@@ -247,8 +261,9 @@ def corrupt_shard(run_dir: str | os.PathLike[str], url: str) -> float:
 def fill_disk(
     run_dir: str | os.PathLike[str], folder: str | os.PathLike[str], keep_mb: int, limit_gb: float
 ) -> Path:
-    """Fill the file system holding ``folder`` (where checkpoints go) with a ballast file until
-    ``keep_mb`` are left; :func:`clear_disk` removes it. A file system with more than
+    """Fill the file system holding ``folder`` (where checkpoints go) until ``keep_mb`` are left.
+
+    It writes a ballast file; :func:`clear_disk` removes it. A file system with more than
     ``limit_gb`` free is refused (:class:`TargetNotFound`): filling it would fill the machine's
     disk for everyone, so give the checkpoints a small one of their own."""
     folder = Path(folder)
@@ -280,7 +295,8 @@ def clear_disk(run_dir: str | os.PathLike[str], ballast: Path) -> float:
 
 
 def partition(run_dir: str | os.PathLike[str], net: LocalNetwork, node: int, link: str) -> float:
-    """Cut node ``node`` of ``net`` off its peers (``link="peer"``) or off etcd (``"etcd"``);
+    """Cut node ``node`` of ``net`` off its peers (``link="peer"``) or off etcd (``"etcd"``).
+
     :func:`heal` joins it again."""
     sent = log_event(run_dir, ev.FAULT_INJECTED, kind="partition", target=f"node{node}", link=link)
     net.set_link(node, link, up=False)
@@ -296,8 +312,9 @@ def heal(run_dir: str | os.PathLike[str], net: LocalNetwork, node: int, link: st
 def throttle(
     run_dir: str | os.PathLike[str], net: LocalNetwork, node: int, rate_mbit: float
 ) -> float:
-    """Slow node ``node``'s link to its peers to ``rate_mbit`` (:meth:`LocalNetwork.set_rate`):
-    a node that is slow, not dead. :func:`unthrottle` lifts the limit."""
+    """Slow node ``node``'s link to its peers to ``rate_mbit`` (:meth:`LocalNetwork.set_rate`).
+
+    It is a node that is slow, not dead. :func:`unthrottle` lifts the limit."""
     sent = log_event(
         run_dir, ev.FAULT_INJECTED, kind="slow_network", target=f"node{node}", rate_mbit=rate_mbit
     )

@@ -68,9 +68,10 @@ def lr_violations(events: list[dict[str, Any]], cfg: Config, samples_per_epoch: 
 
 
 def attempts_of(events: list[dict[str, Any]]) -> dict[int, dict[tuple[int, int], list]]:
-    """Every step's ``samples`` records, by attempt: ``(round, rollbacks)``, where ``rollbacks``
-    counts the ``rolled_back`` events its writer had written in that round before it (every
-    rank of a round rolls back alike; a later round starts from none). A round that rolled
+    """Group every step's ``samples`` records by attempt: ``(round, rollbacks)``.
+
+    ``rollbacks`` counts the ``rolled_back`` events its writer had written in that round before it
+    (every rank of a round rolls back alike; a later round starts from none). A round that rolled
     back (:func:`elastic.step_checks.roll_back`) trains the steps after the checkpoint again: a
     new attempt, as a later round's would be."""
     rollbacks: Counter[tuple[str, int, int]] = Counter()  # (node, pid, round)
@@ -85,9 +86,11 @@ def attempts_of(events: list[dict[str, Any]]) -> dict[int, dict[tuple[int, int],
 
 
 def corrupt_windows(events: list[dict[str, Any]]) -> dict[tuple[str, int], list[tuple]]:
-    """Per writer, from each bit chaos flipped in its parameters (``bit_flipped``) to the repair
-    of its replica (``replica_repaired``) or a rollback (never, if neither came): its states
-    differ from its peers' there on purpose, and the replica check is what must end that."""
+    """Per writer, the windows in which chaos had corrupted its parameters on purpose.
+
+    Each runs from a bit chaos flipped in its parameters (``bit_flipped``) to the repair of its
+    replica (``replica_repaired``) or a rollback (never, if neither came). Its states differ from
+    its peers' there on purpose, and the replica check is what must end that."""
     windows: dict[tuple[str, int], list[tuple]] = defaultdict(list)
     for e in events:
         writer = (e.get("node", ""), e.get("pid", 0))
@@ -216,8 +219,10 @@ def history_violations(events: list[dict[str, Any]]) -> list[str]:
 
 
 def contract_violations(events: list[dict[str, Any]]) -> list[str]:
-    """Events that break their declaration (:mod:`elastic.event_types`): a name declared nowhere,
-    or a field its type does not declare. Once per name and field."""
+    """Events that break their declaration (:mod:`elastic.event_types`).
+
+    That is a name declared nowhere, or a field its type does not declare. Once per name and
+    field."""
     found: dict[str, None] = {}
     for e in events:
         kind = ev.DECLARED.get(e.get("event", ""))

@@ -1,5 +1,7 @@
-"""``python -m chaos.kill <run_dir> <node_id> [--signal KILL|STOP|CONT|TERM]``: signal a whole
-node of a local job from another terminal, as a machine failure would, to watch a recovery.
+"""Signal a whole node of a local job from another terminal, as a machine failure would.
+
+Usage: ``python -m chaos.kill <run_dir> <node_id> [--signal KILL|STOP|CONT|TERM]``; use it to
+watch a recovery.
 
 A node that is not running (the job has ended, or the node is down already) is a clear line and
 exit 2, not a traceback: this is the first fault a newcomer sends, from the README."""

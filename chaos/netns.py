@@ -111,10 +111,11 @@ class LocalNetwork:
         return ["ip", "netns", "exec", self.ns(i), *argv]
 
     def launcher(self, i: int, etcd_port: int | Sequence[int], *overrides: str) -> list[str]:
-        """The command that runs node ``i``'s bare-metal launcher in its namespace, as on a
-        machine of its own: it binds its peer address and reaches etcd (listening on every
-        address of this machine, port ``etcd_port``, or each of several members') over its
-        etcd link."""
+        """The command that runs node ``i``'s bare-metal launcher in its namespace.
+
+        It runs as on a machine of its own: it binds its peer address and reaches etcd over its etcd
+        link. Etcd listens on every address of this machine, port ``etcd_port``, or each of several
+        members' ports."""
         ports = [etcd_port] if isinstance(etcd_port, int) else list(etcd_port)
         endpoints = ",".join(f"{self.etcd_address(i)}:{port}" for port in ports)
         return self.command(
@@ -138,9 +139,10 @@ class LocalNetwork:
         self._must(("link", "set", link, "up" if up else "down"), self.ns(i))
 
     def set_rate(self, i: int, link: str, rate_mbit: float | None) -> None:
-        """Limit what node ``i`` sends on ``link`` to ``rate_mbit`` with a token bucket (tbf),
-        or lift the limit (None). Packets queue behind the bucket, so every transfer slows, and
-        past ``TBF_LATENCY`` of queue they are dropped: a slow, and under load lossy, link.
+        """Limit what node ``i`` sends on ``link`` to ``rate_mbit``, or lift the limit (None).
+
+        The limit is a token bucket (tbf). Packets queue behind the bucket, so every transfer slows,
+        and past ``TBF_LATENCY`` of queue they are dropped: a slow, and under load lossy, link.
         (``tc netem`` would add delay and loss directly, but many kernels lack ``sch_netem``.)"""
         tc = ["ip", "netns", "exec", self.ns(i), "tc", "qdisc"]
         if rate_mbit is None:

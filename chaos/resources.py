@@ -42,8 +42,10 @@ class Sample:
 
 @dataclass(frozen=True)
 class Growth:
-    """The steepest growth per recovery among the survivors of one role that lived through at
-    least ``WARMUP + min_points`` recoveries (``processes`` of them), and the process it was."""
+    """The steepest growth per recovery among the survivors of one role, and its process.
+
+    The survivors are the ``processes`` that lived through at least ``WARMUP + min_points``
+    recoveries."""
 
     role: str
     processes: int
@@ -66,10 +68,11 @@ def slope(points: list[tuple[float, float]]) -> float:
 def growth(
     samples: Iterable[Sample], min_points: int = 4, warmup: int = WARMUP
 ) -> dict[str, Growth]:
-    """Per role, the steepest slope per recovery of each metric among the survivors: the
-    processes that ran from the first recovery on (a node started again warms up for several
-    rounds: its first save allocates the staged copy, its first rounds DDP's buckets), counted
-    past their first ``warmup`` samples."""
+    """Per role, the steepest slope per recovery of each metric among the survivors.
+
+    The survivors are the processes that ran from the first recovery on (a node started again
+    warms up for several rounds: its first save allocates the staged copy, its first rounds DDP's
+    buckets). They are counted past their first ``warmup`` samples."""
     samples = list(samples)
     first = min((s.recovery for s in samples), default=0)
     by_pid: dict[tuple[str, int], list[Sample]] = {}
@@ -99,8 +102,9 @@ def growth(
 
 
 def gpu_memory_mb() -> dict[int, float]:
-    """Device memory in use by each process on this machine's GPUs (NVML's per-process figure,
-    summed over GPUs); empty where NVML or a GPU is missing."""
+    """Device memory in use by each process on this machine's GPUs.
+
+    It is NVML's per-process figure, summed over GPUs; empty where NVML or a GPU is missing."""
     try:
         import pynvml
 

@@ -47,8 +47,9 @@ RESTARTED_EXIT_S = 30.0  # how long a restarted agent may take to end after the 
 
 
 def due(spec: FaultSpec, step: int, since_start: float, world: int = 0) -> bool:
-    """Whether ``spec`` strikes now: training passed its step, or its seconds have elapsed, at
-    a world size of at least its ``min_world``."""
+    """Whether ``spec`` strikes now, at a world size of at least its ``min_world``.
+
+    It strikes once training passed its step, or its seconds have elapsed."""
     if world < spec.min_world:
         return False
     return step >= spec.at_step if spec.at_step > 0 else since_start >= spec.at_s
@@ -56,8 +57,10 @@ def due(spec: FaultSpec, step: int, since_start: float, world: int = 0) -> bool:
 
 @dataclass
 class CampaignRunner:
-    """One campaign on one job (``cfg``), whose etcd is at ``endpoints``; with ``remote`` (an
-    etcd client), faults are requested from the nodes' agents instead of signalled here."""
+    """One campaign on one job (``cfg``), whose etcd is at ``endpoints``.
+
+    With ``remote`` (an etcd client), faults are requested from the nodes' agents instead of
+    signalled here."""
 
     cfg: Config
     campaign: CampaignConfig
@@ -90,8 +93,9 @@ class CampaignRunner:
         return Path(self.cfg.run_dir)
 
     def run(self, running: Callable[[], bool]) -> None:
-        """Follow the job while ``running()`` and until it has trained, striking each fault
-        when due."""
+        """Follow the job while ``running()`` and until it has trained, striking faults.
+
+        Each fault strikes when due."""
         follower = EventFollower(self.run_dir)
         began = time.time()  # attached to a job that trains already: seconds count from here
         started, step, world, trained = None, 0, 0, False
@@ -254,8 +258,9 @@ class CampaignRunner:
         print(f"chaos: fault {self.number}: {spec.kind} {target}", flush=True)
 
     def _request(self, spec: FaultSpec, node: str) -> None:
-        """Ask ``node``'s agent for the fault; its helper ends it, so only the time it is down
-        is kept here (for the nodes up)."""
+        """Ask ``node``'s agent for the fault.
+
+        Its helper ends it, so only the time it is down is kept here (for the nodes up)."""
         try:
             answer = request_fault(
                 self.remote,
@@ -285,9 +290,10 @@ class CampaignRunner:
         print(f"chaos: fault {self.number} ({spec.kind}) skipped: {reason}", flush=True)
 
     def _end_timed_faults(self, now: float, restart: bool = True) -> None:
-        """Thaw the nodes whose freeze is over and start the nodes whose repair is over; at the
-        end (``restart=False``) thaw every node, so that nothing stays stopped. Full disks and
-        lost etcd members and slow nodes end on time, and at the end in any case."""
+        """Thaw the nodes whose freeze is over and start the nodes whose repair is over.
+
+        At the end (``restart=False``) thaw every node, so that nothing stays stopped. Full disks
+        and lost etcd members and slow nodes end on time, and at the end in any case."""
         for path, at in list(self.ballast.items()):
             if now >= at or not restart:
                 injectors.clear_disk(self.run_dir, path)

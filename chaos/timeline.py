@@ -31,10 +31,11 @@ KEY_COLUMNS = 3
 
 
 def phases(breakdown: dict[str, float]) -> list[tuple[str, float, float]]:
-    """``(phase, start, end)`` seconds after the fault, from a recovery's breakdown (milestones
-    from the fault, and the durations the worker measured once it had its assignment).
-    Rendezvous runs from the detection until the rebuild starts: the round forming, and the
-    workers leaving the old round for it."""
+    """Split a recovery into ``(phase, start, end)`` seconds after the fault.
+
+    It reads the recovery's breakdown: milestones from the fault, and the durations the worker
+    measured once it had its assignment. Rendezvous runs from the detection until the rebuild
+    starts: the round forming, and the workers leaving the old round for it."""
     detected = breakdown.get("detected")
     started = breakdown.get("training_started")
     if detected is None or started is None:
@@ -50,9 +51,10 @@ def phases(breakdown: dict[str, float]) -> list[tuple[str, float, float]]:
 
 
 def smoothed(times: list[float], samples: list[int], window_s: float) -> list[float]:
-    """Samples/s at each step over the last ``window_s`` seconds (from the first step at or
-    after the window's start; the first step's own rate is 0). A rollback's lost samples count
-    as none trained, never as a negative rate."""
+    """Samples/s at each step over the last ``window_s`` seconds.
+
+    The rate is from the first step at or after the window's start; the first step's own rate is
+    0. A rollback's lost samples count as none trained, never as a negative rate."""
     rates = []
     for i, t in enumerate(times):
         j = min(bisect.bisect_left(times, t - window_s), i)
@@ -62,8 +64,10 @@ def smoothed(times: list[float], samples: list[int], window_s: float) -> list[fl
 
 
 def levels(spans: list[tuple[float, float]]) -> list[int]:
-    """The row of each label, given its ``(left, right)`` extent in the order of ``left``: the
-    lowest row whose labels all end before it starts, so that no two labels overlap."""
+    """The row of each label, so that no two labels overlap.
+
+    Labels come as their ``(left, right)`` extent in the order of ``left``. Each goes to the
+    lowest row whose labels all end before it starts."""
     ends: list[float] = []  # the right edge of the last label in each row
     rows = []
     for left, right in spans:
@@ -171,9 +175,10 @@ def _fault_numbers(ax: Any, faults: list[tuple[int, float]]) -> list[Any]:
 
 
 def _stack(fig: Any, texts: list[Any]) -> float:
-    """Put the numbers in rows (:func:`levels`) measured on the figure as laid out, so that the
-    numbers of faults close together stack instead of overlapping; the rows' height, in
-    points."""
+    """Put the numbers in rows (:func:`levels`) and return the rows' height, in points.
+
+    The rows are measured on the figure as laid out, so that the numbers of faults close together
+    stack instead of overlapping."""
     if not texts:
         return 0.0
     renderer = fig.canvas.get_renderer()

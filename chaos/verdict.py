@@ -72,8 +72,10 @@ class Verdict:
 
 @dataclass(frozen=True)
 class Interval:
-    """The time from one step to the next, the world size that trained the later one and the
-    samples it trained (0: time in which the job trained nothing, such as a dead job's)."""
+    """The time from one step to the next, with the world size and samples of the later one.
+
+    The world size is the one that trained the later step; the samples are those it trained (0:
+    time in which the job trained nothing, such as a dead job's)."""
 
     start: float
     end: float
@@ -82,9 +84,10 @@ class Interval:
 
 
 def capacity(events: list[dict[str, Any]], nodes: int, t0: float, t1: float) -> list[tuple]:
-    """``(start, end, nodes up)`` segments covering ``[t0, t1]``, from the chaos events; the
-    nodes up at first are the first round's members (``node<K>`` before any round). A killed or
-    departed node is down until the campaign starts it again, a frozen one until it is thawed."""
+    """Segments ``(start, end, nodes up)`` covering ``[t0, t1]``, from the chaos events.
+
+    The nodes up at first are the first round's members (``node<K>`` before any round). A killed
+    or departed node is down until the campaign starts it again, a frozen one until it is thawed."""
     first = next((e for e in events if ev.ROUND_FORMED.matches(e)), None)
     up = set(first["members"]) if first else {f"node{i}" for i in range(nodes)}
     changes: list[tuple[float, str, bool]] = []
@@ -114,9 +117,10 @@ def steps_of(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def intervals(events: list[dict[str, Any]]) -> list[Interval]:
-    """One :class:`Interval` for every step event after the first: the time since the one
-    before, stalls included, at the world size that trained it, and the samples gained (none
-    after a rollback)."""
+    """One :class:`Interval` for every step event after the first.
+
+    Each holds the time since the one before, stalls included, at the world size that trained it,
+    and the samples gained (none after a rollback)."""
     steps = steps_of(events)
     return [
         Interval(a["ts"], b["ts"], b["world_size"], max(0, b["samples"] - a["samples"]))
@@ -125,10 +129,11 @@ def intervals(events: list[dict[str, Any]]) -> list[Interval]:
 
 
 def pace(events: list[dict[str, Any]], nodes: int) -> dict[int, float]:
-    """The job's own fault-free pace: at each world size, the median samples/s between
-    consecutive steps of one round, which leaves out stalls (and, being a median, checkpoint
-    and evaluation steps). Every world size up to ``nodes`` that never trained two steps in a
-    row is scaled from the nearest one that did."""
+    """The job's own fault-free pace: the median samples/s at each world size.
+
+    It is taken between consecutive steps of one round, which leaves out stalls (and, being a
+    median, checkpoint and evaluation steps). Every world size up to ``nodes`` that never trained
+    two steps in a row is scaled from the nearest one that did."""
     steps = steps_of(events)
     by_size: dict[int, list[float]] = {}
     for a, b in zip(steps, steps[1:], strict=False):
@@ -157,7 +162,9 @@ def goodput(
     up: list[tuple[float, float, int]] | None = None,
     window_s: float = WINDOW_S,
 ) -> tuple[float, float]:
-    """``(reference samples, goodput)`` of ``kept`` samples trained over ``spans``::
+    """Compute ``(reference samples, goodput)`` of ``kept`` samples trained over ``spans``.
+
+    The definition::
 
         goodput = kept samples / sum over windows of
                   max(the samples the window's steps trained,
@@ -206,9 +213,11 @@ def training_span(events: list[dict[str, Any]]) -> tuple[float, float, int]:
 
 
 def checkpoint_violations(events: list[dict[str, Any]]) -> list[str]:
-    """Checkpoints loaded that had been rejected (incomplete, or failing their manifest), or
-    that this run never committed; and shards the campaign corrupted that their verification
-    did not refuse (or that were never verified)."""
+    """Checkpoint violations: bad checkpoints loaded, and corrupted shards not refused.
+
+    The bad ones are checkpoints loaded that had been rejected (incomplete, or failing their
+    manifest), or that this run never committed. The shards are those the campaign corrupted that
+    their verification did not refuse (or that were never verified)."""
     bad, rejected, committed, verified = [], set(), set(), {}
     for e in events:
         if ev.CHECKPOINT_SKIPPED.matches(e):
@@ -247,9 +256,11 @@ def invariants(events: list[dict[str, Any]], cfg: Config) -> dict[str, list[str]
 
 
 def fault_results(events: list[dict[str, Any]]) -> list[FaultResult]:
-    """Each fault's recovery (:func:`chaos.recovery_figures.recovery`). A fault on a node that
-    was not in the round (it was still starting, or rejoining) stopped nothing: its detection
-    and breakdown would be those of some later round, so they are left out."""
+    """Each fault's recovery (:func:`chaos.recovery_figures.recovery`).
+
+    A fault on a node that was not in the round (it was still starting, or rejoining) stopped
+    nothing. Its detection and breakdown would be those of some later round, so they are left
+    out."""
     injected = [e for e in events if ev.FAULT_INJECTED.matches(e) and e.get("role") == "chaos"]
     rounds = ev.ROUND_FORMED.of(events)
     results = []
@@ -289,8 +300,10 @@ RESPONSES = {
 
 
 def responses(events: list[dict[str, Any]], fault: dict[str, Any]) -> dict[str, float]:
-    """Seconds from a fault of a degraded node (``slow_node``, a corrupt replica) to each
-    response (:data:`RESPONSES`) that came while the fault lasted; one not seen is left out."""
+    """Seconds from a fault of a degraded node to each response that came while the fault lasted.
+
+    The faults are ``slow_node`` and a corrupt replica; the responses are :data:`RESPONSES`. One
+    not seen is left out."""
     node, t0 = fault["target"].split("/")[0], fault["ts"]
     end = min(
         (
@@ -344,8 +357,9 @@ FAULT_FREE_STEPS = 10  # fewer steps before the first fault say nothing of the j
 def fault_free_goodput(
     events: list[dict[str, Any]], spans: list[Interval], rates: dict[int, float], min_nodes: int
 ) -> float | None:
-    """The goodput of the steps before the first fault (all of them, without one): what the
-    definition charges a job that nothing happens to. None when fewer than
+    """The goodput of the steps before the first fault (all of them, without one).
+
+    It is what the definition charges a job that nothing happens to. None when fewer than
     ``FAULT_FREE_STEPS`` steps came first."""
     first = min((e["ts"] for e in ev.FAULT_INJECTED.of(events)), default=float("inf"))
     before = [s for s in spans if s.end < first]
