@@ -1,24 +1,29 @@
 """The worker: one process per GPU (or CPU slot), started once by its node's agent.
 
 It is the runtime around a job (:mod:`elastic.job`: what to train, named by ``job._target_``).
-
 A worker outlives rounds, so that a broken round costs at most the step in flight: the survivors
-keep their state in memory and carry on from it. Read it top to bottom: :func:`main` builds what
-does not depend on the round and loops over the agent's assignments, :func:`train_round` is one
-round, :func:`train_steps` its loop, and :func:`train_step` one optimizer step; what follows each
-step is an ordered list of checks (:data:`elastic.step_checks.AFTER_STEP`).
+keep their state in memory and carry on from it.
+
+Read it top to bottom. :func:`main` builds what does not depend on the round and loops over the
+agent's assignments. :func:`train_round` is one round, :func:`train_steps` its loop, and
+:func:`train_step` one optimizer step. What follows each step is an ordered list of checks
+(:data:`elastic.step_checks.AFTER_STEP`).
 
 A round ends in one of three ways, told apart by what the communicator recorded and the error's
-type (:func:`elastic.round_end.round_end`), never by an error's text: the agent announced a new
-round, a collective failed (a peer died: the worker tells its agent, which finds the dead peer),
-or this worker failed by itself (neither of those, or a fault of its device): it exits with
-:data:`~elastic.control.EXIT_FAILED`. A checkpoint that cannot
-be written ends nothing, but the final one: the end keeps the trained state and retries it
-(:func:`elastic.saving.final_save`), and a run that cannot save it ends with
-:data:`~elastic.control.EXIT_UNSAVED`, never as if it had succeeded. What a round's entry, the
-checks between steps, the saves and the faults a chaos campaign asks for do is in
-:mod:`elastic.round_entry`, :mod:`elastic.step_checks`, :mod:`elastic.saving` and
-:mod:`elastic.chaos_hooks` (inert unless ``chaos.allow``).
+type, never by an error's text (:func:`elastic.round_end.round_end`):
+
+- the agent announced a new round;
+- a collective failed: a peer died, and the worker tells its agent, which finds the dead peer;
+- this worker failed by itself (neither of those, or a fault of its device): it exits with
+  :data:`~elastic.control.EXIT_FAILED`.
+
+A checkpoint that cannot be written ends nothing, except the final one. The end keeps the
+trained state and retries it (:func:`elastic.saving.final_save`). A run that cannot save it ends
+with :data:`~elastic.control.EXIT_UNSAVED`, never as if it had succeeded.
+
+A round's entry is :mod:`elastic.round_entry`, the checks between steps :mod:`elastic.step_checks`,
+the saves :mod:`elastic.saving`. The faults a chaos campaign asks for are
+:mod:`elastic.chaos_hooks`, inert unless ``chaos.allow``.
 """
 
 from __future__ import annotations
