@@ -44,9 +44,10 @@ HOUR_S = 3600.0
 
 @dataclass(frozen=True)
 class Alert:
-    """One alert: its ``kind`` (above), the job, the node it is about (or that sends it), a
-    one-line ``text`` for a mail's subject, when (wall clock) and the fields of the event behind
-    it."""
+    """One alert: its kind, job, node, text, time and the fields of the event behind it.
+
+    ``kind`` is one of the kinds above. ``node`` is the node it is about (or that sends it).
+    ``text`` is one line, for a mail's subject; ``ts`` is when, on the wall clock."""
 
     kind: str
     job_id: str
@@ -68,9 +69,10 @@ class Alert:
 
 
 class AlertPolicy:
-    """The alerts of one job's events, taken in their order. ``now`` is the reader's monotonic
-    time as it takes an event: how long the job has waited for nodes and how many recoveries
-    fell within the last hour are measured on it."""
+    """The alerts of one job's events, taken in their order.
+
+    ``now`` is the reader's monotonic time as it takes an event. How long the job has waited for
+    nodes, and how many recoveries fell within the last hour, are measured on it."""
 
     def __init__(self, job_id: str, recoveries_per_hour: int, below_min_nodes_s: float) -> None:
         self._job_id = job_id
@@ -124,8 +126,9 @@ class AlertPolicy:
         return None
 
     def due(self, now: float) -> Alert | None:
-        """The ``below_min_nodes`` alert, once the job has waited ``below_min_nodes_s`` for
-        nodes; ask on every pass, events or not."""
+        """The ``below_min_nodes`` alert, once the job has waited ``below_min_nodes_s`` for nodes.
+
+        Ask on every pass, events or not."""
         if self._short is None or now - self._short[1] < self._wait_s:
             return None
         e, since = self._short
@@ -170,8 +173,9 @@ def _saved(step: int | None) -> str:
 
 
 def failed(job_id: str, node: str, code: int, why: str, ts: float) -> Alert:
-    """The ``job_failed`` alert of a launcher that ended with ``code`` without the job trained;
-    ``why`` in words."""
+    """The ``job_failed`` alert of a launcher that ended with ``code`` without the job trained.
+
+    ``why`` says why, in words."""
     return Alert(
         JOB_FAILED,
         job_id,

@@ -95,8 +95,10 @@ def launch(cfg: Config) -> int:
 
 
 def _run_bare_metal(cfg: Config, config_path: Path) -> int:
-    """This node's agent in this process, with progress from this node's events and the
-    alerts of what this node wrote (each event is written by one node only)."""
+    """Run this node's agent in this process, with its progress and its alerts.
+
+    The progress comes from this node's events, and the alerts from what this node wrote (each
+    event is written by one node only)."""
     # Imported here: the agent needs torch (its TCPStore), which a local launch's process, whose
     # agents run in processes of their own, would pay for in seconds before any node starts.
     from launcher.agent.admission import EXIT_ETCD_LOST
@@ -157,9 +159,11 @@ _SWEEP_BEGAN: dict[str, str] = {}  # "at": when a sweep's first job began, its j
 
 
 def of_sweep(dcfg: DictConfig, num: int, began: str) -> DictConfig:
-    """Job ``num`` of a sweep gets its own job id and run directory: ``<job_id>-<num>`` (or
-    ``<the sweep's start>-<num>``) and ``<run_dir>/<num>`` if a run directory was given, so that
-    no job resumes from another's checkpoints or shares its event log."""
+    """Give job ``num`` of a sweep its own job id and run directory.
+
+    The id is ``<job_id>-<num>`` (or ``<the sweep's start>-<num>``); the run directory is
+    ``<run_dir>/<num>`` if a run directory was given. Thus no job resumes from another's
+    checkpoints or shares its event log."""
     job = dcfg.copy()
     job.job_id = f"{dcfg.job_id or began}-{num}"
     if dcfg.run_dir:
@@ -168,10 +172,11 @@ def of_sweep(dcfg: DictConfig, num: int, began: str) -> DictConfig:
 
 
 def outcome(ended: list[Ended]) -> int:
-    """The process's exit code: a single job's own, or for a sweep 0 when every job ended 0
-    and 1 otherwise, after a line per job. No job at all: Hydra answered a flag of its own
-    (``--help``, ``--cfg job``, ``--info``) and launched nothing, which is no failure (a config
-    it cannot compose, or a job that raised, ends the process in Hydra with 1)."""
+    """The process's exit code: a single job's own, or a sweep's, after a line per job.
+
+    A sweep's is 0 when every job ended 0, and 1 otherwise. No job at all: Hydra answered a flag
+    of its own (``--help``, ``--cfg job``, ``--info``) and launched nothing, which is no failure.
+    A config it cannot compose, or a job that raised, ends the process in Hydra with 1."""
     if not any(e.swept for e in ended):
         return ended[-1].code if ended else 0
     failed = [e for e in ended if e.code]
@@ -186,8 +191,10 @@ def outcome(ended: list[Ended]) -> int:
 
 @hydra.main(version_base=None, config_path="pkg://conf", config_name="config")
 def _job(dcfg: DictConfig) -> int:
-    """One job: the whole launch, or one of a ``--multirun`` sweep, which Hydra runs in turn
-    and which must not end the process (a ``sys.exit`` here ended the sweep after its first)."""
+    """Run one job: the whole launch, or one of a ``--multirun`` sweep.
+
+    Hydra runs a sweep's jobs in turn, and a job must not end the process: a ``sys.exit`` here
+    ended the sweep after its first."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     hydra_cfg = HydraConfig.get()
     swept = hydra_cfg.mode == RunMode.MULTIRUN

@@ -50,11 +50,12 @@ def finalize(cfg: Config) -> Config:
 
 
 def validate_launch(cfg: Config) -> None:
-    """:func:`elastic.config.validate` with the rules only the launcher applies: the job class
-    and its ``job.*`` settings (:func:`elastic.job_target.job_problems`, which imports the job's
-    module), and the etcd credentials
-    (:func:`launcher.rendezvous.credentials.etcd_security_problems`), which a worker never
-    reads. Raises :class:`~elastic.config.ConfigError` listing every problem."""
+    """Validate ``cfg`` with :func:`elastic.config.validate` and the launcher's own rules.
+
+    Only the launcher applies these rules. They cover the job class and its ``job.*`` settings
+    (:func:`elastic.job_target.job_problems`, which imports the job's module). They cover the
+    etcd credentials too (:func:`launcher.rendezvous.credentials.etcd_security_problems`), which
+    a worker never reads. Raises :class:`~elastic.config.ConfigError` listing every problem."""
     config.validate(cfg, job_problems, lambda c: etcd_security_problems(c.cluster))
 
 

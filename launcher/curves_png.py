@@ -30,8 +30,9 @@ def last_per_step(events: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]
 
 
 def draw(events: list[dict[str, Any]], path: Path, title: str) -> bool:
-    """Draw the curves of ``events`` (a run's, in time order) into ``path``, a PNG; False, and
-    nothing written, when no step was trained. The file is replaced at once, never half drawn."""
+    """Draw the curves of ``events`` (a run's, in time order) into ``path``, a PNG file.
+
+    False, nothing written, if no step was trained. The PNG is replaced whole, never half drawn."""
     steps = last_per_step(ev.STEP.of(events))
     if not steps:
         return False

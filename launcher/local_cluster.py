@@ -43,6 +43,7 @@ def run_local(
     cfg: Config, config_path: Path, follow: Callable[[list[dict[str, Any]]], None]
 ) -> int:
     """Run the job on simulated nodes until it is done; returns the launcher's exit code.
+
     ``follow`` gets every node's new events (none, too) on each pass, as the display does."""
     run_dir = Path(cfg.run_dir)
     logs = run_dir / "logs"
@@ -89,8 +90,9 @@ def run_local(
 
 
 def _etcd_for(cfg: Config, run_dir: Path, logs: Path) -> tuple[EmbeddedEtcd | None, list[str]]:
-    """The etcd the job uses: ``cluster.etcd_endpoints``, or else an embedded one started here
-    (returned too, for the caller to stop), with its endpoints."""
+    """The etcd the job uses, and its endpoints: ``cluster.etcd_endpoints``, or an embedded one.
+
+    An embedded one is started here, and returned too, for the caller to stop."""
     endpoints = list(cfg.cluster.etcd_endpoints)
     if endpoints:
         return None, endpoints
@@ -105,8 +107,10 @@ def _etcd_for(cfg: Config, run_dir: Path, logs: Path) -> tuple[EmbeddedEtcd | No
 def _start_agent(
     cfg: Config, config_path: Path, node: str, endpoints: list[str], logs: Path
 ) -> subprocess.Popen[bytes]:
-    """Start the agent of the simulated node ``node``, in a session of its own (a fault
-    injector kills the whole node with one signal), its output in ``<logs>/<node>.log``."""
+    """Start the agent of the simulated node ``node``, in a session of its own.
+
+    In its own session, a fault injector kills the whole node with one signal. The agent's
+    output goes to ``<logs>/<node>.log``."""
     with open(logs / f"{node}.log", "ab") as out:
         return subprocess.Popen(
             tied(
@@ -139,9 +143,10 @@ def _supervise(
     show: Callable[[], list[dict[str, Any]]],
     stop: list[int],
 ) -> None:
-    """Until every agent has exited or a signal came (``stop``): show the nodes' new events
-    (``show``), and once the job is trained, stop the nodes still waiting for what will not
-    come (:func:`still_waiting`)."""
+    """Show the nodes' new events until every agent has exited or a signal came (``stop``).
+
+    ``show`` shows them. Once the job is trained, it stops the nodes still waiting for what will
+    not come (:func:`still_waiting`)."""
     finished_at: float | None = None
     in_quarantine: set[str] = set()  # nodes waiting out a quarantine, from their events
     while not stop and any(p.poll() is None for p in agents.values()):
@@ -171,11 +176,12 @@ def still_waiting(
     now: float,
     in_quarantine: Collection[str] = (),
 ) -> list[str]:
-    """The nodes (exit code None: running) to stop because the job is trained: once one node
-    exited 0 (it finished), those ``in_quarantine`` at once (they wait out their cooldown for a
-    job that is over), and the others after :data:`FINISHED_GRACE_S`: they finish the same last
-    step within moments, and one still running then waits for what will not come (a node that
-    was out of the last round, for a round)."""
+    """The nodes (exit code None: running) to stop because the job is trained.
+
+    Once one node exited 0 (it finished), those ``in_quarantine`` stop at once: they wait out
+    their cooldown for a job that is over. The others stop after :data:`FINISHED_GRACE_S`: they
+    finish the same last step within moments. One still running after that waits for what will
+    not come (a node that was out of the last round, for a round)."""
     if finished_at is None:
         return []
     late = now - finished_at >= FINISHED_GRACE_S

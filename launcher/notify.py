@@ -43,10 +43,11 @@ class NotDelivered(Exception):
 
 
 class Notifier:
-    """The alerts of one launcher process: decided by an :class:`AlertPolicy` from the events it
-    follows, sent on a thread of its own. ``node`` names this process in its delivery events
-    (``launcher`` on ``cluster=local``, the node's id on bare metal). With neither
-    ``notify.command`` nor ``notify.webhook`` set it does nothing: no thread, no file."""
+    """The alerts of one launcher process, sent on a thread of its own.
+
+    An :class:`AlertPolicy` decides them from the events it follows. ``node`` names this process
+    in its delivery events (``launcher`` on ``cluster=local``, the node's id on bare metal). With
+    neither ``notify.command`` nor ``notify.webhook`` set it does nothing: no thread, no file."""
 
     def __init__(self, cfg: Config, node: str) -> None:
         n = cfg.notify
@@ -68,8 +69,9 @@ class Notifier:
         self._thread.start()
 
     def follow(self, events: Iterable[Mapping[str, Any]]) -> None:
-        """Take the events this launcher follows, in their order, and send the alerts they
-        make; call it on every pass, with no events too (an alert may fall due)."""
+        """Take the events this launcher follows, in their order, and send the alerts they make.
+
+        Call it on every pass, with no events too (an alert may fall due)."""
         if not self._targets:
             return
         now = time.monotonic()
@@ -86,8 +88,9 @@ class Notifier:
         self._queue.put(alert)
 
     def close(self) -> None:
-        """Wait until the queued alerts are delivered or failed, at most ``notify.timeout_s``
-        (and :data:`CLEANUP_S`) for each call still due, and stop the thread."""
+        """Wait until the queued alerts are delivered or failed, and stop the thread.
+
+        It waits at most ``notify.timeout_s`` (and :data:`CLEANUP_S`) for each call still due."""
         if not self._targets:
             return
         with self._idle:

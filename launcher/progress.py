@@ -85,10 +85,11 @@ class ProgressDisplay:
 
 
 def not_saved(events: list[dict[str, Any]]) -> str | None:
-    """For a run that did not finish: the steps it trained that no checkpoint holds, in words
-    (None: none). A final save that failed names them (``final_save_failed``); a run stopped
-    otherwise (a signal, a failure) trained at least to its last logged step, and whatever
-    followed its newest checkpoint is gone with the workers."""
+    """The steps an unfinished run trained that no checkpoint holds, in words (None: none).
+
+    A final save that failed names them (``final_save_failed``). A run stopped otherwise (a
+    signal, a failure) trained at least to its last logged step, and whatever followed its
+    newest checkpoint is gone with the workers."""
     failed = next((e for e in reversed(events) if ev.FINAL_SAVE_FAILED.matches(e)), None)
     if failed is not None:
         return (

@@ -1,5 +1,6 @@
-"""``python -m launcher.agent --config ... --node-id ...``: one node's agent, as the launcher
-starts it on each node (:class:`launcher.agent.agent.Agent`)."""
+"""Run one node's agent: ``python -m launcher.agent --config ... --node-id ...``.
+
+The launcher starts it so on each node (:class:`launcher.agent.agent.Agent`)."""
 
 from __future__ import annotations
 

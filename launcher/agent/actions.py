@@ -30,7 +30,9 @@ IDLE_WAKE_S = 1.0  # the agent looks at its workers (watchdogs, exits) and join 
 
 
 class Actions:
-    """One node's acts. ``join(in_running_job)`` registers the node again (0, or the exit code);
+    """Carry out one node's acts on its workers and on its place in the job.
+
+    ``join(in_running_job)`` registers the node again (0, or the exit code);
     ``receive(timeout)`` takes in the agent's messages that come within ``timeout``."""
 
     def __init__(
@@ -83,6 +85,7 @@ class Actions:
 
     def restart(self, plan: decide.Restart) -> int:
         """Leave the round and start the failed workers again once the node checks out healthy.
+
         Returns 0 to carry on, or the agent's exit code."""
         self.crashes = plan.crashes
         self.leave_round(plan.reason)
@@ -100,8 +103,10 @@ class Actions:
         return 0
 
     def rejoin(self, rejoin: decide.Rejoin) -> int:
-        """Fenced or quarantined: this node's rounds go on without it. Leave, wait out any
-        quarantine, check the node again and join as a new member; 0, or the exit code."""
+        """Join the job again as a new member, once fenced or quarantined.
+
+        This node's rounds go on without it. Leave, wait out any quarantine, check the node
+        again and join as a new member; 0, or the exit code."""
         sentenced = self._admission.strike(rejoin.reason) if rejoin.strike else None
         quarantined = sentenced is not None or self._node_id in self._rdzv.view.quarantined
         keep = decide.keeps_workers(rejoin, quarantined, self._workers.exit_codes())
@@ -128,8 +133,10 @@ class Actions:
         return 0
 
     def finish(self) -> None:
-        """A local worker trained the job to its end: let the others end too, then mark the job
-        done if all of them saved it (exit 0; not :data:`EXIT_UNSAVED`)."""
+        """End the job once a local worker trained it to its end.
+
+        Let the others end too, then mark the job done if all of them saved it (exit 0; not
+        :data:`EXIT_UNSAVED`)."""
         deadline = time.monotonic() + STOP_GRACE_S * 6
         while None in self._workers.exit_codes() and not self._rdzv.fenced.is_set():
             left = deadline - time.monotonic()

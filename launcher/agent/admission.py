@@ -1,5 +1,4 @@
-"""How this node gets into the job: its quarantine waited out, its health checks passed, and
-its registration in etcd.
+"""Admit a node into the job: wait out its quarantine, pass its health checks, register in etcd.
 
 Before it first joins, before every rejoin and before every worker restart, a node runs the health
 checks (:mod:`launcher.health.checks`) and publishes the report to etcd. A node that fails them
@@ -36,9 +35,11 @@ QUARANTINE_POLL_S = 2.0  # how often a quarantined node looks up from its wait (
 
 
 class Admission:
-    """The admission of one node. ``stopped(timeout)`` takes in the agent's messages that come
-    within ``timeout`` and returns the stop signal, if one came. An exit code comes with its
-    :attr:`reason` (empty when the events said it already)."""
+    """The admission of one node: its quarantine, its health checks and its registration.
+
+    ``stopped(timeout)`` takes in the agent's messages that come within ``timeout`` and returns
+    the stop signal, if one came. An exit code comes with its :attr:`reason` (empty when the
+    events said it already)."""
 
     def __init__(
         self,
@@ -74,9 +75,10 @@ class Admission:
             return EXIT_ETCD_LOST
 
     def _register(self) -> int:
-        """Join the job (:meth:`Rendezvous.join`): 0, or the exit code. An id held by this
-        node's own earlier incarnation is taken over at once; one held by a live node is waited
-        for, up to two lease TTLs."""
+        """Join the job (:meth:`Rendezvous.join`): 0, or the exit code.
+
+        An id held by this node's own earlier incarnation is taken over at once; one held by a
+        live node is waited for, up to two lease TTLs."""
         ttl = self._cfg.rendezvous.lease_ttl_s
         deadline = time.monotonic() + 2 * ttl + 1
         while True:
@@ -102,8 +104,10 @@ class Admission:
                 return 128 + signum
 
     def admit(self, in_running_job: bool) -> int:
-        """Wait while this node is quarantined, then run the health checks: 0 when it may join,
-        else the exit code. Raises :class:`EtcdLost` when etcd stays away."""
+        """Wait while this node is quarantined, then run the health checks.
+
+        Returns 0 when it may join, else the exit code. Raises :class:`EtcdLost` when etcd
+        stays away."""
         found = self._rdzv.retry("read the quarantine", lambda: self._guard.get(self._node_id))
         if found is not None:
             entry, left = found
@@ -130,10 +134,11 @@ class Admission:
         return self.check(in_running_job)
 
     def check(self, in_running_job: bool) -> int:
-        """Run the health checks and publish the report; 0 if the node may (re)join, else strike
-        it and return :data:`EXIT_UNHEALTHY`. A node already in a running job is not refused for
-        what every node shares (:func:`launcher.agent.decisions.refusing_checks`): that is a
-        warning."""
+        """Run the health checks and publish the report; 0 if the node may (re)join.
+
+        Otherwise strike the node and return :data:`EXIT_UNHEALTHY`. A node already in a running
+        job is not refused for what every node shares
+        (:func:`launcher.agent.decisions.refusing_checks`): that is a warning."""
         if not self._cfg.health.enabled:
             log.warning("%s: health checks are off (health.enabled=false)", self._node_id)
             return 0
@@ -180,10 +185,11 @@ class Admission:
             return None
 
     def sentence(self, reason: str) -> bool:
-        """Quarantine this node for ``health.quarantine_s`` because of what it found while
-        training (a straggler under ``health.straggler=evict``): it then drains like a node an
-        operator quarantined, and rejoins after the cooldown and a new check. False if etcd
-        could not be told (the node trains on; the finding comes again)."""
+        """Quarantine this node for ``health.quarantine_s`` for what it found while training.
+
+        Such a finding is a straggler under ``health.straggler=evict``. The node then drains like
+        a node an operator quarantined, and rejoins after the cooldown and a new check. False if
+        etcd could not be told (the node trains on; the finding comes again)."""
         try:
             self._guard.add(self._node_id, self._cfg.health.quarantine_s, (reason,), by="agent")
             return True

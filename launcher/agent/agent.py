@@ -173,8 +173,9 @@ class Agent:
         return code
 
     def others_led(self) -> frozenset[str] | None:
-        """If this node led the job as it ended, the other nodes live in its view then (a
-        leader's view holds every node); else None (:func:`launcher.alerts.reports_failure`)."""
+        """The other nodes, from its view, if this node led the job as it ended; else None.
+
+        A leader's view holds every node (:func:`launcher.alerts.reports_failure`)."""
         rdzv: Rendezvous | None = getattr(self, "rdzv", None)  # None: etcd never answered
         if rdzv is None or not rdzv.leads:
             return None
@@ -184,14 +185,17 @@ class Agent:
         self.inbox.put(Signal(signum))  # reentrant: safe even if the main thread is in the queue
 
     def _receive(self, timeout: float) -> None:
-        """Wait up to ``timeout`` for messages and take in what they alone carry; the rest only
-        wake the loop, which then reads the workers and the view afresh."""
+        """Wait up to ``timeout`` for messages and take in what they alone carry.
+
+        The rest only wake the loop, which then reads the workers and the view afresh."""
         for msg in self.inbox.take(timeout):
             self._take(msg)
 
     def _wait(self, timeout: float) -> None:
-        """:meth:`_receive`, from the loop: a wait that overran means the agent itself did not
-        run (stopped or starved); its workers' watchdogs then restart from now."""
+        """Receive messages for the loop (:meth:`_receive`), and notice a wait that overran.
+
+        A wait that overran means the agent itself did not run (stopped or starved); its
+        workers' watchdogs then restart from now."""
         began = time.monotonic()
         self._receive(timeout)
         now = time.monotonic()
@@ -226,8 +230,10 @@ class Agent:
             self.degraded.gpu_broke(msg.reason)
 
     def _loop(self) -> int:
-        """Until the node is done or must go: gather the facts, decide, act, and wait for the
-        inbox (at most :data:`IDLE_WAKE_S`: watchdogs, the join timeout)."""
+        """Gather the facts, decide, act and wait, until the node is done or must go.
+
+        It waits for the inbox at most :data:`IDLE_WAKE_S`, for the watchdogs and the join
+        timeout."""
         waiting_since = time.monotonic()
         while True:
             view = self.rdzv.view
@@ -302,8 +308,10 @@ class Agent:
             self._wait(timeout=PROBE_AGAIN_S if soon else IDLE_WAKE_S)
 
     def _say_ready(self) -> None:
-        """Say the node is ready once its workers are, the rendezvous has caught up, and it
-        reaches every live member of the round (only ready nodes are placed in a round)."""
+        """Say the node is ready once its workers are and the rendezvous has caught up.
+
+        It must also reach every live member of the round: only ready nodes are placed in a
+        round."""
         if (
             not self.rdzv.node.ready
             and self.workers.ready
@@ -313,8 +321,9 @@ class Agent:
             self.rdzv.record.set_ready()
 
     def _drained(self, view: JobView) -> bool:
-        """A stop signal came, or a quarantine: whether the node may leave now, or drains first
-        (:meth:`PlannedLeave.may_leave`)."""
+        """Whether the node may leave now, or drains first (:meth:`PlannedLeave.may_leave`).
+
+        It is asked once a stop signal came, or a quarantine."""
         why = signal.Signals(self.stop_signal).name if self.stop_signal else "quarantined"
         return self.leaving.may_leave(
             view, self.act.current is not None, self.rdzv.fenced.is_set(), why

@@ -20,16 +20,18 @@ from launcher.rendezvous.membership import JobView, Member, NodeRecord, Round
 
 @dataclass(frozen=True)
 class Finish:
-    """A local worker finished the job: let the others finish the same last step, then mark the
-    job done."""
+    """A local worker finished the job.
+
+    Let the others finish the same last step, then mark the job done."""
 
 
 @dataclass(frozen=True)
 class Unsaved:
-    """The workers trained the job to its end, but its final checkpoint could not be written
-    (:data:`EXIT_UNSAVED`, the same on every rank): the node ends with that code. Nothing is
-    restarted, which would only train the unsaved steps again into the same broken store, and
-    the job is not marked done."""
+    """The workers trained the job to its end, but its final checkpoint could not be written.
+
+    They say so with :data:`EXIT_UNSAVED`, the same on every rank: the node ends with that code.
+    Nothing is restarted, which would only train the unsaved steps again into the same broken
+    store, and the job is not marked done."""
 
     @property
     def reason(self) -> str:
@@ -41,11 +43,12 @@ class Unsaved:
 
 
 def leaves_done_job(done_in: int | None, current: Round | None, lost_round: int) -> bool:
-    """Whether this node leaves because the job was trained, in round ``done_in`` (None: not
-    yet). Workers still in that round finish its last step first: they are past its end, and
-    leave on their own. Any other round cannot train again: it was formed at the very end (a
-    node joining), and it waits for nodes that finished the old one and left. Workers in no
-    round, or whose round's collectives failed (``lost_round``), have nothing left to do."""
+    """Whether this node leaves because the job was trained, in round ``done_in`` (None: not yet).
+
+    Workers still in that round finish its last step first: they are past its end, and leave on
+    their own. Any other round cannot train again: it was formed at the very end (a node
+    joining), and it waits for nodes that finished the old one and left. Workers in no round, or
+    whose round's collectives failed (``lost_round``), have nothing left to do."""
     if done_in is None:
         return False
     return current is None or current.number != done_in or lost_round == current.number
@@ -116,8 +119,9 @@ def on_worker_exits(
 
 @dataclass(frozen=True)
 class Rejoin:
-    """The job goes on without this node: leave, join again as a new member (the workers stop,
-    or stand by: :func:`keeps_workers`)."""
+    """The job goes on without this node: leave, and join again as a new member.
+
+    The workers stop, or stand by (:func:`keeps_workers`)."""
 
     reason: str
     strike: bool  # whether it counts against the node (fencing does; quarantine is the sentence)
@@ -125,15 +129,18 @@ class Rejoin:
 
 @dataclass(frozen=True)
 class StopNode:
-    """etcd stayed away beyond ``rendezvous.etcd_grace_s``: stop the workers and exit. Nothing is
-    lost: the newest checkpoint stays, and a relaunch resumes from it."""
+    """etcd stayed away beyond ``rendezvous.etcd_grace_s``: stop the workers and exit.
+
+    Nothing is lost: the newest checkpoint stays, and a relaunch resumes from it."""
 
 
 def on_membership(fenced: bool, quarantined: bool, etcd_lost: bool) -> StopNode | Rejoin | None:
-    """Whether this node lost its place in the job: etcd stayed away past the grace period
-    (``etcd_lost``: no round can form, so the node stops), the server says its lease expired
-    or a peer evicted it (``fenced``), or it is quarantined (by its own strikes or an operator).
-    An etcd that is merely away is none of these: the node trains on."""
+    """Whether this node lost its place in the job, and what it does then (None: it did not).
+
+    It lost it when etcd stayed away past the grace period (``etcd_lost``: no round can form, so
+    the node stops). It lost it too when the server says its lease expired or a peer evicted it
+    (``fenced``), or when it is quarantined (by its own strikes or an operator). An etcd that is
+    merely away is none of these: the node trains on."""
     if etcd_lost:
         return StopNode()
     if fenced:
@@ -158,8 +165,9 @@ def keeps_workers(rejoin: Rejoin, quarantined: bool, exit_codes: Sequence[int | 
 
 @dataclass(frozen=True)
 class TakeOver:
-    """The id is held by an earlier incarnation of this node (same host, its agent gone): delete
-    that registration and register at once, instead of waiting out its lease."""
+    """The id is held by an earlier incarnation of this node (same host, its agent gone).
+
+    Delete that registration and register at once, instead of waiting out its lease."""
 
 
 @dataclass(frozen=True)
@@ -175,9 +183,11 @@ class IdTaken:
 def on_node_id_in_use(
     holder_host: str, my_host: str, holder_alive: bool, waited_too_long: bool
 ) -> TakeOver | WaitForId | IdTaken:
-    """This node's id is registered already. Its own earlier incarnation (same host, and its
-    agent refuses connections: a crash and an immediate restart, whose lease the server keeps
-    for a TTL) is taken over; anything else is left to its lease, up to a bound."""
+    """What to do when this node's id is registered already.
+
+    Its own earlier incarnation is taken over: same host, and its agent refuses connections (a
+    crash and an immediate restart, whose lease the server keeps for a TTL). Anything else is
+    left to its lease, up to a bound."""
     if holder_host == my_host and not holder_alive:
         return TakeOver()
     return IdTaken() if waited_too_long else WaitForId()
@@ -213,8 +223,10 @@ class Probe:
 
 
 def on_peer_lost(current: Round | None, lost_round: int, view: JobView, me: str) -> Probe | None:
-    """A local worker reported a failed collective of round ``lost_round`` (0: none): probe the
-    peers while that is the round the workers are in; a report about an older round is stale.
+    """Whether to probe the peers after a failed collective of round ``lost_round`` (0: none).
+
+    A local worker reported that collective. The peers are probed while that is the round the
+    workers are in; a report about an older round is stale.
 
     The agent probes again until the round is replaced: a killed process's port may still accept
     for a moment, and an eviction that found etcd away must be tried again."""
@@ -239,9 +251,10 @@ class Reach(enum.Enum):
 
 
 def peers_to_evict(probe: Probe, reach: Mapping[str, Reach], me: str) -> list[Member]:
-    """The members of the probed round to evict (``reach`` by node id; a peer not probed
-    counts as alive): those whose agent is gone, and those this node cannot reach when this
-    node is on the majority side of the round (a network partition).
+    """The members of the probed round to evict (``reach`` by node id).
+
+    A peer not probed counts as alive. Evicted are those whose agent is gone, and those this
+    node cannot reach when this node is on the majority side of the round (a network partition).
 
     Of two sides that cannot reach each other but both reach etcd, only one may evict the
     other: the side that holds more of the round's live nodes, or on a tie the side with the
@@ -265,11 +278,12 @@ def peers_to_evict(probe: Probe, reach: Mapping[str, Reach], me: str) -> list[Me
 def evicts_now(
     probe: Probe, reach: Mapping[str, Reach], me: str, waited_s: float, backup_s: float
 ) -> bool:
-    """Whether this node sends the evictions :func:`peers_to_evict` names, now. One eviction per
-    dead node, not one per survivor: the first member of the round (in rank order) that this
-    node's probe found alive, itself included, evicts at once. The others evict only once they
-    have probed for ``backup_s`` with the round still standing: the first one may be frozen (its
-    port still accepts), or may not have seen the failure."""
+    """Whether this node sends the evictions :func:`peers_to_evict` names, now.
+
+    One eviction per dead node, not one per survivor: the first member of the round (in rank
+    order) that this node's probe found alive, itself included, evicts at once. The others evict
+    only once they have probed for ``backup_s`` with the round still standing. The first one may
+    be frozen (its port still accepts), or may not have seen the failure."""
     alive = [
         m.node_id
         for m in probe.round.members
@@ -281,23 +295,26 @@ def evicts_now(
 def no_one_to_blame(
     probe: Probe, reach: Mapping[str, Reach], waited_s: float, backup_s: float
 ) -> bool:
-    """Whether this node should leave a round whose collectives failed although no peer is at
-    fault: it has probed for ``backup_s`` (a lease TTL, the time a dead or frozen peer takes to
-    lose its lease and the round) and every peer still answers. That is a network fault that
-    outlasted ``rendezvous.pg_timeout_s`` and healed before the probes, or a timeout that fired
-    late: nobody is evicted, but the round's group is broken for good, and only a new round
-    mends it. The node leaves (a failure report: no strike, its workers kept) and rejoins."""
+    """Whether this node should leave a round whose collectives failed though no peer is at fault.
+
+    It should once it has probed for ``backup_s`` and every peer still answers. ``backup_s`` is
+    a lease TTL: the time a dead or frozen peer takes to lose its lease and the round. Such a
+    failure is a network fault that outlasted ``rendezvous.pg_timeout_s`` and healed before the
+    probes, or a timeout that fired late. Nobody is evicted, but the round's group is broken for
+    good, and only a new round mends it. The node leaves (a failure report: no strike, its
+    workers kept) and rejoins."""
     return waited_s >= backup_s and all(
         reach.get(p.node_id, Reach.ALIVE) is Reach.ALIVE for p in probe.peers
     )
 
 
 def reaches_the_round(round: Round | None, reach: Mapping[str, Reach], me: str) -> bool:
-    """Whether this node may say it is ready to join: it reaches every live member of the
-    current round (``reach`` by node id). A node cut off from its peers would be placed in a
-    round whose group it cannot set up, stalling every member for ``pg_timeout_s`` at each
-    try; it waits until the network heals instead. A member that is gone (refused) does not
-    count: it leaves the round by itself."""
+    """Whether this node may say it is ready to join.
+
+    It may when it reaches every live member of the current round (``reach`` by node id). A node
+    cut off from its peers would be placed in a round whose group it cannot set up, stalling
+    every member for ``pg_timeout_s`` at each try; it waits until the network heals instead. A
+    member that is gone (refused) does not count: it leaves the round by itself."""
     if round is None:
         return True
     return all(
@@ -321,8 +338,10 @@ class Assign:
 
 @dataclass(frozen=True)
 class Standby:
-    """The new round does not list this node: its workers leave theirs and wait (after step
-    ``after_step`` of theirs when the node leaves as planned; 0: at once)."""
+    """The new round does not list this node: its workers leave theirs and wait.
+
+    They leave after step ``after_step`` of theirs when the node leaves as planned (0: at
+    once)."""
 
     round: int
     after_step: int = 0
@@ -331,8 +350,9 @@ class Standby:
 def follow_round(
     view: JobView, me: NodeRecord, current: Round | None, workers_ready: bool
 ) -> Assign | Standby | None:
-    """What the current round of ``view`` means for this node, whose workers are in ``current``
-    (None: on standby); None when there is nothing to do now.
+    """What the current round of ``view`` means for this node; None when there is nothing to do.
+
+    The node's workers are in ``current`` (None: on standby).
 
     ``me`` is the node's own record: its incarnation may be ahead of the view's (a failure just
     reported), and then a round listing the view's record is not this node's. Its registration is
@@ -353,8 +373,10 @@ def follow_round(
 
 
 def assignments(previous: Round | None, new: Round, me: Member) -> list[Assignment]:
-    """What each of this node's workers (``me.slots`` of them) is told about round ``new``, after
-    round ``previous`` (None: on standby or fresh); local rank i gets global rank first_rank + i."""
+    """What each of this node's workers (``me.slots`` of them) is told about round ``new``.
+
+    The workers come from round ``previous`` (None: on standby or fresh). Local rank i gets
+    global rank first_rank + i."""
     # An in-place shrink (new.shrinks) applies to workers in the round it shrinks.
     excluded = new.shrinks if previous is not None and previous.number + 1 == new.number else ()
     return [
@@ -379,11 +401,13 @@ AWAY_S = 2.0  # a wait that overran its timeout by this much: the agent was stop
 
 
 def away_for(asked_s: float, waited_s: float) -> float:
-    """How long the agent did not run, from one wait of its loop that was asked to last at most
-    ``asked_s`` and took ``waited_s`` (monotonic): 0 unless it overran by more than
-    :data:`AWAY_S`. An agent that was stopped (SIGSTOP, a hung machine) wakes up with its
-    workers' heartbeats unread; their silence is its own, and blaming them would kill healthy
-    workers and count a strike for a fault the lease already deals with."""
+    """How long the agent did not run, judged from one wait of its loop.
+
+    The wait was asked to last at most ``asked_s`` and took ``waited_s`` (monotonic). The answer
+    is 0 unless it overran by more than :data:`AWAY_S`. An agent that was stopped (SIGSTOP, a
+    hung machine) wakes up with its workers' heartbeats unread. Their silence is its own, and
+    blaming them would kill healthy workers and count a strike for a fault the lease already
+    deals with."""
     overran = waited_s - asked_s
     return overran if overran > AWAY_S else 0.0
 
@@ -393,8 +417,9 @@ def away_for(asked_s: float, waited_s: float) -> float:
 
 @dataclass(frozen=True)
 class Drain:
-    """Ask the workers after which step they can stop (``leave``), and publish it: the others
-    form the next round without this node and switch to it between two steps."""
+    """Ask the workers after which step they can stop (``leave``), and publish it.
+
+    The others form the next round without this node and switch to it between two steps."""
 
 
 @dataclass(frozen=True)
@@ -403,10 +428,12 @@ class Leave:
 
 
 def others_go_on(view: JobView, me: str, min_nodes: int) -> bool:
-    """Whether the job can form a round without node ``me``: at least ``min_nodes`` other nodes
-    are ready, not leaving and not quarantined (what :func:`plan_round` would place). A node
-    that does not lead follows only its own record and its own member key: it counts the other
-    members of the round, which the leader keeps placeable."""
+    """Whether the job can form a round without node ``me``.
+
+    It can when at least ``min_nodes`` other nodes are ready, not leaving and not quarantined
+    (what :func:`plan_round` would place). A node that does not lead follows only its own record
+    and its own member key: it counts the other members of the round, which the leader keeps
+    placeable."""
     if view.done:
         return False
     if not view.complete and view.round is not None:
@@ -422,13 +449,14 @@ def others_go_on(view: JobView, me: str, min_nodes: int) -> bool:
 def on_stop(
     in_round: bool, others_go_on: bool, asked: bool, out: bool, overdue: bool
 ) -> Drain | Leave | None:
-    """A stop signal (SIGTERM, SIGINT) came: what the node does now. A node in a round whose
-    job goes on without it (``others_go_on``: enough nodes stay that are not leaving) leaves as
-    planned: it drains (its workers finish the step in flight and the one after, the others
-    switch rounds in between, and nothing is dropped), then leaves once its workers are ``out``
-    of the round, or when the drain is ``overdue``, or when the others stop going on (they
-    leave too: the whole job was stopped). Anything else leaves at once: there is no round to
-    hand over. None: the drain is under way."""
+    """What the node does now that a stop signal (SIGTERM, SIGINT) came.
+
+    A node in a round whose job goes on without it (``others_go_on``: enough nodes stay that are
+    not leaving) leaves as planned. It drains: its workers finish the step in flight and the one
+    after, the others switch rounds in between, and nothing is dropped. It then leaves once its
+    workers are ``out`` of the round, or when the drain is ``overdue``. It also leaves when the
+    others stop going on (they leave too: the whole job was stopped). Anything else leaves at
+    once: there is no round to hand over. None: the drain is under way."""
     if not asked:
         return Drain() if in_round and others_go_on else Leave()
     return Leave() if out or overdue or not others_go_on else None
@@ -439,8 +467,10 @@ def on_stop(
 
 @dataclass(frozen=True)
 class Evict:
-    """Quarantine this node with ``reason``: it leaves as planned (a drain, like an operator's
-    ``quarantine add``), waits out ``health.quarantine_s``, checks itself again and rejoins."""
+    """Quarantine this node with ``reason``.
+
+    It leaves as planned (a drain, like an operator's ``quarantine add``), waits out
+    ``health.quarantine_s``, checks itself again and rejoins."""
 
     reason: str
 
@@ -448,10 +478,12 @@ class Evict:
 def on_straggler(
     policy: str, node_id: str, slowdown: float, others_go_on: bool, leaving: bool
 ) -> Evict | str:
-    """A worker of this node found itself a straggler, ``slowdown`` times slower than the median
-    rank: evict the node (``health.straggler=evict``), or the sentence that says why it stays.
-    A node already on its way out stays on it; one the job cannot go on without stays too, since
-    a slow round beats none."""
+    """Evict this node, or say why it stays, when a worker of it found itself a straggler.
+
+    That worker is ``slowdown`` times slower than the median rank. The answer is an eviction
+    (``health.straggler=evict``), or the sentence that says why the node stays. A node already
+    on its way out stays on it; one the job cannot go on without stays too, since a slow round
+    beats none."""
     if policy != "evict":
         return f"health.straggler={policy}: {node_id} stays in the job, slowing it"
     if leaving:
@@ -468,8 +500,9 @@ def on_straggler(
 
 
 def join_timed_out(waiting_since: float, now: float, limit_s: float) -> bool:
-    """Whether a node outside every round since ``waiting_since`` waited beyond ``limit_s``
-    (``rendezvous.join_timeout_s``; times from the same monotonic clock)."""
+    """Whether a node outside every round since ``waiting_since`` waited beyond ``limit_s``.
+
+    ``limit_s`` is ``rendezvous.join_timeout_s``; the times come from the same monotonic clock."""
     return now - waiting_since > limit_s
 
 
@@ -489,12 +522,13 @@ def publishes_progress(
     since_s: float,
     every_s: float = PROGRESS_EVERY_S,
 ) -> bool:
-    """Whether this node's agent writes the job's ``progress`` key now: only while its workers
-    hold global rank 0 of the round they are in (``current``; rank 0 logs the steps), only for a
-    step other than the one written last (``step``: the newest its rank 0 logged, 0 before any;
-    ``published``: the step written last), and at most once every ``every_s`` (``since_s``: since
-    the last write, monotonic). A write that fails is skipped, never retried: the next step's
-    replaces it."""
+    """Whether this node's agent writes the job's ``progress`` key now.
+
+    It writes only while its workers hold global rank 0 of the round they are in (``current``;
+    rank 0 logs the steps). It writes only a step other than the one written last (``step``: the
+    newest its rank 0 logged, 0 before any; ``published``: the step written last). It writes at
+    most once every ``every_s`` (``since_s``: since the last write, monotonic). A write that
+    fails is skipped, never retried: the next step's replaces it."""
     if current is None or step <= 0 or step == published or since_s < every_s:
         return False
     member = current.member(me)
@@ -515,9 +549,10 @@ class FaultAnswer:
 
 
 def answer_fault_request(request: Mapping[str, object], allow: bool, slots: int) -> FaultAnswer:
-    """Whether to carry out ``request`` (the JSON a requester wrote) on this node of ``slots``
-    workers. Only a job started with ``chaos.allow=true`` takes any; then only the kinds a node
-    can do to itself (:data:`REQUESTABLE_KINDS`), with values that end."""
+    """Whether to carry out ``request`` (the JSON a requester wrote) on this node.
+
+    The node has ``slots`` workers. Only a job started with ``chaos.allow=true`` takes any; then
+    only the kinds a node can do to itself (:data:`REQUESTABLE_KINDS`), with values that end."""
     if not allow:
         return FaultAnswer(
             False,

@@ -1,5 +1,4 @@
-"""``python -m launcher.agent.fault_helper``: one requested fault, carried out on this node
-and ended.
+"""``python -m launcher.agent.fault_helper``: carry out one requested fault on this node and end it.
 
 An agent of a job started with ``chaos.allow=true`` starts this helper, in a session of its own,
 for each fault request it accepts (:mod:`launcher.agent.fault_requests`). It outlives the agent
@@ -50,8 +49,10 @@ def process_tree(pid: int, what: str) -> list[psutil.Process]:
 def log_event(
     run_dir: str | os.PathLike[str], event: EventType, writer: str = CHAOS_NODE, **fields: Any
 ) -> float:
-    """Write one fault event to the run's log; returns its timestamp. ``writer`` names the file:
-    a node's helper appends to its node's, which on bare metal no other machine writes."""
+    """Write one fault event to the run's log; returns its timestamp.
+
+    ``writer`` names the file: a node's helper appends to its node's, which on bare metal no
+    other machine writes."""
     log = EventLog(run_dir, writer, role="chaos")
     try:
         return float(log.emit(event, **fields)["ts"])

@@ -1,5 +1,7 @@
-"""Fault requests through etcd: how ``python -m chaos campaign.attach=true`` reaches a node it
-cannot signal (another machine, no ssh).
+"""Fault requests through etcd: how a chaos campaign reaches a node it cannot signal.
+
+The campaign is ``python -m chaos campaign.attach=true``; the node is on another machine, with
+no ssh.
 
 A requester writes a JSON request under ``<prefix>/<job_id>.chaos/requests/<node_id>/<id>``,
 under a lease of its own, so that a request nobody took vanishes with its requester. The node's
@@ -34,8 +36,10 @@ log = logging.getLogger(__name__)
 
 
 class FaultRequests:
-    """This node's fault requests: read once, then watched; ``post(request_id, request)`` is
-    called on the etcd client's thread for each new one, and must return at once."""
+    """This node's fault requests: read once, then watched.
+
+    ``post(request_id, request)`` is called on the etcd client's thread for each new one, and
+    must return at once."""
 
     def __init__(
         self,
@@ -52,9 +56,10 @@ class FaultRequests:
         self._watch_id: int | None = None
 
     def follow(self) -> None:
-        """Start following, or start again after the watch broke (etcd away); the agent calls
-        it on every pass of its loop, and it costs nothing while the watch runs. etcd errors
-        propagate: the caller tries again on its next pass."""
+        """Start following, or start again after the watch broke (etcd away).
+
+        The agent calls it on every pass of its loop, and it costs nothing while the watch runs.
+        etcd errors propagate: the caller tries again on its next pass."""
         if self._watch_id is not None:
             return
         resp = self._client.get_prefix_response(self._folder)
@@ -102,8 +107,10 @@ class FaultRequests:
 
 
 class FaultAnswerer:
-    """Answers each of this node's fault requests once (a re-read repeats them), and starts the
-    helper for each one it accepts; ``worker_pid(local_rank)`` is that worker's pid (0: none)."""
+    """Answers each of this node's fault requests once, and starts the helper for each accepted.
+
+    Answering once matters because a re-read repeats the requests. ``worker_pid(local_rank)`` is
+    that worker's pid (0: none)."""
 
     def __init__(
         self,
@@ -121,9 +128,10 @@ class FaultAnswerer:
         self._taken: set[str] = set()
 
     def take(self, request_id: str, request: dict[str, Any]) -> None:
-        """Answer a fault request; if accepted, hand it to ``python -m
-        launcher.agent.fault_helper`` in a session of its own, so that it outlives this agent
-        when it stops or kills it."""
+        """Answer a fault request; if accepted, hand it to the fault helper.
+
+        The helper is ``python -m launcher.agent.fault_helper``, in a session of its own, so
+        that it outlives this agent when it stops or kills it."""
         if request_id in self._taken:
             return
         self._taken.add(request_id)

@@ -35,8 +35,9 @@ class WorkerPeerLost:
 
 @dataclass(frozen=True)
 class WorkerLeaving:
-    """The worker of ``local_rank`` can leave its round after ``after_step`` (0: it is in none);
-    its answer to the agent's ``leave``."""
+    """The worker of ``local_rank`` can leave its round after ``after_step`` (0: it is in none).
+
+    This is its answer to the agent's ``leave``."""
 
     local_rank: int
     after_step: int
@@ -44,8 +45,9 @@ class WorkerLeaving:
 
 @dataclass(frozen=True)
 class WorkerStraggler:
-    """The worker of ``local_rank`` found itself ``slowdown`` times slower than the median rank,
-    in the comparison after ``step`` (:mod:`elastic.stragglers`)."""
+    """The worker of ``local_rank`` found itself ``slowdown`` times slower than the median rank.
+
+    It found so in the comparison after ``step`` (:mod:`elastic.stragglers`)."""
 
     local_rank: int
     step: int
@@ -54,8 +56,10 @@ class WorkerStraggler:
 
 @dataclass(frozen=True)
 class WorkerStrike:
-    """The worker of ``local_rank`` found its node at fault while training (a corrupt replica,
-    a run of non-finite steps): a strike, for ``reason``."""
+    """The worker of ``local_rank`` found its node at fault while training.
+
+    Such a fault is a corrupt replica, or a run of non-finite steps. It is a strike, for
+    ``reason``."""
 
     local_rank: int
     reason: str
@@ -120,8 +124,9 @@ class Inbox:
         self._queue.put(message)
 
     def take(self, timeout: float) -> list[Message]:
-        """Wait up to ``timeout`` seconds for a message, then take it and every one queued
-        behind it; an empty list when none came in time (``timeout`` 0: do not wait)."""
+        """Wait up to ``timeout`` seconds for a message, then take it and all queued behind it.
+
+        An empty list when none came in time (``timeout`` 0: do not wait)."""
         try:
             first = self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
         except queue.Empty:

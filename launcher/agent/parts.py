@@ -1,10 +1,9 @@
-"""The parts of one node's agent, built and wired together: the composition root of
-:mod:`launcher.agent.agent`.
+"""The parts of one node's agent, built and wired together.
 
-Each part has one job (the etcd client, the rendezvous, the quarantine, fault requests, peers,
-admission, the workers and their planned leave); the agent's loop uses them. They talk back to
-the agent only through its inbox (``post``) and the callbacks given here, so none of them
-imports it.
+This module is the composition root of :mod:`launcher.agent.agent`. Each part has one job (the
+etcd client, the rendezvous, the quarantine, fault requests, peers, admission, the workers and
+their planned leave); the agent's loop uses them. They talk back to the agent only through its
+inbox (``post``) and the callbacks given here, so none of them imports it.
 """
 
 from __future__ import annotations
@@ -65,9 +64,10 @@ def assemble(
     stopped: Callable[[float], int | None],
     worker_pid: Callable[[int], int],
 ) -> Parts:
-    """The parts of ``node``'s agent over the etcd ``client``; ``store_port``: the port of the
-    TCPStore the agent hosts; ``stopped`` and ``worker_pid`` as :class:`Admission` and
-    :class:`FaultAnswerer` take them."""
+    """Build the parts of ``node``'s agent over the etcd ``client``.
+
+    ``store_port`` is the port of the TCPStore the agent hosts. ``stopped`` and ``worker_pid``
+    are as :class:`Admission` and :class:`FaultAnswerer` take them."""
     cfg = node.cfg
     guard = Quarantine(client, cfg.rendezvous.prefix, cfg.job_id, cfg.health, node.events)
     rdzv = Rendezvous(
@@ -142,8 +142,9 @@ def start_workers(
     post: Callable[[Message], None],
     leave_after: Callable[[int], None],
 ) -> tuple[WorkerGroup, PlannedLeave]:
-    """One worker per slot, started once (each with ``threads`` threads), and their planned
-    leave, which publishes its step through ``leave_after``."""
+    """Start one worker per slot, once (each with ``threads`` threads), and their planned leave.
+
+    The planned leave publishes its step through ``leave_after``."""
     cfg = node.cfg
     envs = [
         WorkerEnv(config_path, str(node.run_dir), node.node_id, i, node.slots, threads)

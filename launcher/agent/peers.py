@@ -35,9 +35,11 @@ WHY_EVICTED = {
 
 
 def probe(host: str, port: int, timeout_s: float) -> decide.Reach:
-    """Whether an agent listens at ``host:port``. A refused connection means its process is
-    gone; a stopped process still accepts (the kernel does), so a frozen node is not "dead";
-    no answer at all within ``timeout_s`` is the network (or a machine that is off)."""
+    """Whether an agent listens at ``host:port``.
+
+    A refused connection means its process is gone. A stopped process still accepts (the kernel
+    does), so a frozen node is not "dead". No answer at all within ``timeout_s`` is the network
+    (or a machine that is off)."""
     try:
         with socket.create_connection((host, port), timeout=timeout_s):
             return decide.Reach.ALIVE
@@ -48,8 +50,10 @@ def probe(host: str, port: int, timeout_s: float) -> decide.Reach:
 
 
 class Peers:
-    """Probes the round's other agents for one node; ``evict(member, reason)`` deletes a dead
-    peer's key (:meth:`launcher.rendezvous.rendezvous.Rendezvous.evict`)."""
+    """Probes the round's other agents for one node.
+
+    ``evict(member, reason)`` deletes a dead peer's key
+    (:meth:`launcher.rendezvous.rendezvous.Rendezvous.evict`)."""
 
     def __init__(
         self,
@@ -66,10 +70,11 @@ class Peers:
         self._cut_off = False  # it could not reach the round's members when it last looked
 
     def on_lost(self, current: Round | None, view: JobView) -> decide.Probe | str | None:
-        """After a failed collective: evict the peers that are dead. The probe while the round
-        stands (the loop probes again in :data:`PROBE_AGAIN_S`), the reason to leave the round
-        when every peer answers yet the collectives failed, or None when there is nothing to
-        look at."""
+        """After a failed collective, probe the peers and evict those that are dead.
+
+        Returns the probe while the round stands (the loop probes again in
+        :data:`PROBE_AGAIN_S`). Returns the reason to leave the round when every peer answers yet
+        the collectives failed, or None when there is nothing to look at."""
         whole = self._whole(current) if current is not None else None
         found = decide.on_peer_lost(whole, self.lost_round, view, self._node_id)
         if found is None:
@@ -99,8 +104,9 @@ class Peers:
         return {p.node_id: r for p, r in zip(peers, found, strict=True)}
 
     def reaches_the_round(self, view: JobView) -> bool:
-        """Before saying ready: whether this node reaches every live member of the current
-        round (:func:`decisions.reaches_the_round`); said once while it does not."""
+        """Whether this node reaches every live member of the current round, before saying ready.
+
+        See :func:`decisions.reaches_the_round`. An event says so once while it does not."""
         if view.round is None:
             return True
         rnd = self._whole(view.round)

@@ -1,5 +1,6 @@
-"""A planned leave: a stop signal, or an operator's drain (``quarantine add``) of a node in a
-round that goes on without it.
+"""A node's planned leave of a round that goes on without it.
+
+It follows a stop signal, or an operator's drain (``quarantine add``) of the node.
 
 The node asks its workers after which step they can stop (the step in flight and the next) and
 publishes the latest such step; the others form the next round without it and switch to it
@@ -20,8 +21,10 @@ from launcher.rendezvous.membership import JobView
 
 
 class PlannedLeave:
-    """One node's planned leave; ``leave_after(step)`` publishes the step its workers stop
-    after (:meth:`launcher.rendezvous.record.OwnRecord.leave_after`)."""
+    """One node's planned leave.
+
+    ``leave_after(step)`` publishes the step its workers stop after
+    (:meth:`launcher.rendezvous.record.OwnRecord.leave_after`)."""
 
     def __init__(
         self,
@@ -48,8 +51,9 @@ class PlannedLeave:
             self._leave_after(max(self._answers.values()))
 
     def may_leave(self, view: JobView, in_round: bool, fenced: bool, why: str) -> bool:
-        """Whether the node may leave now; starts the drain (for the reason ``why``) when it
-        must drain first."""
+        """Whether the node may leave now.
+
+        When it must drain first, this starts the drain (for the reason ``why``)."""
         now = time.monotonic()
         answered = len(self._answers) == len(self._workers.slots)
         step = decide.on_stop(

@@ -1,5 +1,6 @@
-"""The job's ``progress`` key in etcd: written by the agent whose node holds global rank 0, read
-by ``python -m launcher.commands.status``.
+"""The job's ``progress`` key in etcd: written by the agent whose node holds global rank 0.
+
+``python -m launcher.commands.status`` reads it.
 
 The rank-0 worker already logs every step to its node's event file (``step`` events, see
 :mod:`elastic.events`); its agent follows that one file and, at most every
@@ -39,10 +40,12 @@ def progress_record(
     now: float,
     eta_s: float | None,
 ) -> dict[str, Any]:
-    """The ``progress`` value for a rank-0 ``step`` event: step, epoch, samples, LR, samples/s,
-    world size and round as the worker logged them, ``logged_at`` (the event's time) and
-    ``published_at`` (``now``), both wall clock; ``total_samples`` is 0 when not known;
-    ``eta_s``: the seconds left as of ``logged_at``, None when not known."""
+    """The ``progress`` value for a rank-0 ``step`` event.
+
+    It holds step, epoch, samples, LR, samples/s, world size and round as the worker logged
+    them. ``logged_at`` (the event's time) and ``published_at`` (``now``) are both wall clock.
+    ``total_samples`` is 0 when not known; ``eta_s`` is the seconds left as of ``logged_at``,
+    None when not known."""
     return {
         "step": step["step"],
         "epoch": step["epoch"],
@@ -62,10 +65,11 @@ def progress_record(
 
 
 class ProgressPublisher:
-    """Follows this node's event file and writes the ``progress`` key when
-    :func:`launcher.agent.decisions.publishes_progress` says so. ``put(value)`` writes the key under
-    the node's lease and raises what etcd raises. :meth:`tick` never raises and never waits for
-    etcd."""
+    """Follows this node's event file and writes the ``progress`` key when it is due.
+
+    It is due when :func:`launcher.agent.decisions.publishes_progress` says so. ``put(value)``
+    writes the key under the node's lease and raises what etcd raises. :meth:`tick` never raises
+    and never waits for etcd."""
 
     def __init__(
         self,

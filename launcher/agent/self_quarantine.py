@@ -23,8 +23,10 @@ from launcher.rendezvous.rendezvous import Rendezvous
 
 
 class SelfQuarantine:
-    """One node's judgement of its own findings; :attr:`sentenced` once it quarantined itself
-    in this registration (then a further finding changes nothing)."""
+    """One node's judgement of its own findings.
+
+    :attr:`sentenced` is True once it quarantined itself in this registration; then a further
+    finding changes nothing."""
 
     def __init__(
         self,
@@ -50,9 +52,10 @@ class SelfQuarantine:
             self.sentenced = self._admission.sentence(f"a GPU broke while training: {reason}")
 
     def straggler(self, msg: WorkerStraggler) -> None:
-        """A worker of this node straggles: evict the node or keep it
-        (:func:`launcher.agent.decisions.on_straggler`). An evicted node quarantines itself, and
-        the loop drains it as it drains a node an operator quarantined."""
+        """A worker of this node straggles: evict the node or keep it.
+
+        :func:`launcher.agent.decisions.on_straggler` decides. An evicted node quarantines itself,
+        and the loop drains it as it drains a node an operator quarantined."""
         view = self._rdzv.view
         leaving = self._leaving.since is not None or self.sentenced
         step = decide.on_straggler(

@@ -1,5 +1,6 @@
-"""How many workers a node runs, and on which device: the agent starts them, the doctor checks
-for them.
+"""How many workers a node runs, and on which device.
+
+The agent starts them, the doctor checks for them.
 
 Asking CUDA means importing torch, which costs seconds; on a machine that cannot have a usable
 NVIDIA GPU the answer is known without it. So the device is decided from plain facts first
@@ -28,8 +29,9 @@ def gpu_device_nodes() -> list[str]:
 def device_without_cuda(
     setting: str, device_nodes: Sequence[str], cuda_visible_devices: str | None
 ) -> str | None:
-    """The device this node trains on, when the facts decide it without asking CUDA; None when
-    only CUDA can tell (``auto``, and a GPU may be visible).
+    """The device this node trains on, when the facts decide it without asking CUDA.
+
+    None when only CUDA can tell (``auto``, and a GPU may be visible).
 
     ``setting`` is ``cluster.device``; ``device_nodes`` are the GPU device nodes found
     (:func:`gpu_device_nodes`); ``cuda_visible_devices`` is that variable, None when unset. CUDA
@@ -45,8 +47,9 @@ def device_without_cuda(
 
 
 def local_slots(cfg: config.Config) -> tuple[int, str]:
-    """How many workers this node runs, and on what device. Imports torch only when the node
-    may train on a GPU."""
+    """How many workers this node runs, and on what device.
+
+    Imports torch only when the node may train on a GPU."""
     device = device_without_cuda(
         cfg.cluster.device, gpu_device_nodes(), os.environ.get("CUDA_VISIBLE_DEVICES")
     )

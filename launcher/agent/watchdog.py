@@ -34,9 +34,10 @@ class Watchdog:
             self._position, self._position_since = position, now
 
     def excuse(self, now: float) -> None:
-        """The agent itself did not run until ``now`` (stopped, or starved of CPU): the
-        heartbeats of that time wait unread in the channel, so the silence proves nothing about
-        the worker. Judge it from ``now`` on, as if it had just sent its last heartbeat."""
+        """Judge the worker from ``now`` on, as if it had just sent its last heartbeat.
+
+        The agent itself did not run until ``now`` (stopped, or starved of CPU). The heartbeats
+        of that time wait unread in the channel, so the silence proves nothing about the worker."""
         self.last_heartbeat = max(self.last_heartbeat, now)
         self._position_since = max(self._position_since, now)
 

@@ -163,9 +163,10 @@ class WorkerSlot:
             self.channel.send(kind, **fields)
 
     def stop(self, grace_s: float) -> None:
-        """Close the worker's control channel (it exits at once: it ignores SIGTERM, which a
-        planned leave may have sent the whole node), SIGTERM its children, and SIGKILL what is
-        left after ``grace_s``."""
+        """Stop the worker: close its control channel, SIGTERM its children, SIGKILL the rest.
+
+        Closing the channel ends the worker at once: it ignores SIGTERM, which a planned leave
+        may have sent the whole node. What is left after ``grace_s`` gets SIGKILL."""
         self.stopping = True
         if self.proc is None:
             return
@@ -240,9 +241,10 @@ class WorkerGroup:
         return all(s.ready and s.exit_code is None for s in self.slots)
 
     def finished_in(self, timeout_s: float) -> int | None:
-        """The round in which the workers, which exited, said they finished the job; None if
-        none did. Waits up to ``timeout_s`` for their channels to be read to the end: the
-        process's exit can be seen before its last message."""
+        """The round in which the exited workers said they finished the job; None if none did.
+
+        Waits up to ``timeout_s`` for their channels to be read to the end: the process's exit
+        can be seen before its last message."""
         deadline = time.monotonic() + timeout_s
         for slot in self.slots:
             if slot.channel is not None:
@@ -255,8 +257,9 @@ class WorkerGroup:
             slot.send("assign", **asdict(a))
 
     def standby(self, after_step: int = 0) -> None:
-        """Take the workers out of their round, at once or after ``after_step``; numbered, so
-        that :attr:`out_of_round` knows when they did."""
+        """Take the workers out of their round, at once or after ``after_step``.
+
+        The request is numbered, so that :attr:`out_of_round` knows when they did."""
         self.standby_seq += 1
         for slot in self.slots:
             slot.send("standby", after_step=after_step, seq=self.standby_seq)

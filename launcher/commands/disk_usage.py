@@ -33,9 +33,10 @@ DAY_S = 86_400
 
 
 def usage(run_dir: str | os.PathLike[str]) -> dict[str, int]:
-    """Bytes of the files (their sizes, symlinks not followed) under each of :data:`PARTS` of
-    ``run_dir`` and, as :data:`OTHER`, the rest; 0 for a part that is absent. Checkpoints count
-    where they are under the run directory, as with the default ``checkpoint.url``.
+    """Bytes of the files under each of :data:`PARTS` of ``run_dir``, and the rest as :data:`OTHER`.
+
+    A file counts its own size (symlinks not followed); a part that is absent has 0. Checkpoints
+    count where they are under the run directory, as with the default ``checkpoint.url``.
 
     Walks while the job runs: a file deleted under the walk (a checkpoint pruned, an event file
     rotated out) is not counted, and stops nothing.
@@ -54,8 +55,9 @@ def usage(run_dir: str | os.PathLike[str]) -> dict[str, int]:
 
 
 def step_rate(events: Iterable[Mapping[str, Any]]) -> tuple[int, float | None]:
-    """The newest step of a run's ``step`` events and the steps a second between its first and
-    newest one (None with fewer than two)."""
+    """The newest step of a run's ``step`` events, and its steps a second.
+
+    The rate is taken between its first and newest one (None with fewer than two)."""
     steps = sorted((float(e["ts"]), int(e["step"])) for e in ev.STEP.of(events))
     if not steps:
         return 0, None
@@ -64,8 +66,9 @@ def step_rate(events: Iterable[Mapping[str, Any]]) -> tuple[int, float | None]:
 
 
 def report(run_dir: Path) -> str:
-    """The table :func:`main` prints: each part's bytes and, for those of :data:`PER_STEP`, per
-    trained step and per day."""
+    """The table :func:`main` prints: each part's bytes, per trained step and per day.
+
+    Only the parts of :data:`PER_STEP` get the figures per step and per day."""
     parts = usage(run_dir)
     steps, rate = step_rate(read_events(run_dir))
     day = f"MB/day at {rate:.2f} steps/s" if rate else ""

@@ -87,9 +87,10 @@ def quarantine_row(cfg: Config, node_id: str) -> CheckResult:
 
 
 def etcd_space_row(client: Any, endpoint: str) -> CheckResult:
-    """``etcd_space``: fails on a raised alarm (``NOSPACE``: etcd refuses every write;
-    ``CORRUPT``), warns when the database of the member that answers passes
-    :data:`DB_SIZE_WARN_BYTES`."""
+    """The ``etcd_space`` row: fails on a raised alarm, warns on a large database.
+
+    A raised alarm is ``NOSPACE`` (etcd refuses every write) or ``CORRUPT``. It warns when the
+    database of the member that answers passes :data:`DB_SIZE_WARN_BYTES`."""
     used = usage(client)
     raised = alarms(client)
     full = [member for name, member in raised if name == "NOSPACE"]
@@ -133,10 +134,11 @@ def etcd_space_row(client: Any, endpoint: str) -> CheckResult:
 def etcd_compaction_row(
     client: Any, key: str, warn_after: int = UNCOMPACTED_WARN_REVISIONS
 ) -> CheckResult:
-    """``etcd_compaction``: whether etcd compacts its history. Its flags cannot be read from a
-    client; what can be is whether it ever compacted (:func:`compacted`, a read of ``key`` at
-    revision 1), and how many revisions it holds: past ``warn_after`` with none compacted, it
-    warns that auto-compaction is off."""
+    """The ``etcd_compaction`` row: whether etcd compacts its history.
+
+    Its flags cannot be read from a client. What can be is whether it ever compacted
+    (:func:`compacted`, a read of ``key`` at revision 1), and how many revisions it holds. Past
+    ``warn_after`` with none compacted, it warns that auto-compaction is off."""
     revision = usage(client).revision
     if compacted(client, key):
         return CheckResult(
@@ -164,8 +166,9 @@ def etcd_compaction_row(
 
 
 def etcd_upkeep_rows(cfg: Config) -> list[CheckResult]:
-    """The external etcd's :func:`etcd_space_row` and :func:`etcd_compaction_row`, as far as
-    this node may read them (SKIP where it may not, or etcd does not answer)."""
+    """The external etcd's :func:`etcd_space_row` and :func:`etcd_compaction_row`.
+
+    They go as far as this node may read them: SKIP where it may not, or etcd does not answer."""
     endpoints = list(cfg.cluster.etcd_endpoints)
     try:
         client = connect(

@@ -1,5 +1,6 @@
-"""``python -m launcher.commands.quarantine list|clear|add``: an operator's view of a job's
-quarantine.
+"""An operator's view of a job's quarantine: list it, clear it, add to it.
+
+Run it as ``python -m launcher.commands.quarantine list|clear|add``.
 
 The job and its etcd come from the same Hydra overrides as the launch (:mod:`launcher.compose`),
 so ``job_id=... cluster.etcd_endpoints=[...]`` name the job as they did when it was started.

@@ -41,8 +41,10 @@ class StatusError(RuntimeError):
 
 
 def newest_checkpoint(url: str, now: float) -> dict[str, Any] | None:
-    """The newest committed checkpoint at ``url`` whose files are all there with the sizes its
-    manifest lists (the loader also checks their sha256), without loading it; None if none."""
+    """The newest committed checkpoint at ``url`` whose files are all there; None if none.
+
+    Its files must have the sizes its manifest lists (the loader also checks their sha256). It
+    is found without loading it."""
     import fsspec
 
     from elastic.manifest import PREFIX, committed, manifest_bytes
@@ -115,9 +117,10 @@ def gather(
     checkpoint: dict[str, Any] | None = None,
     endpoints: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """The status of a job from its keys (:meth:`JobKeys.everything`, by full key) at wall time
-    ``now``, with the newest checkpoint (:func:`newest_checkpoint`): the data that ``--json``
-    prints."""
+    """The status of a job at wall time ``now``: the data that ``--json`` prints.
+
+    It comes from the job's keys (:meth:`JobKeys.everything`, by full key), with the newest
+    checkpoint (:func:`newest_checkpoint`)."""
     job = JobKeys(prefix, job_id)
     read = JobRead.decode(keys, job)
     in_round = [m.node_id for m in read.round.members] if read.round else []
@@ -333,9 +336,10 @@ def render(data: dict[str, Any]) -> str:
 
 
 def job_and_endpoints(overrides: list[str], cwd: Path) -> tuple[config.Config, list[str]]:
-    """The job's configuration and its etcd: from the overrides, else from a local run's
-    directory (``run_dir=``, ``job_id=``'s ``runs/<job_id>``, or the newest running local job
-    under ``runs/``). Raises :class:`UsageError` or :class:`StatusError`."""
+    """The job's configuration and its etcd, from the overrides or else a local run's directory.
+
+    That directory is ``run_dir=``, ``job_id=``'s ``runs/<job_id>``, or the newest running local
+    job under ``runs/``. Raises :class:`UsageError` or :class:`StatusError`."""
     cfg = compose(overrides)
     if not cfg.job_id:
         run_dir = Path(cfg.run_dir) if cfg.run_dir else None

@@ -54,8 +54,10 @@ def _limit(value: int, unit: int = 1, suffix: str = "") -> str:
 
 
 def _raise_soft(which: int, target: int) -> tuple[int, int, int]:
-    """Raise the soft limit of ``which`` to ``target`` (capped by the hard limit), for this
-    process and so for every worker it starts. Returns (soft before, soft now, hard)."""
+    """Raise the soft limit of ``which`` to ``target``, capped by the hard limit.
+
+    It is raised for this process and so for every worker it starts. Returns (soft before, soft
+    now, hard)."""
     soft, hard = resource.getrlimit(which)
     if hard != resource.RLIM_INFINITY:
         target = hard if target == resource.RLIM_INFINITY else min(target, hard)
@@ -149,9 +151,10 @@ def check_shm(cfg: HealthConfig, required: bool, path: str = "/dev/shm") -> Chec
 
 
 def checkpoint_bytes(cfg: Config, size_model: bool = True) -> int | None:
-    """The size of one checkpoint: what the newest committed one takes (its manifest, read without
-    torch); before the first one, with ``size_model``, the model's size (:func:`model_bytes`);
-    else None, not known."""
+    """The size of one checkpoint, or None when it is not known.
+
+    It is what the newest committed one takes (its manifest, read without torch). Before the
+    first one, with ``size_model``, it is the model's size (:func:`model_bytes`)."""
     manifest = newest_manifest(cfg.checkpoint.url)
     if manifest is not None:
         return manifest_bytes(manifest)
@@ -159,9 +162,10 @@ def checkpoint_bytes(cfg: Config, size_model: bool = True) -> int | None:
 
 
 def model_bytes(cfg: Config) -> int:
-    """The size of a checkpoint of the job's model: its parameters and buffers plus the SGD
-    momentum, counted on the meta device so nothing is allocated; learned once per job, its
-    settings and model, and torch and torchvision versions (:mod:`elastic.cache`)."""
+    """The size of a checkpoint of the job's model: parameters, buffers and the SGD momentum.
+
+    They are counted on the meta device, so nothing is allocated. The size is learned once per
+    job, its settings and model, and torch and torchvision versions (:mod:`elastic.cache`)."""
 
     def learn() -> int:
         # Imported here: torch and torchvision take seconds, which only a node sizing a model
@@ -192,15 +196,18 @@ def model_bytes(cfg: Config) -> int:
 
 
 def checkpoints_to_fit(keep: int, on_disk: int) -> int:
-    """How many checkpoints the free space must still hold: a save writes a new one before the
-    oldest beyond ``checkpoint.keep`` goes (keep + 1 at the peak), and the ``on_disk`` ones
-    already have their space. At least one: the next save needs room of its own."""
+    """How many checkpoints the free space must still hold.
+
+    A save writes a new one before the oldest beyond ``checkpoint.keep`` goes (keep + 1 at the
+    peak), and the ``on_disk`` ones already have their space. At least one: the next save needs
+    room of its own."""
     return max(1, keep + 1 - on_disk)
 
 
 def local_path(url: str) -> Path | None:
-    """The local directory a checkpoint URL names (``file://`` or a plain path), or None for a
-    remote store."""
+    """The local directory a checkpoint URL names (``file://`` or a plain path).
+
+    None for a remote store."""
     protocol, _, path = url.partition("://") if "://" in url else ("file", "", url)
     return Path(path) if protocol in ("file", "local") else None
 
@@ -211,9 +218,10 @@ def nearest_existing(path: Path) -> Path:
 
 
 def writable_dir_problem(path: Path) -> str:
-    """Why checkpoints cannot be written under ``path`` (created if missing), or ""; nothing is
-    created. The nearest existing ancestor must be a directory this process may write in, on a
-    file system mounted read-write."""
+    """Why checkpoints cannot be written under ``path`` (created if missing), or "".
+
+    Nothing is created. The nearest existing ancestor must be a directory this process may write
+    in, on a file system mounted read-write."""
     existing = nearest_existing(path)
     if not existing.is_dir():
         return f"{existing} is a regular file, not a directory"
@@ -275,8 +283,9 @@ def check_checkpoint_disk(cfg: Config, size_model: bool = True) -> CheckResult:
 
 
 def _checkpoint_disk_unsized(cfg: Config, existing: Path, free: int) -> CheckResult:
-    """The disk check before the first checkpoint, when the model is not sized (the doctor):
-    against ``health.min_checkpoint_free_gb`` alone."""
+    """The disk check before the first checkpoint, when the model is not sized (the doctor).
+
+    It checks against ``health.min_checkpoint_free_gb`` alone."""
     need = cfg.health.min_checkpoint_free_gb * GB
     unknown = (
         "the size of one checkpoint is not known before the first one is written (the agent "
@@ -377,9 +386,10 @@ def check_etcd_and_clock(
 
 
 def _opener_to(host: str, context: ssl.SSLContext) -> Callable[..., Any]:
-    """``urlopen`` over HTTPS that connects to ``host`` whatever the URL's host: the URL
-    names the server as its certificate must (the gRPC client's target name), the socket goes
-    to the endpoint's address."""
+    """``urlopen`` over HTTPS that connects to ``host`` whatever the URL's host.
+
+    The URL names the server as its certificate must (the gRPC client's target name); the socket
+    goes to the endpoint's address."""
 
     class Connection(http.client.HTTPSConnection):
         def connect(self) -> None:
@@ -394,8 +404,9 @@ def _opener_to(host: str, context: ssl.SSLContext) -> Callable[..., Any]:
 
 
 def check_etcd_certificates(cfg: HealthConfig, security: EtcdSecurity) -> list[CheckResult]:
-    """Days left on the etcd CA and this node's client certificate (``cluster.etcd_tls``):
-    a warning under ``health.cert_warn_days``, a failure once one has expired (or is not yet
+    """Days left on the etcd CA and this node's client certificate (``cluster.etcd_tls``).
+
+    A warning under ``health.cert_warn_days``, a failure once one has expired (or is not yet
     valid). Nothing without TLS."""
     if not security.tls:
         return []
@@ -511,9 +522,10 @@ def _utc(ts: float) -> str:
 
 
 def check_job(cfg: Config) -> CheckResult:
-    """The job's class (``job._target_``) imports on this node and is a whole Job. The
-    launcher checked it where it ran; a node without the job's package (not installed, not on
-    PYTHONPATH) would start workers that fail at once, again and again."""
+    """Check that the job's class (``job._target_``) imports on this node and is a whole Job.
+
+    The launcher checked it where it ran. A node without the job's package (not installed, not
+    on PYTHONPATH) would start workers that fail at once, again and again."""
     try:
         cls = job_class(cfg.job.get("_target_", ""))
     except ConfigError as exc:

@@ -88,8 +88,9 @@ def check_count(cfg: Config, visible: int) -> CheckResult:
 
 
 def run_probe(devices: list[int], cfg: HealthConfig) -> list[dict[str, Any]]:
-    """Run the probe child for ``devices``; its JSON lines, ending with a ``timeout`` or
-    ``crashed`` line if it did not finish."""
+    """Run the probe child for ``devices``, and return its JSON lines.
+
+    They end with a ``timeout`` or ``crashed`` line if it did not finish."""
     cmd = [
         sys.executable,
         "-m",
@@ -117,9 +118,10 @@ def run_probe(devices: list[int], cfg: HealthConfig) -> list[dict[str, Any]]:
 
 
 def _read_lines(proc: subprocess.Popen[bytes], timeout_s: float) -> list[dict[str, Any]]:
-    """The child's JSON lines until it closes stdout; killed, with a last ``timeout`` line,
-    when ``timeout_s`` runs out first. Raw reads: a buffered reader could hold a line that
-    ``select`` no longer reports."""
+    """The child's JSON lines until it closes stdout.
+
+    The child is killed, with a last ``timeout`` line, when ``timeout_s`` runs out first. Raw
+    reads: a buffered reader could hold a line that ``select`` no longer reports."""
     assert proc.stdout is not None
     fd = proc.stdout.fileno()
     lines: list[dict[str, Any]] = []
@@ -191,8 +193,9 @@ def _ecc_row(readings: list[dict[str, Any]]) -> CheckResult:
 
 
 def _memory_health_row(readings: list[dict[str, Any]]) -> CheckResult:
-    """Fails on a retirement or row remapping pending or failed; warns on rows already remapped,
-    since the spare rows run out."""
+    """The ``gpu_memory_health`` row: fails on a retirement or row remapping pending or failed.
+
+    It warns on rows already remapped, since the spare rows run out."""
     damaged = [
         f"GPU {r['device']}: {what}"
         for r in readings
@@ -252,8 +255,9 @@ def _temperature_row(readings: list[dict[str, Any]], cfg: HealthConfig) -> Check
 
 
 def _throttle_row(readings: list[dict[str, Any]], cfg: HealthConfig) -> CheckResult:
-    """A hardware slowdown of the clocks: a warning, or a failure with
-    ``health.fail_on_throttle``."""
+    """The ``gpu_throttle`` row: a hardware slowdown of the clocks.
+
+    It is a warning, or a failure with ``health.fail_on_throttle``."""
     slow = [
         f"GPU {r['device']}: "
         + ", ".join(v for bit, v in SLOWDOWN_REASONS.items() if r["clock_event_reasons"] & bit)
@@ -289,8 +293,9 @@ def judge_probes(lines: list[dict[str, Any]], devices: int) -> list[CheckResult]
 
 
 def _matmul_row(matmuls: list[dict[str, Any]], devices: int) -> CheckResult | None:
-    """Fails on a wrong result; passes once every device's matmuls came back; else None (the
-    probe ended before, which its own row says)."""
+    """The ``gpu_matmul`` row: fails on a wrong result, passes once all devices' matmuls came back.
+
+    Otherwise None: the probe ended before, which its own row says."""
     bad = [
         f"GPU {m['device']}: fp32 relative error {m['fp32_rel_error']:.1e}, "
         f"{m['fp16_mismatched']} wrong fp16 elements"

@@ -84,8 +84,10 @@ def _nvml_readings(devices: list[int]) -> Iterator[dict[str, Any]]:
 
 
 def _nvml_handle(pynvml: Any, props: Any) -> Any:
-    """NVML's handle for a CUDA device. CUDA and NVML number devices differently (under
-    CUDA_VISIBLE_DEVICES, and CUDA puts the fastest first), so match by UUID, else PCI address."""
+    """NVML's handle for a CUDA device, matched by UUID, else by PCI address.
+
+    CUDA and NVML number devices differently (under CUDA_VISIBLE_DEVICES, and CUDA puts the
+    fastest first), hence the match by UUID."""
     try:
         return pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{props.uuid}")
     except pynvml.NVMLError:
@@ -124,8 +126,10 @@ class MatmulCase:
 
 
 def _matmul(index: int, case: MatmulCase) -> dict[str, Any]:
-    """fp32 against the float64 reference (TF32 off), and fp16 on tensor cores with the exact
-    integer case; the fp16 time gives a throughput figure."""
+    """Check matmuls on device ``index``: fp32 against float64, and fp16 on tensor cores.
+
+    fp32 is compared with the float64 reference (TF32 off). fp16 runs on tensor cores with the
+    exact integer case; the fp16 time gives a throughput figure."""
     import torch
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -198,11 +202,13 @@ def _allreduce(devices: list[int]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The child's probes, in order: NVML readings through nvidia-ml-py (uncorrected ECC errors,
-    retired pages pending, row remapping, temperature, clock slowdown reasons); per device,
-    matmuls with a known result (fp32 against a float64 reference, fp16 on tensor cores with
-    integer inputs, whose result is exact); a memory probe (allocate a share of the free memory,
-    write, read back); an all-reduce across the node's GPUs through NCCL."""
+    """Run the child's probes, in order, each found as a JSON line on stdout.
+
+    First NVML readings through nvidia-ml-py: uncorrected ECC errors, retired pages pending, row
+    remapping, temperature, clock slowdown reasons. Then, per device, matmuls with a known
+    result (fp32 against a float64 reference, fp16 on tensor cores with integer inputs, whose
+    result is exact). Then a memory probe (allocate a share of the free memory, write, read
+    back). Last, an all-reduce across the node's GPUs through NCCL."""
     parser = argparse.ArgumentParser(description="GPU probes; JSON lines on stdout.")
     parser.add_argument("--devices", required=True, help="comma-separated CUDA indices")
     parser.add_argument("--memory-fraction", type=float, default=0.9)

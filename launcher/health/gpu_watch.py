@@ -51,8 +51,10 @@ XID_WAIT_MS = 10  # per GPU and poll: events already queued return at once
 
 @dataclass(frozen=True)
 class Reading:
-    """One poll of one GPU (``index``: NVML's, as nvidia-smi numbers it). A value the GPU does
-    not support, or that NVML failed to read, is None; ``failed`` names the calls that failed."""
+    """One poll of one GPU (``index``: NVML's, as nvidia-smi numbers it).
+
+    A value the GPU does not support, or that NVML failed to read, is None; ``failed`` names the
+    calls that failed."""
 
     index: int
     xids: tuple[int, ...] = ()  # critical XIDs seen since the last poll
@@ -73,8 +75,10 @@ class WatchVerdict:
 
 
 def judge_watch(previous: Reading | None, current: Reading, cfg: HealthConfig) -> WatchVerdict:
-    """The verdict on ``current``, against the GPU's ``previous`` reading (None on the first
-    poll, which only sets the baseline of counts: the checks before the join judged those)."""
+    """The verdict on ``current``, against the GPU's ``previous`` reading.
+
+    ``previous`` is None on the first poll, which only sets the baseline of counts: the checks
+    before the join judged those."""
     gpu = f"GPU {current.index}"
     fatal: list[str] = []
     warnings: list[str] = []
@@ -115,8 +119,9 @@ def judge_watch(previous: Reading | None, current: Reading, cfg: HealthConfig) -
 
 
 def read_devices(nvml: Any, handles: dict[int, Any], xid_sets: dict[int, Any]) -> list[Reading]:
-    """One :class:`Reading` per handle (NVML index -> handle), draining each GPU's XID event set
-    (``xid_sets``; absent where the GPU does not report XIDs)."""
+    """One :class:`Reading` per handle (NVML index -> handle), draining each GPU's XID event set.
+
+    The event sets are ``xid_sets``; one is absent where the GPU does not report XIDs."""
     return [_read(nvml, i, handle, xid_sets.get(i)) for i, handle in handles.items()]
 
 
@@ -162,8 +167,10 @@ def _read(nvml: Any, index: int, handle: Any, xid_set: Any) -> Reading:
 
 
 class GpuWatch:
-    """Polls the node's GPUs in a daemon thread from :meth:`start` until :meth:`close`; a fatal
-    verdict is a ``gpu_fault`` event and one call of ``on_fatal(reason)``, and the watch ends."""
+    """Polls the node's GPUs in a daemon thread from :meth:`start` until :meth:`close`.
+
+    A fatal verdict is a ``gpu_fault`` event and one call of ``on_fatal(reason)``, and the watch
+    ends."""
 
     def __init__(
         self, cfg: HealthConfig, device: str, events: EventLog, on_fatal: Callable[[str], None]
@@ -255,8 +262,10 @@ class GpuWatch:
 
 
 def _visible_handles(nvml: Any) -> dict[int, Any]:
-    """NVML index -> handle of the GPUs CUDA_VISIBLE_DEVICES names (by index or UUID), else of
-    every GPU. Its indices are CUDA's order, which is NVML's on a node of one GPU model."""
+    """NVML index -> handle of the GPUs CUDA_VISIBLE_DEVICES names (by index or UUID).
+
+    With the variable unset, of every GPU. Its indices are CUDA's order, which is NVML's on a
+    node of one GPU model."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     names = visible.split(",") if visible is not None else range(nvml.nvmlDeviceGetCount())
     handles = [

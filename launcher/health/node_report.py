@@ -1,5 +1,7 @@
-"""The health report: what one check found (:class:`CheckResult`) and a node's checks together
-(:class:`HealthReport`), with its JSON and its table.
+"""The health report of a node's checks, with its JSON and its table.
+
+What one check found is a :class:`CheckResult`; a node's checks together are a
+:class:`HealthReport`.
 
 These types have one home, apart from the checks, because four modules share them: the host
 checks (:mod:`launcher.health.checks`), the GPU checks (:mod:`launcher.health.gpu`), the

@@ -44,8 +44,9 @@ def _etcd(cfg: Config) -> str:
 
 
 def _checkpoint_url(cfg: Config) -> str:
-    """The same rule as the nodes' disk check (:func:`launcher.health.checks.writable_dir_problem`),
-    once, before any node starts."""
+    """The nodes' disk check of ``checkpoint.url``, once, before any node starts.
+
+    It applies the same rule (:func:`launcher.health.checks.writable_dir_problem`)."""
     url = cfg.checkpoint.url
     target = local_path(url)
     if target is None:

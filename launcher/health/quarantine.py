@@ -132,12 +132,11 @@ class Quarantine:
         return deleted
 
     def wait_cleared(self, node_id: str, timeout_s: float) -> bool:
-        """Block until ``node_id`` is out of quarantine (cooldown over or cleared), at most
-        ``timeout_s``; True if it is.
+        """Block until ``node_id`` is out of quarantine (cooldown over or cleared); True if it is.
 
-        It looks again when the lease should have run out, and every ``CLEAR_POLL_S`` for an
-        operator's clear: a watch would be quicker by a second, but etcd3's watch thread
-        outlives its client.
+        It waits at most ``timeout_s``. It looks again when the lease should have run out, and
+        every ``CLEAR_POLL_S`` for an operator's clear: a watch would be quicker by a second, but
+        etcd3's watch thread outlives its client.
         """
         deadline = time.monotonic() + timeout_s
         while True:
@@ -160,9 +159,10 @@ class Quarantine:
 
 
 def clear_command(node_id: str, job_id: str, endpoints: list[str], cluster: ClusterConfig) -> str:
-    """The command line an operator runs to end ``node_id``'s quarantine now: with the job's
-    etcd security settings, so that it works against a secured etcd as printed (the password
-    stays in its file or the environment)."""
+    """The command line an operator runs to end ``node_id``'s quarantine now.
+
+    It carries the job's etcd security settings, so that it works against a secured etcd as
+    printed (the password stays in its file or the environment)."""
     words = [
         f"python -m launcher.commands.quarantine clear {node_id} job_id={job_id}",
         f"cluster.etcd_endpoints=[{','.join(endpoints)}]",
