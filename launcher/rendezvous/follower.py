@@ -1,11 +1,11 @@
-"""One node's view of the job (:class:`~launcher.rendezvous.membership.JobView`), kept from a
-snapshot and watches.
+"""One node's view of the job, kept from a snapshot and watches.
 
-Every agent keeps its view up to date from a few watches, applying events one by one (no
-re-reading of all nodes per change), so a membership change costs O(nodes) work in total. The
-leader watches every node's key and the quarantine; any other node watches the round, the leader,
-``done`` and its own keys only, and learns its own writes from their success (:meth:`saw_own`).
-A node that sees its own key deleted (evicted by a peer, or its lease expired) is fenced.
+The view is a :class:`~launcher.rendezvous.membership.JobView`. Every agent keeps its view up to
+date from a few watches, applying events one by one (no re-reading of all nodes per change), so a
+membership change costs O(nodes) work in total. The leader watches every node's key and the
+quarantine; any other node watches the round, the leader, ``done`` and its own keys only, and learns
+its own writes from their success (:meth:`saw_own`). A node that sees its own key deleted (evicted
+by a peer, or its lease expired) is fenced.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ def _membership(nodes: Mapping[Any, NodeRecord | None]) -> dict[Any, tuple[int, 
 
 def only_deletes() -> list[int]:
     """A watch filter that drops puts: a node watching its own key needs only its deletion.
-    (``etcd_errors`` has set the protobuf mode the etcd client needs before this import.)"""
+
+    ``etcd_errors`` has set the protobuf mode the etcd client needs before this import."""
     etcd_errors()
     from etcd3 import etcdrpc
 
@@ -53,9 +54,10 @@ def read_round(
     node_id: str = "",
     whole: bool = True,
 ) -> Round:
-    """The round whose head is ``head``, with every member key (``whole``) or only
-    ``node_id``'s, read as of ``revision`` (0: the newest). :class:`RoundIncomplete` if the
-    member keys are not the ones the head names (a newer round deleted them meanwhile)."""
+    """The round whose head is ``head``, read as of ``revision`` (0: the newest).
+
+    It has every member key (``whole``) or only ``node_id``'s. Raises :class:`RoundIncomplete` if
+    the member keys are not the ones the head names (a newer round deleted them meanwhile)."""
     folder = keys.round_part_folder(json.loads(head)["parts"])
     read = (folder, prefix_end(folder)) if whole else (folder + node_id, None)
     found = etcd.read_members(read, revision)
@@ -114,9 +116,10 @@ class JobFollower:
             return self._view
 
     def synced(self, registration: int) -> bool:
-        """Whether the view is of etcd as of this node's registration or later. Before that it
-        is empty (a rejoin starts afresh), and an empty view says nothing about the round: a
-        node that rejoins with its workers still loaded must not say it is ready on it."""
+        """Whether the view is of etcd as of this node's registration or later.
+
+        Before that it is empty (a rejoin starts afresh). An empty view says nothing about the
+        round: a node that rejoins with its workers still loaded must not say it is ready on it."""
         with self._cond:
             return registration > 0 and self._view.revision >= registration
 
@@ -129,9 +132,11 @@ class JobFollower:
             return self._view if ok else None
 
     def _publish(self, view: JobView, membership_changed: bool) -> None:
-        """Install a newer view; called with ``self._cond`` held, and then :meth:`_changed`
-        once it is released. ``membership_changed``: a node came, went, or changed its
-        registration, incarnation or readiness (the leader's settle time starts again)."""
+        """Install a newer view; called with ``self._cond`` held.
+
+        The caller then calls :meth:`_changed` once it is released. ``membership_changed``: a node
+        came, went, or changed its registration, incarnation or readiness (the leader's settle time
+        starts again)."""
         if membership_changed:
             self.last_change = time.monotonic()
         # "done" is sticky: the key vanishes with its writer's lease once the job is over.
@@ -141,11 +146,12 @@ class JobFollower:
         self._wake.set()
 
     def snapshot(self, everyone: bool) -> int:
-        """Read, as of one revision, what this node follows: the round, the leader, ``done``,
-        and its own record and quarantine key; the whole membership and quarantine instead of
-        its own when ``everyone`` (the leader). Installs the view if it is not older than the one
-        held; returns the snapshot's revision (watches start after it), or 0 if this node's own
-        key is gone (it is fenced)."""
+        """Read what this node follows as of one revision, into the view; return that revision.
+
+        It follows the round, the leader, ``done``, and its own record and quarantine key; when
+        ``everyone`` (the leader), the whole membership and quarantine instead of its own. The view
+        is installed if it is not older than the one held. Returns the snapshot's revision (watches
+        start after it), or 0 if this node's own key is gone (it is fenced)."""
         keys = list(self._singles())
         if everyone:
             ranges = [self._keys.nodes, self._keys.quarantine]
@@ -190,9 +196,10 @@ class JobFollower:
         return revision
 
     def _read_round(self, raw: bytes, revision: int, whole: bool) -> Round:
-        """The round from its head, read as of ``revision`` (where the head was seen: its member
-        keys were written before it and are deleted only by a later round) with this node's own
-        member key, or with all of them when ``whole`` (the leader)."""
+        """The round from its head, read as of ``revision``, with this node's own member key.
+
+        With all of them when ``whole`` (the leader). ``revision`` is where the head was seen: its
+        member keys were written before it and are deleted only by a later round."""
         return read_round(self._etcd, self._keys, raw, revision, self._node_id, whole)
 
     def _on_watch(self, response: Any) -> None:
@@ -275,9 +282,11 @@ class JobFollower:
     # --- background threads ------------------------------------------------------------------
 
     def saw_own(self, record: NodeRecord, revision: int) -> None:
-        """Put this node's own record, written at ``revision``, into the view: a node that does
-        not lead watches only its key's deletion, so it learns its writes from their success.
-        A snapshot read before the write completed is corrected with it (:meth:`_snapshot`)."""
+        """Put this node's own record, written at ``revision``, into the view.
+
+        A node that does not lead watches only its key's deletion, so it learns its writes from
+        their success. A snapshot read before the write completed is corrected with it
+        (:meth:`snapshot`)."""
         with self._cond:
             self._written = (record, revision)
             view = self._view
@@ -290,9 +299,11 @@ class JobFollower:
         self._changed()
 
     def subscribe(self, everyone: bool) -> None:
-        """Watch what this node follows, from a fresh snapshot on: the round, the leader and
-        ``done``, then every node's key and the quarantine as leader (``everyone``), else its own
-        key's deletion (an eviction) and its own quarantine key."""
+        """Watch what this node follows, from a fresh snapshot on.
+
+        It follows the round, the leader and ``done``. As leader (``everyone``) it also follows
+        every node's key and the quarantine; else its own key's deletion (an eviction) and its own
+        quarantine key."""
         self.cancel()
         self.following_all = everyone
         revision = self.snapshot(everyone)

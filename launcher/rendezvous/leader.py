@@ -43,8 +43,10 @@ def leads(view: JobView, node_id: str, registration: int) -> bool:
 
 
 class Leadership:
-    """Claims the lead and, as leader, replaces the round; each call names the registration it
-    acts for (its node id, create revision and lease), which changes when the node rejoins."""
+    """Claims the lead and, as leader, replaces the round.
+
+    Each call names the registration it acts for (its node id, create revision and lease), which
+    changes when the node rejoins."""
 
     def __init__(
         self,
@@ -64,8 +66,9 @@ class Leadership:
         self._proposals = 0  # made by this process: each writes its members' keys apart
 
     def claim(self, node_id: str, registration: int, lease: Any) -> None:
-        """Take the ``leader`` key (under the node's lease, so it goes with the node) if nobody
-        holds it and the registration is still live; of many claims, one wins."""
+        """Take the ``leader`` key if nobody holds it and the registration is still live.
+
+        It is put under the node's lease, so it goes with the node. Of many claims, one wins."""
         t = self._etcd.transactions
         ok, _ = self._etcd.transaction(
             compare=[
@@ -81,10 +84,10 @@ class Leadership:
     def maybe_propose(
         self, view: JobView, node_id: str, registration: int, last_change: float
     ) -> float | None:
-        """As leader, replace the round when :func:`plan_round` says so and membership settled
-        (it last changed at ``last_change``, monotonic).
+        """As leader, replace the round when :func:`plan_round` says so and membership settled.
 
-        Returns the monotonic time at which to look again (settle time still running), or None.
+        Membership last changed at ``last_change`` (monotonic). Returns the monotonic time at which
+        to look again (settle time still running), or None.
         """
         if not view.complete or not leads(view, node_id, registration):
             return None
@@ -114,8 +117,9 @@ class Leadership:
         return None
 
     def _say_short(self, view: JobView, node_id: str) -> None:
-        """Say once, as the job starts to wait for nodes, that it does
-        (:func:`launcher.rendezvous.round_plan.short_of_nodes`)."""
+        """Say once, as the job starts to wait for nodes, that it does.
+
+        The test is :func:`launcher.rendezvous.round_plan.short_of_nodes`."""
         ready = short_of_nodes(view, self._min, node_id)
         if ready is not None and not self._short and view.round is not None:
             self._emit(

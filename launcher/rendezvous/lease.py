@@ -51,8 +51,10 @@ class Lease(enum.Enum):
 
 
 def lease_verdict(ttl: int | None, unreachable_s: float, grace_s: float) -> Lease:
-    """The verdict on a keep-alive: ``ttl`` is the TTL the server answered (None: no answer),
-    ``unreachable_s`` how long etcd has not answered (monotonic), ``grace_s`` the grace period.
+    """The verdict on a keep-alive, from the server's answer and how long etcd was away.
+
+    ``ttl`` is the TTL the server answered (None: no answer), ``unreachable_s`` how long etcd has
+    not answered (monotonic), ``grace_s`` the grace period.
 
     Only the server can say a lease is gone: a node that cannot reach etcd does not know that
     the others can, and it need not: they can only replace it in a round that etcd forms, and
@@ -80,9 +82,10 @@ class KeepAliveStream:
         self._answers: queue.Queue[Any] = queue.Queue()
 
     def refresh(self, timeout_s: float) -> int:
-        """Refresh the lease; returns the TTL etcd granted, 0 if the lease is gone. Raises what
-        the etcd client raises when the stream breaks twice running, or :class:`NoAnswer` after
-        ``timeout_s``.
+        """Refresh the lease; returns the TTL etcd granted, 0 if the lease is gone.
+
+        Raises what the etcd client raises when the stream breaks twice running, or
+        :class:`NoAnswer` after ``timeout_s``.
 
         A stream that ended (its etcd member died) is replaced by a new one, on a live member,
         and the refresh is sent again at once: one member's death is not an etcd outage."""
@@ -138,9 +141,10 @@ class KeepAliveStream:
 
 
 class LeaseKeeper:
-    """Refreshes one node's lease until stopped, the lease expires or etcd stays away past the
-    grace period; says so through ``emit`` and the callbacks. Durations are on the monotonic
-    clock, so a stepped wall clock changes nothing."""
+    """Refreshes one node's lease until stopped, the lease expires or etcd stays away too long.
+
+    Too long is past the grace period. It says so through ``emit`` and the callbacks. Durations are
+    on the monotonic clock, so a stepped wall clock changes nothing."""
 
     def __init__(
         self,
@@ -155,9 +159,11 @@ class LeaseKeeper:
         on_lost: Callable[[], None],
         count_keepalive: Callable[[], None],
     ) -> None:
-        """``on_back``: etcd answers again after an outage; ``on_expired``: the server says the
-        lease is gone; ``on_lost``: no answer past ``rendezvous.etcd_grace_s`` (after the
-        ``etcd_lost`` event). The last two end the keeping."""
+        """Prepare to keep lease ``lease_id`` alive; :meth:`run` does the keeping.
+
+        ``on_back``: etcd answers again after an outage; ``on_expired``: the server says the lease
+        is gone; ``on_lost``: no answer past ``rendezvous.etcd_grace_s`` (after the ``etcd_lost``
+        event). The last two end the keeping."""
         self._client, self._lease_id, self._cfg = client, lease_id, cfg
         self._node_id, self._emit = node_id, emit
         self._on_back, self._on_expired, self._on_lost = on_back, on_expired, on_lost

@@ -1,8 +1,9 @@
-"""The job's membership as the rendezvous writes it and every process reads it: a node's record,
-a round (its head and one key per member), the ``leader`` key's value, and a process's view of
-it all. Plain data, no I/O: the rendezvous (:mod:`launcher.rendezvous`), the decisions
-(:mod:`launcher.agent.decisions`, :mod:`launcher.rendezvous.round_plan`) and the status command
-share it.
+"""The job's membership as the rendezvous writes it and every process reads it.
+
+The parts: a node's record, a round (its head and one key per member), the ``leader`` key's value,
+and a process's view of it all. Plain data, no I/O: the rendezvous (:mod:`launcher.rendezvous`), the
+decisions (:mod:`launcher.agent.decisions`, :mod:`launcher.rendezvous.round_plan`) and the status
+command share it.
 """
 
 from __future__ import annotations
@@ -55,8 +56,10 @@ MEMBERS_PER_TXN = 100  # member keys the leader writes per transaction (etcd's d
 
 
 class RoundIncomplete(ValueError):
-    """A round's member keys are not the ones its head names: a newer round replaced it (and its
-    members' keys were deleted) while they were read, and that round's own event follows."""
+    """A round's member keys are not the ones its head names.
+
+    A newer round replaced it (and its members' keys were deleted) while they were read, and that
+    round's own event follows."""
 
 
 @dataclass(frozen=True)
@@ -105,8 +108,9 @@ class Round:
 
     @property
     def digest(self) -> str:
-        """A hash of the whole membership, which the head carries: a reader of every member key
-        checks that it has all of them, as written."""
+        """A hash of the whole membership, which the head carries.
+
+        A reader of every member key checks that it has all of them, as written."""
         return _digest(self._rows())
 
     def _rows(self) -> dict[str, str]:
@@ -119,8 +123,9 @@ class Round:
         }
 
     def to_values(self) -> tuple[str, dict[str, str]]:
-        """The ``round`` key's value (the head, naming :attr:`parts_id`) and each member key's,
-        by node id."""
+        """The head (the ``round`` key's value) and each member key's value, by node id.
+
+        The head names :attr:`parts_id`."""
         if not self.whole:
             raise ValueError(f"round {self.number} is not whole: only its leader writes it")
         rows = self._rows()
@@ -139,9 +144,11 @@ class Round:
 
     @classmethod
     def from_values(cls, head: bytes | str, rows: Mapping[str, bytes | str], whole: bool) -> Round:
-        """A round from its head and member keys (by node id). ``whole``: ``rows`` are every
-        member key, checked against the head's size and digest (:class:`RoundIncomplete` if they
-        differ); else the reader's own (one, or none: the round leaves it out)."""
+        """A round from its head and member keys (by node id).
+
+        ``whole``: ``rows`` are every member key, checked against the head's size and digest
+        (:class:`RoundIncomplete` if they differ); else the reader's own (one, or none: the round
+        leaves it out)."""
         data = json.loads(head)
         members = sorted(
             (_member(node_id, row) for node_id, row in rows.items()), key=lambda m: m.first_rank
@@ -195,13 +202,12 @@ class Round:
 
 
 def excluded_ranks(previous: Round | None, new: Round) -> tuple[int, ...]:
-    """The ranks of ``previous`` that ``new`` drops, when ``new`` only removes nodes from it;
-    else (). Both rounds whole.
+    """The ranks of ``previous`` that ``new`` drops, or () unless ``new`` only removes nodes.
 
-    Only then may NCCL workers shrink their communicator in place: ``new`` must directly follow
-    ``previous``, and its members must be members of ``previous`` as the same registration and
-    incarnation (a restarted worker is not in the old communicator), with the same slots, in the
-    same order (the survivors' ranks close up in order).
+    Both rounds are whole. NCCL workers may shrink their communicator in place only for such a
+    round. ``new`` must directly follow ``previous``. Its members must be members of ``previous`` as
+    the same registration and incarnation (a restarted worker is not in the old communicator), with
+    the same slots, in the same order (the survivors' ranks close up in order).
     """
     if previous is None or new.number != previous.number + 1:
         return ()
@@ -250,9 +256,10 @@ class JobView:
         return self.done_in is not None
 
     def round_intact(self) -> bool:
-        """Every member of the current round is still live, as the registration and incarnation
-        it joined with, not quarantined and not leaving, as far as this view knows: a view that
-        is not complete trusts the leader for the members it does not follow."""
+        """Whether every member of the current round is still live, as far as this view knows.
+
+        Live: as the registration and incarnation it joined with, not quarantined and not leaving. A
+        view that is not complete trusts the leader for the members it does not follow."""
         if self.round is None:
             return False
         for m in self.round.members:

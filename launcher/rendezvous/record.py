@@ -25,9 +25,10 @@ log = logging.getLogger(__name__)
 
 
 class OwnRecord:
-    """Writes :attr:`node` under the registration :meth:`start` names; ``saw_own(record,
-    revision)`` hears of each write that landed, ``fence(reason)`` of a key found gone, and
-    ``wake()`` is called when a write waits for etcd."""
+    """Writes :attr:`node` under the registration :meth:`start` names.
+
+    ``saw_own(record, revision)`` hears of each write that landed, ``fence(reason)`` of a key found
+    gone, and ``wake()`` is called when a write waits for etcd."""
 
     def __init__(
         self,
@@ -59,15 +60,17 @@ class OwnRecord:
         self._registration, self._lease = registration, lease
 
     def report_failure(self, reason: str) -> None:
-        """Leave the current round at once: this node's workers failed. The node is placed in a
-        later round when it reports itself ready again."""
+        """Leave the current round at once: this node's workers failed.
+
+        The node is placed in a later round when it reports itself ready again."""
         self.node = replace(self.node, incarnation=self.node.incarnation + 1, ready=False)
         self._write()
         self._emit(ev.FAILURE_REPORTED, incarnation=self.node.incarnation, reason=reason)
 
     def leave_after(self, step: int) -> None:
-        """A planned leave: this node's workers train up to ``step``, and the others form the
-        next round without it, switching to it after that step
+        """Plan this node's leave: its workers train up to ``step``.
+
+        The others form the next round without it, and switch to it after that step
         (:func:`launcher.rendezvous.round_plan.switch_step`)."""
         self.node = replace(self.node, leaving_after=step)
         self._write()
@@ -94,10 +97,11 @@ class OwnRecord:
             self._wake()
 
     def _put(self) -> None:
-        """Put :attr:`node` under the lease, if the key is still this registration's; raises what
-        etcd raises. A key that is gone means the node was evicted or its lease expired: it is
-        fenced (the watch may not have said so yet). One write at a time, so an older record
-        never lands after a newer one."""
+        """Put :attr:`node` under the lease, if the key is still this registration's.
+
+        It raises what etcd raises. A key that is gone means the node was evicted or its lease
+        expired: it is fenced (the watch may not have said so yet). One write at a time, so an older
+        record never lands after a newer one."""
         t = self._etcd.transactions
         with self._lock:
             record = self.node

@@ -50,8 +50,10 @@ log = logging.getLogger(__name__)
 
 
 class NodeIdInUse(RuntimeError):
-    """The node id is registered already: by another live node, or by an earlier incarnation of
-    this one whose lease still runs (a crash, then a restart at once)."""
+    """The node id is registered already, by another live node or an earlier incarnation.
+
+    An earlier incarnation of this node holds it while its lease still runs (a crash, then a restart
+    at once)."""
 
     def __init__(self, message: str, holder: NodeRecord) -> None:
         super().__init__(message)
@@ -59,9 +61,11 @@ class NodeIdInUse(RuntimeError):
 
 
 class Rendezvous:
-    """One node's membership in a job: what the node asks of the rendezvous (join, wait for a
-    view, propose, evict, leave). It wires the parts to one etcd client and one condition: its
-    record, the view it follows, the leadership, its standing and the threads of its upkeep."""
+    """One node's membership in a job: join, wait for a view, propose, evict, leave.
+
+    That is what the node asks of the rendezvous. It wires the parts to one etcd client and one
+    condition: its record, the view it follows, the leadership, its standing and the threads of its
+    upkeep."""
 
     def __init__(
         self,
@@ -75,8 +79,10 @@ class Rendezvous:
         events: EventLog | None = None,
         on_change: Callable[[], None] | None = None,
     ) -> None:
-        """``on_change`` is called on the rendezvous's threads, after each change of the view and
-        when this node is fenced; it must return at once (the agent posts to its inbox)."""
+        """Build the node's parts over the etcd client ``client``; :meth:`join` starts them.
+
+        ``on_change`` is called on the rendezvous's threads, after each change of the view and when
+        this node is fenced; it must return at once (the agent posts to its inbox)."""
         self._cfg = cfg
         self._events = events
         self.keys = JobKeys(cfg.prefix, job_id)
@@ -185,8 +191,10 @@ class Rendezvous:
         return lease, ok, responses
 
     def retry(self, what: str, call: Callable[[], Any]) -> Any:
-        """:meth:`launcher.rendezvous.etcd_client.EtcdClient.retry`: ``call()``, retried with
-        backoff while etcd does not answer, up to ``rendezvous.etcd_grace_s``."""
+        """``call()``, retried with backoff while etcd does not answer.
+
+        It retries up to ``rendezvous.etcd_grace_s``, through
+        :meth:`launcher.rendezvous.etcd_client.EtcdClient.retry`."""
         return self._etcd.retry(what, call)
 
     def leave(self) -> None:
@@ -204,10 +212,12 @@ class Rendezvous:
             self._lease = None
 
     def whole_round(self, rnd: Round) -> Round | None:
-        """``rnd`` with every member, for a node that must look at its peers (a failed
-        collective, or a check before it says ready): read once per round (every member key,
-        O(nodes) bytes), then kept. None if etcd did not answer, or a newer round replaced it
-        meanwhile (its member keys are gone): the caller looks at the newer one."""
+        """``rnd`` with every member, for a node that must look at its peers.
+
+        A node looks at its peers after a failed collective, or in a check before it says ready. The
+        round is read once per round (every member key, O(nodes) bytes), then kept. None if etcd did
+        not answer, or a newer round replaced it meanwhile (its member keys are gone): the caller
+        looks at the newer one."""
         if rnd.whole:
             return rnd
         kept = self._whole
@@ -221,21 +231,25 @@ class Rendezvous:
         return self._whole
 
     def evict(self, member: Member | NodeRecord, reason: str) -> bool:
-        """Delete a dead peer's key, if it is still the registration ``member`` names
-        (:func:`launcher.rendezvous.eviction.evict`). False if it is not (gone already, or
+        """Delete a dead peer's key, if it is still the registration ``member`` names.
+
+        See :func:`launcher.rendezvous.eviction.evict`. False if it is not (gone already, or
         registered again), or etcd did not answer: the caller may try again."""
         return evict(self._etcd, self.keys, self.view.leader, member, reason, self._emit)
 
     def mark_done(self, round_number: int) -> None:
-        """Tell the others the job is trained, in round ``round_number`` (retried while etcd is
-        away, see :meth:`join`)."""
+        """Tell the others the job is trained, in round ``round_number``.
+
+        Retried while etcd is away, see :meth:`join`."""
         record = json.dumps({"node": self.node.node_id, "round": round_number})
         self.retry("mark the job done", lambda: self._etcd.put(self.keys.done, record, self._lease))
 
     def put_under_lease(self, key: str, value: str) -> None:
-        """Put ``key`` (the ``progress`` key) under this node's lease, so it goes with the node;
-        once, not retried: raises what etcd raises, and nothing while unregistered. A refusal for
-        lack of space is named (:meth:`~launcher.rendezvous.etcd_client.EtcdClient.no_space`)."""
+        """Put ``key`` (the ``progress`` key) under this node's lease, so it goes with the node.
+
+        It is put once, not retried, and raises what etcd raises; while unregistered it does
+        nothing. A refusal for lack of space is named
+        (:meth:`~launcher.rendezvous.etcd_client.EtcdClient.no_space`)."""
         lease = self._lease
         if lease is None or self.fenced.is_set():
             return
@@ -263,8 +277,9 @@ class Rendezvous:
 
     @property
     def leads(self) -> bool:
-        """Whether this registration holds the ``leader`` key, as of the view (after
-        :meth:`leave`: as it was)."""
+        """Whether this registration holds the ``leader`` key, as of the view.
+
+        After :meth:`leave`: as it was."""
         return leads(self.view, self.node.node_id, self._registration)
 
     def propose(self, view: JobView, members: list[NodeRecord]) -> bool:

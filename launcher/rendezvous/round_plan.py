@@ -1,7 +1,8 @@
-"""Round planning, as pure functions over a :class:`~launcher.rendezvous.membership.JobView`:
-who is in the next round and in which rank order, whether the job waits for nodes, whether it
-only drops members (formed at once), which members an operator is draining, and after which step
-a planned leave switches rounds. The leader's rendezvous
+"""Round planning, as pure functions over a :class:`~launcher.rendezvous.membership.JobView`.
+
+They say who is in the next round and in which rank order, and whether the job waits for nodes. They
+say whether a round only drops members (formed at once), which members an operator is draining, and
+after which step a planned leave switches rounds. The leader's rendezvous
 (:meth:`launcher.rendezvous.rendezvous.Rendezvous`) acts on them.
 """
 
@@ -46,9 +47,11 @@ def _placeable(view: JobView) -> dict[str, NodeRecord]:
 
 
 def short_of_nodes(view: JobView, min_nodes: int, leader: str) -> int | None:
-    """The ready nodes, when the job waits for nodes: a round trained, it lost members, and
-    fewer than ``min_nodes`` are ready to form the next. None otherwise, and while the job is
-    done or the ``leader`` itself leaves (the job is being stopped)."""
+    """How many nodes are ready, when the job waits for nodes; None otherwise.
+
+    The job waits when a round trained, it lost members, and fewer than ``min_nodes`` are ready to
+    form the next. None also while the job is done or the ``leader`` itself leaves (the job is being
+    stopped)."""
     me = view.nodes.get(leader)
     if view.done or view.round is None or view.round_intact() or me is None or me.leaving_after:
         return None
@@ -57,8 +60,9 @@ def short_of_nodes(view: JobView, min_nodes: int, leader: str) -> int | None:
 
 
 def shrink_only(current: Round | None, members: list[NodeRecord]) -> bool:
-    """Whether ``members`` are members of ``current`` in the same registrations: a round that
-    only removes nodes, which is formed without waiting for membership to settle."""
+    """Whether ``members`` are members of ``current`` in the same registrations.
+
+    Such a round only removes nodes, and is formed without waiting for membership to settle."""
     if current is None:
         return False
     return all(
@@ -69,9 +73,11 @@ def shrink_only(current: Round | None, members: list[NodeRecord]) -> bool:
 
 
 def draining(view: JobView) -> frozenset[str]:
-    """The members of the current round that an operator quarantined (``quarantine add``: a
-    drain) and that are still there, training, as they joined: the leader waits a little for
-    them to leave as planned (:meth:`Rendezvous.leave_after`) before it drops them."""
+    """The members of the current round that an operator is draining.
+
+    A drain is a quarantine (``quarantine add``) of a member still there, training, as it joined.
+    The leader waits a little for them to leave as planned
+    (:meth:`launcher.rendezvous.record.OwnRecord.leave_after`) before it drops them."""
     if view.round is None:
         return frozenset()
     return frozenset(
@@ -93,9 +99,10 @@ def only_drops(current: Round | None, members: list[NodeRecord], nodes: Set[str]
 
 
 def switch_step(view: JobView, members: list[NodeRecord]) -> int:
-    """When the members of the current round should move to a new round of ``members``: after
-    the step the leaving nodes asked for, if the new round only lets planned leavers go (every
-    other member stays as it was); else 0, at once (a failure, a join: the step in flight is
+    """When the members of the current round should move to a new round of ``members``.
+
+    After the step the leaving nodes asked for, if the new round only lets planned leavers go (every
+    other member stays as it was). Else 0, at once (a failure, a join: the step in flight is
     dropped)."""
     current = view.round
     if current is None or not shrink_only(current, members):

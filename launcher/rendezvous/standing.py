@@ -20,9 +20,10 @@ log = logging.getLogger("launcher.rendezvous.rendezvous")
 
 
 class Standing:
-    """The :attr:`fenced` and :attr:`etcd_lost` events of one node (``node_id``), set under
-    :attr:`cond` (the view's condition, shared with the view's follower), and the agent's
-    ``on_change``, which must return at once (the agent posts to its inbox)."""
+    """The :attr:`fenced` and :attr:`etcd_lost` events of one node (``node_id``).
+
+    They are set under :attr:`cond` (the view's condition, shared with the view's follower). It also
+    holds the agent's ``on_change``, which must return at once (the agent posts to its inbox)."""
 
     def __init__(self, node_id: str, emit: Emit, on_change: Callable[[], None]) -> None:
         self._node_id, self._emit, self._on_change = node_id, emit, on_change
@@ -31,16 +32,18 @@ class Standing:
         self.etcd_lost = threading.Event()
 
     def changed(self) -> None:
-        """Tell whoever follows the job that the view changed or this node was fenced; called
-        without :attr:`cond` held, so the callback can read the view."""
+        """Tell whoever follows the job that the view changed or this node was fenced.
+
+        Called without :attr:`cond` held, so the callback can read the view."""
         try:
             self._on_change()
         except Exception:  # the watch and keep-alive threads must survive a faulty callback
             log.exception("rendezvous on_change callback failed")
 
     def fence(self, reason: str) -> bool:
-        """Consider this node out of the job; called with :attr:`cond` held, and then
-        :meth:`changed` if this returns True (it was not fenced yet)."""
+        """Consider this node out of the job; True if it was not fenced yet.
+
+        Called with :attr:`cond` held, and then :meth:`changed` if this returns True."""
         if self.fenced.is_set():
             return False
         self._emit(

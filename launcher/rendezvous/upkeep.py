@@ -29,9 +29,10 @@ log = logging.getLogger("launcher.rendezvous.rendezvous")
 
 
 class Upkeep:
-    """The threads of each registration of ``node_id`` in turn: :meth:`start` for one, then
-    :meth:`stop`. ``stopping`` ends both threads; ``wake`` makes the sync loop look again at once
-    (a change to write, etcd back)."""
+    """The threads of each registration of ``node_id`` in turn.
+
+    :meth:`start` starts them for one registration, then :meth:`stop` ends them. ``stopping`` ends
+    both threads; ``wake`` makes the sync loop look again at once (a change to write, etcd back)."""
 
     def __init__(
         self,
@@ -55,8 +56,9 @@ class Upkeep:
         self._threads: list[threading.Thread] = []
 
     def start(self, registration: int, lease: Any) -> None:
-        """Start the lease keeper's thread and the sync thread of the registration
-        ``registration`` (its key's create revision), under ``lease``."""
+        """Start the lease keeper's thread and the sync thread of one registration.
+
+        The registration is ``registration`` (its key's create revision), under ``lease``."""
         self._registration, self._lease = registration, lease
         keeper = LeaseKeeper(
             self._etcd.raw,
@@ -79,8 +81,10 @@ class Upkeep:
             t.start()
 
     def stop(self) -> None:
-        """End both threads, waiting a few seconds for each; a sync thread that outlives the
-        wait claims the lead no more (the lease is about to be revoked)."""
+        """End both threads, waiting a few seconds for each.
+
+        A sync thread that outlives the wait claims the lead no more (the lease is about to be
+        revoked)."""
         self._stopping.set()
         self._wake.set()
         for t in self._threads:
@@ -89,8 +93,10 @@ class Upkeep:
         self._lease = None
 
     def _sync_loop(self) -> None:
-        """Keep the watches alive, re-read the job now and then, claim the lead when nobody
-        holds it, and propose rounds as leader."""
+        """The sync thread's body: watches, re-reads, the lead and rounds, until stopped.
+
+        It keeps the watches alive, re-reads the job now and then, claims the lead when nobody holds
+        it, and proposes rounds as leader."""
         next_resync = 0.0
         failures = 0
         follower = self._follower

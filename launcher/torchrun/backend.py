@@ -67,7 +67,9 @@ RETRY_PAUSE_S = (0.1, 1.0)  # the first pause between tries while etcd is away, 
 
 
 def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """torch's ``DynamicRendezvousHandler`` over etcd v3 (what ``--rdzv-backend=etcd-v3`` gets)::
+    """torch's ``DynamicRendezvousHandler`` over etcd v3, what ``--rdzv-backend=etcd-v3`` gets.
+
+    For example::
 
         torchrun --nnodes=2:4 --nproc-per-node=8 --rdzv-backend=etcd-v3 \\
             --rdzv-endpoint=10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379 --rdzv-id=JOB train.py
@@ -106,8 +108,9 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
 
 
 def create_backend(params: RendezvousParameters) -> tuple[EtcdV3Backend, EtcdV3Store]:
-    """The backend and the store of one run, as torch's ``etcd_rendezvous_backend`` returns
-    them; both share one etcd client."""
+    """The backend and the store of one run, sharing one etcd client.
+
+    They are returned as torch's ``etcd_rendezvous_backend`` returns them."""
     security = _security(params)
     endpoints = _endpoints(params.endpoint, security.tls)
     if not params.run_id or "/" in params.run_id:
@@ -189,11 +192,13 @@ class Patience:
 
 
 class EtcdV3Backend(RendezvousBackend):
-    """torch's rendezvous state (opaque bytes) in one etcd key, base64-encoded as torch's own
-    backends store it; the fencing token is the key's mod revision: ``set_state`` is one
-    transaction that writes only if the mod revision is still the token's (or, without a token,
-    only if the key does not exist), and otherwise reads the current state. A key that does not
-    decode raises ``RendezvousStateError`` (torch's contract), naming the key to delete."""
+    """torch's rendezvous state (opaque bytes) in one etcd key, fenced by its mod revision.
+
+    The state is base64-encoded, as torch's own backends store it. The fencing token is the key's
+    mod revision. ``set_state`` is one transaction. It writes only if the mod revision is still the
+    token's (or, without a token, only if the key does not exist); otherwise it reads the current
+    state. A key that does not decode raises ``RendezvousStateError`` (torch's contract), naming the
+    key to delete."""
 
     def __init__(
         self, client: Any, key: str, store_prefix: str, lease: _Lease, patience: Patience
@@ -262,8 +267,9 @@ class EtcdV3Backend(RendezvousBackend):
 
 
 class EtcdV3Store(dist.Store):
-    """A c10d ``Store`` in etcd v3 keys under ``prefix``, for the agents' few bootstrap keys
-    (``MASTER_ADDR``/``MASTER_PORT``, the rank assignment, the exit barrier).
+    """A c10d ``Store`` in etcd v3 keys under ``prefix``, for the agents' few bootstrap keys.
+
+    Those are ``MASTER_ADDR``/``MASTER_PORT``, the rank assignment and the exit barrier.
 
     Why a store in etcd, as torch's ``etcd-v2`` backend does (its ``EtcdStore``), rather than a
     TCPStore: the handler needs its store before the first round, to learn who is rank 0, so a
@@ -312,8 +318,9 @@ class EtcdV3Store(dist.Store):
         )
 
     def add(self, key: str, amount: int) -> int:
-        """Add ``amount`` to the decimal integer at ``key`` (0 if absent): a compare-and-set on
-        the key's mod revision, repeated while another writer comes first."""
+        """Add ``amount`` to the decimal integer at ``key`` (0 if absent).
+
+        A compare-and-set on the key's mod revision, repeated while another writer comes first."""
         k, t = self._k(key), self._client.transactions
         deadline = time.monotonic() + self.timeout.total_seconds()
         what = f"an add to store key {key!r}"
@@ -339,9 +346,10 @@ class EtcdV3Store(dist.Store):
                 )
 
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
-        """c10d's semantics: ``desired`` is written if the value is ``expected`` (an empty
-        ``expected``: if the key is absent); returns the value the key then has (``expected``
-        if it is absent)."""
+        """Write ``desired`` if the value is ``expected``; return the value the key then has.
+
+        These are c10d's semantics. With an empty ``expected``, it writes only if the key is absent;
+        for an absent key it returns ``expected``."""
         k, t = self._k(key), self._client.transactions
         expected_b = expected.encode() if isinstance(expected, str) else expected
         desired_b = desired.encode() if isinstance(desired, str) else desired
@@ -396,10 +404,11 @@ class EtcdV3Store(dist.Store):
 
 
 class _Lease:
-    """The lease the keys of this agent's writes are attached to, so that they expire
-    ``ttl_s`` after the last write. A lease is used for half its TTL, then a new one is
-    granted (the old one expires with whatever no later write has moved off it); nothing
-    keeps it alive. ``ttl_s`` 0: no lease, the keys stay."""
+    """The lease on the keys this agent writes, so that they expire ``ttl_s`` after the last write.
+
+    A lease is used for half its TTL, then a new one is granted (the old one expires with whatever
+    no later write has moved off it); nothing keeps it alive. ``ttl_s`` 0: no lease, the keys
+    stay."""
 
     def __init__(self, client: Any, ttl_s: int) -> None:
         self._client = client
@@ -430,8 +439,10 @@ class _Lease:
 
 
 def _endpoints(endpoint: str, tls: bool) -> list[str]:
-    """``--rdzv-endpoint``: one etcd member or several, comma-separated, as ``host:port`` (port
-    2379 by default) or as etcd's client URLs (``http://host:port``, ``https://`` with TLS)."""
+    """The etcd members that ``--rdzv-endpoint`` names, as ``host:port``.
+
+    It names one etcd member or several, comma-separated, as ``host:port`` (port 2379 by default) or
+    as etcd's client URLs (``http://host:port``, ``https://`` with TLS)."""
     parts = [part.strip() for part in (endpoint or "").split(",") if part.strip()]
     if not parts:
         raise ValueError(
@@ -483,9 +494,10 @@ _PROTOBUF_MODE = "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"
 
 
 def _security(params: RendezvousParameters) -> EtcdSecurity:
-    """TLS files and the etcd user from ``--rdzv-conf``, checked before any connection by the
-    launcher's own rules (:func:`credential_problems`, named as rdzv_conf settings); the
-    password from ``password_file`` or the environment."""
+    """TLS files and the etcd user from ``--rdzv-conf``, with the user's password.
+
+    They are checked before any connection by the launcher's own rules (:func:`credential_problems`,
+    named as rdzv_conf settings). The password comes from ``password_file`` or the environment."""
     conf = {name: str(params.get(name, "") or "") for name in CLUSTER_NAMES}
     if params.get("password") is not None:
         raise ValueError(
@@ -515,11 +527,12 @@ def _security(params: RendezvousParameters) -> EtcdSecurity:
 def _connect(
     endpoints: list[str], timeout_s: float, security: EtcdSecurity, patience: Patience
 ) -> Any:
-    """``launcher.rendezvous.etcd.connect``, its errors in torchrun's words, tried again while no
-    member answers (within ``etcd_grace_s``: etcd may be restarting as the job starts), and
-    leaving the environment as it was: connect sets the protobuf mode that the etcd client needs
-    before its import, and torchrun's workers inherit the agent's environment, where it would
-    slow every protobuf user down."""
+    """``launcher.rendezvous.etcd.connect``, its errors in torchrun's words, tried again.
+
+    It is tried again while no member answers (within ``etcd_grace_s``: etcd may be restarting as
+    the job starts). It leaves the environment as it was: connect sets the protobuf mode that the
+    etcd client needs before its import. torchrun's workers inherit the agent's environment, where
+    that mode would slow every protobuf user down."""
     before = os.environ.get(_PROTOBUF_MODE)
     began = time.monotonic()
     pause, longest = RETRY_PAUSE_S
