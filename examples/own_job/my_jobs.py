@@ -20,8 +20,9 @@ class WaveSettings:  # job.* keys, typed and bounded: checked before anything st
 
 
 class Wave:
-    """Sample ``(epoch, i)``: x in [-pi, pi] and sin(3x) + noise, seeded by i alone, so it is
-    the same sample on any rank, in any round, after any restart."""
+    """Sample ``(epoch, i)``: x in [-pi, pi] and sin(3x) + noise.
+
+    Seeded by i alone, so it is the same sample on any rank, in any round, after any restart."""
 
     def __init__(self, count: int) -> None:
         self.count = count
