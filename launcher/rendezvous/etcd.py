@@ -7,7 +7,7 @@ the member it talks to dies or restarts the next call goes to another one; a mem
 back is reconnected within a second, and the watch stream waits for a member instead of failing
 at once. Security (:class:`EtcdSecurity`, :func:`etcd_security`): TLS with the CA alone or with
 a client certificate, and user/password auth, re-authenticated when etcd forgets the token
-(:func:`_reauthenticate_on_refusal`). A node etcd refuses gets :class:`EtcdRefused`, whose
+(:mod:`launcher.rendezvous.etcd_token`). A node etcd refuses gets :class:`EtcdRefused`, whose
 message names the setting and the fix.
 """
 
@@ -20,7 +20,6 @@ import logging
 import os
 import socket
 import ssl
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -32,6 +31,7 @@ from launcher.rendezvous.credentials import (
     etcd_security_problems,
     read_password,
 )
+from launcher.rendezvous.etcd_token import WatchRefused, password_fix, reauthenticate_on_refusal
 
 if TYPE_CHECKING:
     import etcd3
@@ -43,24 +43,10 @@ class EtcdUnavailable(ConnectionError):
     """No endpoint of the etcd cluster answered."""
 
 
-class WatchRefused(ConnectionError):
-    """etcd refused to create a watch; one of :func:`etcd_errors`.
-
-    The cause: the user's permission, or the stream's token."""
-
-
 class EtcdRefused(EtcdUnavailable):
     """etcd answered but refuses this node: its credentials, its certificate, or etcd's.
 
     The message names the setting, as the caller's user writes it, and the fix."""
-
-
-def password_fix(names: Mapping[str, str]) -> str:
-    """The fix for a user etcd refuses, in ``names``' words (:data:`OUR_NAMES`)."""
-    return (
-        f"check {names['user']} and the password in {names['password_file']} (or "
-        f"${ETCD_PASSWORD_ENV}); the user must exist in etcd (etcdctl user get <user>)"
-    )
 
 
 @dataclass(frozen=True)
@@ -232,7 +218,7 @@ def connect(
         client.close()
         raise _refusal(endpoints, security, exc, timeout_s, names) from exc
     if security.user:
-        _reauthenticate_on_refusal(client, security, names)
+        reauthenticate_on_refusal(client, security.user, security.password, names)
     return client
 
 
@@ -364,161 +350,6 @@ def _speaks_tls(sock: socket.socket) -> bool:
         return sock.recv(1) == b"\x16"
     except OSError:
         return False
-
-
-def _reauthenticate_on_refusal(
-    client: Any, security: EtcdSecurity, names: Mapping[str, str]
-) -> None:
-    """Make ``client`` authenticate again when etcd refuses its token.
-
-    The etcd3 client authenticates once, when it is built, and etcd forgets a simple token after
-    ``--auth-token-ttl`` (300 s) without use, when a member restarts, and whenever users or roles
-    change (the auth store's revision moves on). Every unary call goes through its stub: a call
-    refused with ``UNAUTHENTICATED`` (a token expired or unknown to the member) or
-    ``INVALID_ARGUMENT`` (also etcd's code for "auth store revision is old") authenticates once
-    more and is sent again, once, with the new token; a second refusal is raised. The new token
-    also goes to the calls made afterwards (the etcd3 client reads ``metadata`` and
-    ``call_credentials`` per call) and to the streams opened afterwards; the open watch stream is
-    cancelled, so that its watchers learn it broke and watch again on a stream with the new
-    token. A watch creation that etcd refuses is an error
-    (:class:`WatchRefused`), not a watch that never fires."""
-    token = _Token(client, security, names)
-    client.kvstub = _RenewingStub(client.kvstub, (), token)
-    client.leasestub = _RenewingStub(client.leasestub, ("LeaseKeepAlive",), token)
-    client.clusterstub = _RenewingStub(client.clusterstub, (), token)
-    client.maintenancestub = _RenewingStub(client.maintenancestub, ("Snapshot",), token)
-    watcher = client.watcher
-    watcher._watch_stub = _TrackedWatchStub(watcher._watch_stub, token)
-    _raise_refused_watches(watcher)
-
-
-class _Token:
-    """The token ``client`` sends, renewed when etcd refuses it (:meth:`renew`).
-
-    It also tracks the watch streams opened with it (:meth:`opened`), cancelled on renewal."""
-
-    def __init__(self, client: Any, security: EtcdSecurity, names: Mapping[str, str]) -> None:
-        import grpc
-
-        self._client, self._security, self._names = client, security, names
-        self._lock = threading.Lock()
-        self._watch_calls: list[Any] = []
-        self._retry_codes = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT)
-
-    def renewing(self, method: Any) -> Any:
-        """``method`` (a unary call), sent again with a new token if etcd refuses the old one."""
-        import grpc
-
-        client = self._client
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            stale = client.metadata
-            try:
-                return method(*args, **kwargs)
-            except grpc.RpcError as exc:
-                if exc.code() not in self._retry_codes:
-                    raise
-            self._renew_or_say(stale)
-            kwargs.update(credentials=client.call_credentials, metadata=client.metadata)
-            return method(*args, **kwargs)
-
-        return call
-
-    def _renew_or_say(self, stale: Any) -> None:
-        """:meth:`renew`; a user etcd no longer accepts is logged, with the fix, and raised."""
-        import grpc
-
-        try:
-            self.renew(stale)
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                log.error(
-                    "etcd no longer accepts user %r (changed password, or removed). Fix: %s",
-                    self._security.user,
-                    password_fix(self._names),
-                )
-            raise
-
-    def renew(self, stale: Any) -> None:
-        """Authenticate again, unless another thread did since the token ``stale`` was sent.
-
-        Later calls and streams carry the new token; the watch streams open now are cancelled."""
-        import grpc
-        from etcd3 import etcdrpc
-        from etcd3.client import EtcdTokenCallCredentials
-
-        client = self._client
-        with self._lock:
-            if client.metadata is not stale:
-                return  # another thread did it while this call failed
-            response = client.auth_stub.Authenticate(
-                etcdrpc.AuthenticateRequest(
-                    name=self._security.user, password=self._security.password
-                ),
-                client.timeout,
-            )
-            token = response.token
-            client.metadata = (("token", token),)
-            client.call_credentials = grpc.metadata_call_credentials(
-                EtcdTokenCallCredentials(token)
-            )
-            client.watcher._metadata = client.metadata
-            client.watcher._credentials = client.call_credentials
-            calls, self._watch_calls[:] = list(self._watch_calls), []
-        for call in calls:
-            call.cancel()
-
-    def opened(self, call: Any) -> None:
-        """A watch stream ``call`` was opened with the current token."""
-        with self._lock:
-            self._watch_calls.append(call)
-            self._watch_calls[:] = [c for c in self._watch_calls if c.is_active()]
-
-
-class _RenewingStub:
-    """A gRPC stub whose unary calls renew a refused token (:meth:`_Token.renewing`).
-
-    The streams named in ``streams`` pass through."""
-
-    def __init__(self, stub: Any, streams: tuple[str, ...], token: _Token) -> None:
-        self._stub, self._streams, self._token = stub, streams, token
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self._stub, name)
-        if name in self._streams:
-            return method
-        return self._token.renewing(method)
-
-
-class _TrackedWatchStub:
-    """The watch stub, telling ``token`` of each stream it opens (:meth:`_Token.opened`)."""
-
-    def __init__(self, stub: Any, token: _Token) -> None:
-        self._stub, self._token = stub, token
-
-    def Watch(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - gRPC's name
-        call = self._stub.Watch(*args, **kwargs)
-        self._token.opened(call)
-        return call
-
-
-def _raise_refused_watches(watcher: Any) -> None:
-    """Make a watch creation that etcd refuses fail with :class:`WatchRefused`.
-
-    etcd creates and cancels such a watch at once; unchanged, it is a watch that never fires."""
-    handle = watcher._handle_response
-
-    def handle_response(rs: Any) -> None:
-        if rs.created and rs.canceled:
-            with watcher._lock:
-                if watcher._new_watch is not None:
-                    why = rs.cancel_reason or "no reason given"
-                    watcher._new_watch.err = WatchRefused(f"etcd refused a watch: {why}")
-                    watcher._new_watch_cond.notify_all()
-                    return
-        handle(rs)
-
-    watcher._handle_response = handle_response
 
 
 def read_at_one_revision(
