@@ -82,7 +82,7 @@ def test_duplicate_node_id_is_refused_naming_the_holder_which_can_be_taken_over(
 
 def test_first_round_waits_for_max_nodes_then_forms_at_once(make) -> None:
     slow = RendezvousConfig(lease_ttl_s=2, settle_s=0.3, first_round_wait_s=30)
-    a = make("a", max_nodes=3, cfg=slow)
+    a = leading(make, "a", max_nodes=3, cfg=slow)  # b's view is a follower's, of its own row
     b = make("b", max_nodes=3, cfg=slow)
     assert a.wait(round_number(1), timeout=1.0) is None  # 2 of 3: still waiting
     t0 = time.monotonic()
