@@ -81,9 +81,9 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from torchrun_peer import BATCH as PEER_BATCH  # noqa: E402
+from peer_job import BATCH as PEER_BATCH  # noqa: E402
+from peer_job import NODES as PEER_NODES  # noqa: E402
 from torchrun_peer import DEFAULTS, PEERS, Peer, PeerSettings  # noqa: E402
-from torchrun_peer import NODES as PEER_NODES  # noqa: E402
 
 from chaos.campaign import CampaignConfig, FaultKind, pick, schedule  # noqa: E402
 from chaos.cpu_limit import CpuLimit, DutyCycle, Stopper  # noqa: E402

@@ -1,16 +1,18 @@
-"""Recovery from node faults: this project next to the torchrun peer, in one run, same machine.
+"""Recovery from node faults: this project next to the torchrun and torchft peers, in one run.
 
 Six fault kinds, each injected ``--repeats`` times into a fresh 3-node job of each runtime:
 
 - ``kill``: SIGKILL of a node that does not hold rank 0 (its agent and every process under it);
-- ``kill_rank0``: SIGKILL of the node with rank 0, which for both runtimes also hosts the
-  rendezvous store (ours: the round's TCPStore; torchrun: the c10d rendezvous store);
+- ``kill_rank0``: SIGKILL of the node with rank 0, which for every runtime also hosts the
+  rendezvous store (ours: the round's TCPStore; torchrun: the c10d rendezvous store; torchft:
+  the quorum's process group store);
 - ``freeze``: SIGSTOP of a node that does not hold rank 0 (a hung machine). Ours is thawed once
   the job made progress again (it finds itself fenced out and rejoins); the peer's stays frozen
   for ``--freeze-wait-s`` and then counts as "no progress";
 - ``leave``: SIGTERM of a node that does not hold rank 0 (a preemption, a maintenance drain).
   Ours leaves as planned: it finishes the step in flight and one more, and the others switch
-  rounds in between. The peer's torchrun agent stops its worker and the others restart.
+  rounds in between. The peer's torchrun agent stops its worker and the others restart;
+  torchft has no planned leave, and its replica ends as if killed.
 - ``etcd_restart``: the job's etcd SIGKILLed and started again (same data, same port) after
   ``--etcd-down-s``; the round trains on meanwhile (the steps are counted), and the recovery is
   measured from etcd's return, when the agents renew their leases and watch again (the job is
@@ -21,26 +23,32 @@ Six fault kinds, each injected ``--repeats`` times into a fresh 3-node job of ea
   round's collectives fail after ``--pg-timeout-s``, the majority evicts it, and its link comes
   up again once they recovered. Ours only: the peer script runs its nodes on loopback.
 
-The peer runs twice for each fault (bench/torchrun_peer.py): at torchrun's defaults (what most
-users run) and tuned as a careful user would (no shared rendezvous store, keep-alives every 1 s
-with 3 missed allowed, a 1 s last call, a 10 s gloo timeout). Its node0 is started first and
-its other nodes once node0's agent serves the c10d store, so ``kill_rank0`` kills the store's
-node. Stall and redone steps are defined the same way for both (chaos/recovery_figures.py): from
-the fault until a survivor completes a step beyond the one in flight; steps trained again because
-the job rolled back. Both checkpoint every ``--ckpt-every`` steps and see the fault
-at step ``--kill-at``. Step time: the peer's step is padded with ``STEP_SLEEP`` to our measured
-step time (the peer trains a small MLP on random data; ours the default ResNet-18 on JPEGs, whose
-state is larger, so a state transfer costs us more than it would cost the peer). The stall
-counts the step in flight as lost, which a planned leave does not lose; ours is also given as
-the time lost against the pace before the fault (chaos/recovery_figures.py), which the peer does
-not report.
+The torchrun peer runs twice for each fault (bench/torchrun_peer.py): at torchrun's defaults
+(what most users run) and tuned as a careful user would (no shared rendezvous store, keep-alives
+every 1 s with 3 missed allowed, a 1 s last call, a 10 s gloo timeout). Its node0 is started
+first and its other nodes once node0's agent serves the c10d store, so ``kill_rank0`` kills the
+store's node. With ``--peers torchrun,torchft`` the torchft peer runs twice too
+(bench/torchft_peer.py, in a venv of its own made on first use): at torchft's defaults and tuned
+(a replica dropped after 1 s without a heartbeat, a 10 s Manager and gloo timeout).
+
+Stall and redone steps are defined the same way for all (chaos/recovery_figures.py): from the
+fault until a survivor completes a step beyond the one in flight; steps trained again because the
+job rolled back. Ours and the torchrun peer checkpoint every ``--ckpt-every`` steps; the torchft
+peer needs no checkpoint, as a failed step is not committed. All see the fault at step
+``--kill-at``. Step time: the peers' step is padded with ``STEP_SLEEP`` to our measured step time
+(the peers train a small MLP on random data; ours the default ResNet-18 on JPEGs, whose state is
+larger, so a state transfer costs us more than it would cost a peer). The stall counts the step
+in flight as lost, which a planned leave does not lose; ours is also given as the time lost
+against the pace before the fault (chaos/recovery_figures.py), which the peers do not report.
 
     ./dev.sh bench                                  # everything: 6 kinds x 5 faults x 3 rows
     ./dev.sh bench --faults kill,kill_rank0,freeze --repeats 3   # the peer comparisons
+    ./dev.sh bench --faults kill,freeze --repeats 3 --peers torchrun,torchft
     ./dev.sh bench --faults kill --repeats 2 --skip-peer
 
-The peer's ``train.py`` is ``shared/bench/peer_torchrun/`` beside this checkout; it needs
-torchrun on PATH (./dev.sh bench puts the project's venv first).
+The torchrun peer's ``train.py`` is ``shared/bench/peer_torchrun/`` beside this checkout; it
+needs torchrun on PATH (./dev.sh bench puts the project's venv first). The torchft peer's is
+bench/torchft_train.py.
 """
 
 from __future__ import annotations
@@ -61,6 +69,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from torchft_peer import TORCHFT_PEERS, TorchftPeer, TorchftSettings, torchft_python  # noqa: E402
 from torchrun_peer import PEERS, Peer, PeerSettings  # noqa: E402
 
 from chaos.injectors import (  # noqa: E402
@@ -88,9 +97,11 @@ FAULTS = {
     "etcd_restart": "etcd stopped, restarted",
     "partition": "cut a node off its peers",
 }
-# Faults the peer script cannot take: it has no etcd (its c10d store lives in an agent), and it
-# runs its nodes on loopback, not in network namespaces.
-PEERLESS = {"etcd_restart": "no etcd in torchrun's c10d", "partition": "peer runs on loopback"}
+# Faults the peers cannot take: they have no etcd (torchrun's c10d store lives in an agent,
+# torchft's quorum in its lighthouse), and they run their nodes on loopback, not in network
+# namespaces.
+PEERLESS = {"etcd_restart": "the peer has no etcd", "partition": "peer runs on loopback"}
+PEER_ROWS = {"torchrun": PEERS, "torchft": TORCHFT_PEERS}  # --peers: each peer's settings rows
 BREAKDOWN = ("detected", "round_formed", "rebuild", "sync", "first_step")
 
 
@@ -207,23 +218,32 @@ def run_ours_partitioned(run_dir: Path, args: argparse.Namespace) -> Recovery:
 
 
 def run_peer(
-    work: Path, fault: str, args: argparse.Namespace, settings: PeerSettings, step_sleep: float
+    work: Path,
+    fault: str,
+    args: argparse.Namespace,
+    settings: PeerSettings | TorchftSettings,
+    step_sleep: float,
 ) -> Outcome:
-    """Run the torchrun peer with the same fault at the same step.
+    """Run a peer with the same fault at the same step.
 
-    It has 3 nodes, ``--nnodes=2:3`` and ``--max-restarts=3``, as the shared peer's run.sh. It waits
-    until the job made progress again or ``--peer-wait-s`` (``--freeze-wait-s`` for a freeze)
-    passed."""
-    peer = Peer(
-        work / f"peer-{fault}-{time.monotonic_ns()}",
-        args.peer / "train.py",
-        settings,
-        steps=args.steps,
-        step_sleep=step_sleep,
-        ckpt_every=args.ckpt_every,
-        nnodes="2:3",
-        max_restarts=3,
-    )
+    The torchrun peer has 3 nodes, ``--nnodes=2:3`` and ``--max-restarts=3``, as the shared
+    peer's run.sh; the torchft peer a lighthouse and 3 replicas, 2 of them enough. It waits until
+    the job made progress again or ``--peer-wait-s`` (``--freeze-wait-s`` for a freeze) passed."""
+    where = work / f"peer-{fault}-{time.monotonic_ns()}"
+    peer: Peer | TorchftPeer
+    if isinstance(settings, TorchftSettings):
+        peer = TorchftPeer(where, settings, steps=args.steps, step_sleep=step_sleep)
+    else:
+        peer = Peer(
+            where,
+            args.peer / "train.py",
+            settings,
+            steps=args.steps,
+            step_sleep=step_sleep,
+            ckpt_every=args.ckpt_every,
+            nnodes="2:3",
+            max_restarts=3,
+        )
     try:
         peer.start_all()
         deadline = time.monotonic() + 600
@@ -231,7 +251,7 @@ def run_peer(
             if time.monotonic() > deadline or not peer.running():
                 return Outcome(None, None, f"never reached step {args.kill_at}: see {peer.work}")
             time.sleep(0.05)
-        victim = "node0" if fault == "kill_rank0" else "node2"  # node0 hosts the c10d store
+        victim = "node0" if fault == "kill_rank0" else "node2"  # node0 hosts the store
         sig = {"freeze": signal.SIGSTOP, "leave": signal.SIGTERM}.get(fault, signal.SIGKILL)
         fault_ts = peer.signal(victim, sig)
         wait = args.freeze_wait_s if fault == "freeze" else args.peer_wait_s
@@ -303,8 +323,14 @@ def main() -> None:
         default=10.0,
         help="rendezvous.pg_timeout_s for partition: a cut link fails collectives after this",
     )
+    parser.add_argument(
+        "--peers", default="torchrun", help=f"comma-separated, of {', '.join(PEER_ROWS)}"
+    )
     parser.add_argument("--skip-peer", action="store_true")
     args = parser.parse_args()
+    peers = [] if args.skip_peer else args.peers.split(",")
+    if set(peers) - set(PEER_ROWS):
+        parser.error(f"--peers: unknown {sorted(set(peers) - set(PEER_ROWS))}")
     faults = args.faults.split(",")
     unknown = set(faults) - set(FAULTS)
     if unknown:
@@ -313,13 +339,16 @@ def main() -> None:
     if "partition" in faults and why_not:
         print(f"partition: skipped, network namespaces are not available here ({why_not})")
         faults.remove("partition")
-    if not args.skip_peer and not (args.peer / "train.py").exists():
+    if "torchrun" in peers and not (args.peer / "train.py").exists():
         parser.error(f"--peer: {args.peer}/train.py not found (or pass --skip-peer)")
-    if not args.skip_peer and shutil.which("torchrun") is None:
+    if "torchrun" in peers and shutil.which("torchrun") is None:
         parser.error("torchrun is not on PATH: run ./dev.sh bench, or put .venv/bin first")
+    if "torchft" in peers:
+        print(f"torchft: {torchft_python()}", flush=True)  # its venv, made on first use
+    rows = [settings for name in peers for settings in PEER_ROWS[name]]
 
     ours: dict[str, list[Recovery]] = {f: [] for f in faults}
-    peer: dict[str, dict[str, list[Outcome]]] = {f: {p.name: [] for p in PEERS} for f in faults}
+    peer: dict[str, dict[str, list[Outcome]]] = {f: {p.name: [] for p in rows} for f in faults}
     step_times: list[float] = []
     with tempfile.TemporaryDirectory(prefix="bench-recovery-") as tmp:
         for fault in faults:
@@ -334,10 +363,10 @@ def main() -> None:
                     + ", ".join(f"{k} {v:.2f} s" for k, v in rec.breakdown.items()),
                     flush=True,
                 )
-                if not args.skip_peer and fault not in PEERLESS:
+                if fault not in PEERLESS:
                     # The peer's step: ~10 ms of MLP compute, padded to our step time.
                     sleep = max(0.0, statistics.median(step_times) - 0.01)
-                    for settings in PEERS:
+                    for settings in rows:
                         out = run_peer(Path(tmp), fault, args, settings, sleep)
                         peer[fault][settings.name].append(out)
                         print(f"{fault:10} {settings.name} #{i + 1}: {out.detail}", flush=True)
@@ -369,8 +398,8 @@ def main() -> None:
             else:
                 ratio = f"{peer_p50 / our_p50:.1f}x"
             print(f"{'':34}{name:20}{line}{ratio:>11}")
-        if fault in PEERLESS:
-            print(f"{'':34}{'torchrun':20}  not run: {PEERLESS[fault]}")
+        for name in peers if fault in PEERLESS else []:
+            print(f"{'':34}{name:20}  not run: {PEERLESS[fault]}")
     print(
         "\nour recovery breakdown, p50 seconds (detected/round_formed: from the fault; lost: the"
         " delay against the pace before the fault)"

@@ -107,7 +107,7 @@ import psutil  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from torchrun_peer import answers, free_port  # noqa: E402
+from peer_job import answers, free_port  # noqa: E402
 
 from launcher.rendezvous.embedded_etcd import EmbeddedEtcd  # noqa: E402
 

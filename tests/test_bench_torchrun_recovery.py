@@ -9,7 +9,7 @@ import pytest
 
 from .conftest import REPO, load_bench
 
-sys.path.insert(0, str(REPO / "bench"))  # the bench imports torchrun_peer as its neighbour
+sys.path.insert(0, str(REPO / "bench"))  # the bench imports peer_job as its neighbour
 bench = load_bench("torchrun_recovery")
 
 
