@@ -14,8 +14,9 @@ the lighthouse's ``min_replicas`` are 2, so two survivors go on. The quorum orde
 What a recovery waits on (torchft's manager.py and lighthouse): every step asks the lighthouse
 for a quorum, which it grants at once while the previous quorum's replicas all ask. Once one
 is missing, it waits until that replica's heartbeat is ``heartbeat_timeout_ms`` old. A fault
-that lands in an all-reduce also fails it, and the step is not committed: at once for a
-SIGKILL, after the gloo timeout for a SIGSTOP. The two rows:
+that lands in an all-reduce also fails it, and the step is not committed. A survivor may wait
+out the gloo timeout first: always for a SIGSTOP, and for a SIGKILL when the other survivor
+failed at once and left the op. The two rows:
 
 - **torchft, defaults**: the lighthouse's defaults (``heartbeat_timeout_ms`` 5000,
   ``join_timeout_ms`` 60000, ``quorum_tick_ms`` 100) and the Manager's (``timeout`` 60 s,
