@@ -49,6 +49,10 @@ SAMPLES_PER_EPOCH = 240  # 10 classes x 24 images (tests/conftest.FAST_JOB)
 START_TIMEOUT_S = 180
 FINISH_TIMEOUT_S = 300
 RECORD = "trainer.record_samples=true"
+# The straggler test compares 2-step means of 3 workers on 2 shared cores: with no fault, one
+# comparison put a healthy rank at up to 1.8x the median (3 runs beside another e2e test), and in
+# CI two running at 1.5x evicted a healthy node. So it flags at 2.5x and slows its target 5x.
+STRAGGLER_FACTOR = 2.5
 
 
 def wait_exit(proc: subprocess.Popen[str], run_dir: Path) -> int:
@@ -957,7 +961,7 @@ def test_a_degraded_node_is_found_repaired_or_evicted_and_nothing_is_redone_by_i
       replica check and repaired from the majority; its node gets a strike.
     - Rank 1's loss made NaN at steps 13-15 skips them on every rank, then rolls the job back to
       its newest checkpoint and strikes rank 1's node.
-    - One node's workers held to half their CPU (chaos's slow_node), as a throttled GPU: its
+    - One node's workers held to a fifth of their CPU (chaos's slow_node), as a throttled GPU: its
       own rank says it is a straggler, and no other rank does; under health.straggler=evict the
       node leaves as planned, quarantined, and rejoins after the cooldown and a new check, in
       time to train the job's last steps (held until then: on a fast machine the job would
@@ -975,6 +979,7 @@ def test_a_degraded_node_is_found_repaired_or_evicted_and_nothing_is_redone_by_i
         "health.straggler=evict",
         "health.straggler_every=2",
         "health.straggler_windows=2",
+        f"health.straggler_factor={STRAGGLER_FACTOR}",
         "health.quarantine_s=4",
         "chaos.allow=true",
         "chaos.nan_steps=[13,14,15]",
@@ -990,7 +995,7 @@ def test_a_degraded_node_is_found_repaired_or_evicted_and_nothing_is_redone_by_i
     rolled = wait_event(run_dir, proc, lambda e: e["event"] == "rolled_back")
 
     target = other_node(run_dir, 3)
-    limit = slow_node(run_dir, target, factor=2.0)
+    limit = slow_node(run_dir, target, factor=2 * STRAGGLER_FACTOR)
     began = time.time()
     try:
         said = wait_event(run_dir, proc, lambda e: e["event"] == "straggler", began)
@@ -1018,7 +1023,7 @@ def test_a_degraded_node_is_found_repaired_or_evicted_and_nothing_is_redone_by_i
         ["rank 1 produced 3 non-finite steps", f"rank {repaired['rank']}'s replica was corrupt"]
     ), reasons
     # The straggler, evicted and back.
-    assert said["node"] == target and said["slowdown"] >= 1.5, said
+    assert said["node"] == target and said["slowdown"] >= STRAGGLER_FACTOR, said
     assert evicted["node"] == target and "straggler" in evicted["reasons"][0], evicted
     assert {e["node"] for e in events if e["event"] == "straggler"} == {target}
     assert f"{target}: rank {said['rank']} is a straggler" in output(run_dir)  # the display
