@@ -23,6 +23,11 @@ from elastic.ddp_hook import DDPHook
 log = logging.getLogger("elastic.trainer")
 
 HEARTBEAT_S = 0.5  # how often the worker tells its agent its phase and step
+# How long a draining worker holds at the step it said it can stop after, for its agent's word:
+# the agent publishes the step, the round is formed without the node, and its standby comes
+# down the channel, which on 2 loaded cores took longer than a step (50 ms against 40). Well
+# under health.watchdog_s, so that a held worker is never taken for a frozen one.
+HOLD_S = 5.0
 
 
 class AgentLink:
@@ -39,8 +44,10 @@ class AgentLink:
         self.status: dict[str, Any] = {"phase": "starting", "step": 0, "round": 0}
         self._inbox: queue.Queue[Assignment | None] = queue.Queue()
         self._lock = threading.Lock()
+        self._switched = threading.Condition(self._lock)  # a switch was planned or cleared
         # A planned switch: (after step, reason, the new round, the standby's number or 0)
         self._switch: tuple[int, str, int | None, int] | None = None
+        self._promised = 0  # the step this worker told a draining agent it can stop after
         channel.serve(self._on_message, name="agent-link")
         threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
 
@@ -63,7 +70,10 @@ class AgentLink:
         elif kind == "leave":
             in_round = self.status["phase"] in self.IN_ROUND
             # Peers may have started the step after the one in flight: stop after that one.
-            self.channel.send("leaving", after_step=self.status["step"] + 1 if in_round else 0)
+            after = self.status["step"] + 1 if in_round else 0
+            with self._lock:
+                self._promised = after
+            self.channel.send("leaving", after_step=after)
 
     def _leave_round(
         self, after_step: int, reason: str, before_round: int | None = None, stood_by: int = 0
@@ -72,10 +82,11 @@ class AgentLink:
 
         ``stood_by``: the number of the agent's ``standby``, echoed once it is carried out."""
         with self._lock:
+            self._switched.notify_all()
             if after_step and self.status["phase"] in self.IN_ROUND:
                 self._switch = (after_step, reason, before_round, stood_by)
                 return
-            self._switch = None
+            self._switch, self._promised = None, 0
         self._abort(reason, before_round, stood_by)
 
     def _abort(self, reason: str, before_round: int | None, stood_by: int) -> None:
@@ -89,14 +100,30 @@ class AgentLink:
         """Leave the round now if a planned switch is due; whether it did.
 
         Called by the training thread between steps, with the last step trained. The
-        communicator is aborted, as by a message."""
+        communicator is aborted, as by a message. Past the step it told a draining agent it can
+        stop after, it waits up to :data:`HOLD_S` for the agent's switch before it starts
+        another: its peers stop there, and a step begun without them would fail on a lost peer."""
         with self._lock:
+            if self._switch is None and self._promised and step >= self._promised:
+                self._switched.wait_for(lambda: self._switch is not None, HOLD_S)
             if self._switch is None or step < self._switch[0]:
                 return False
             _, reason, before_round, stood_by = self._switch
-            self._switch = None
+            self._switch, self._promised = None, 0
         self._abort(f"{reason} (after step {step}, as planned)", before_round, stood_by)
         return True
+
+    def left_round(self) -> None:
+        """The training thread left its round some other way (a lost peer, an abort).
+
+        A switch planned in it is moot, and would abort the next round; a standby's number
+        still goes back, since a draining agent waits for it before the node may leave."""
+        with self._lock:
+            self.status["phase"] = "idle"  # a message from now on is carried out at once
+            pending, self._switch, self._promised = self._switch, None, 0
+        if pending is not None and pending[3]:
+            self.status["stood_by"] = pending[3]
+            self.channel.send("status", waiting=False, **self.status)
 
     def next_assignment(self, after: int, timeout: float) -> Assignment | None:
         """The newest assignment to a round later than ``after``; None on timeout."""

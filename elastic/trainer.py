@@ -198,6 +198,7 @@ def leave_round(w: Worker, a: Assignment, exc: BaseException, end: RoundEnd) -> 
 
     The state stays in memory for the next one."""
     w.interrupted_at = time.time()
+    w.link.left_round()
     w.saver.abandon()
     failure = w.comm.failure
     if end is RoundEnd.PEER_LOST and failure is not None:

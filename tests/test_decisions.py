@@ -129,6 +129,14 @@ def test_fencing_rejoins_with_a_strike_and_quarantine_without() -> None:
     assert isinstance(fenced_and_quarantined, Rejoin) and fenced_and_quarantined.strike
 
 
+def test_a_drain_for_a_quarantine_that_ran_out_meanwhile_still_rejoins() -> None:
+    """health.quarantine_s=4 ran out while a slowed worker handed its round over: the node,
+    marked leaving, sat outside every round for the rest of the job (issue 47)."""
+    assert on_membership(False, quarantined=False, etcd_lost=False, draining=True) == Rejoin(
+        "was quarantined", strike=False
+    )
+
+
 def test_a_fenced_node_keeps_live_workers_and_a_quarantined_one_stops_them() -> None:
     fenced = Rejoin("lost its place in the job (fenced)", strike=True)
     assert keeps_workers(fenced, quarantined=False, exit_codes=[None, None])

@@ -243,6 +243,7 @@ class Agent:
                 self.rdzv.fenced.is_set(),
                 self.node_id in view.quarantined,
                 self.rdzv.etcd_lost.is_set(),
+                draining=self.stop_signal is None and self.leaving.since is not None,
             )
             if isinstance(rejoin, decide.StopNode):  # run() stops the workers
                 self.leave_reason = f"etcd away beyond rendezvous.etcd_grace_s; {ETCD_LOST_FIX}"

@@ -134,18 +134,22 @@ class StopNode:
     Nothing is lost: the newest checkpoint stays, and a relaunch resumes from it."""
 
 
-def on_membership(fenced: bool, quarantined: bool, etcd_lost: bool) -> StopNode | Rejoin | None:
+def on_membership(
+    fenced: bool, quarantined: bool, etcd_lost: bool, draining: bool = False
+) -> StopNode | Rejoin | None:
     """Whether this node lost its place in the job, and what it does then (None: it did not).
 
     It lost it when etcd stayed away past the grace period (``etcd_lost``: no round can form, so
     the node stops). It lost it too when the server says its lease expired or a peer evicted it
-    (``fenced``), or when it is quarantined (by its own strikes or an operator). An etcd that is
-    merely away is none of these: the node trains on."""
+    (``fenced``), or when it is quarantined (by its own strikes or an operator). A node still
+    ``draining`` for a quarantine that ran out meanwhile (a short ``health.quarantine_s``) is
+    quarantined all the same: it said it leaves, so no round holds it until it joins again. An
+    etcd that is merely away is none of these: the node trains on."""
     if etcd_lost:
         return StopNode()
     if fenced:
         return Rejoin("lost its place in the job (fenced)", strike=True)
-    if quarantined:
+    if quarantined or draining:
         return Rejoin("was quarantined", strike=False)
     return None
 

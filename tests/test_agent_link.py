@@ -1,0 +1,78 @@
+"""The worker's end of the control channel in a planned leave, over a real socket pair.
+
+A draining agent asks its worker which step it can stop after, forms the round without the
+node, and sends a standby for after that step; it lets the node leave once the worker echoes
+the standby's number. These are the two ways that went wrong on a loaded machine (the degraded
+node's e2e test, issue 47): the standby came after the worker had begun the next step, whose
+all-reduce then failed on the peers that had left; and, the round left that way, the echo never
+came, so the node never left, nor joined again.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any
+
+import torch
+
+from elastic.agent_link import AgentLink
+from elastic.communicator import Communicator
+from elastic.control import Channel
+from elastic.ddp_hook import DDPHook
+
+WAIT_S = 10.0
+
+
+class Agent:
+    """The agent's end: sends messages, and keeps every one the worker sends but heartbeats."""
+
+    def __init__(self) -> None:
+        self.channel, theirs = Channel.pair()
+        comm = Communicator(torch.device("cpu"), timeout_s=5)
+        self.link = AgentLink(Channel(theirs), comm, DDPHook(comm))
+        self.received: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.channel.serve(self._keep, name="agent")
+
+    def _keep(self, msg: dict[str, Any]) -> None:
+        if msg["type"] != "status" or "stood_by" in msg:
+            self.received.put(msg)
+
+    def next(self, kind: str) -> dict[str, Any]:
+        while True:
+            msg = self.received.get(timeout=WAIT_S)
+            if msg["type"] == kind:
+                return msg
+
+    def ask_to_leave(self, in_flight: int) -> int:
+        """The worker trains step ``in_flight``; the step it says it can stop after."""
+        self.link.status.update(phase="step", step=in_flight)
+        self.channel.send("leave")
+        return int(self.next("leaving")["after_step"])
+
+
+def test_a_draining_worker_holds_at_its_step_until_the_standby_and_echoes_it() -> None:
+    agent = Agent()
+    after = agent.ask_to_leave(in_flight=18)
+    assert after == 19  # the peers may have begun step 19: it stops after that one
+    result: list[bool] = []
+    trainer = threading.Thread(target=lambda: result.append(agent.link.switch_due(after)))
+    trainer.start()
+    trainer.join(0.5)
+    assert trainer.is_alive(), "it began step 20 without its agent's word"
+    agent.channel.send("standby", after_step=after, seq=7)
+    trainer.join(WAIT_S)
+    assert result == [True]
+    assert agent.next("status")["stood_by"] == 7  # the agent may let the node leave
+    assert agent.link.comm.aborted
+
+
+def test_a_round_left_on_a_lost_peer_still_echoes_the_standby_and_drops_its_switch() -> None:
+    agent = Agent()
+    agent.link.status.update(phase="step", step=20)  # began step 20 before the standby came
+    agent.channel.send("standby", after_step=19, seq=8)
+    agent.ask_to_leave(in_flight=20)  # answered after the standby: the reader took that in
+    agent.link.left_round()  # step 20's all-reduce failed: the peers had left after 19
+    assert agent.next("status")["stood_by"] == 8
+    agent.link.status.update(phase="step", step=1)  # the next round's steps: no stale switch
+    assert not agent.link.switch_due(21)
