@@ -71,9 +71,17 @@ dist.destroy_process_group()
 
 # Loaded by every agent and worker (PYTHONPATH): SIGUSR1 prints every thread's stack to the log,
 # so that a job that does not finish says where each process waits.
-DUMP_ON_SIGNAL = """
+# What each agent's log keeps for a failure to be explained: every thread's stack on SIGUSR1,
+# torch's INFO lines (LOGLEVEL: each rendezvous's rank and world size, the exit barrier) and each
+# etcd-v3 store call's result (DEBUG). The exit barrier once hung 1 in 50 runs (issue 47).
+DIAGNOSTICS = """
 import faulthandler, signal
 faulthandler.register(signal.SIGUSR1, all_threads=True)
+import logging
+_h = logging.StreamHandler()
+_h.setFormatter(logging.Formatter("%(asctime)s %(process)d %(name)s: %(message)s"))
+logging.getLogger("launcher.torchrun").addHandler(_h)
+logging.getLogger("launcher.torchrun").setLevel(logging.DEBUG)
 """
 
 # Fast re-forming: a node whose heartbeat (every second) is 2 s old is dead; a round with the
@@ -201,9 +209,15 @@ def start_agents(tmp_path: Path, endpoint: str, job_id: str, nodes: int, steps: 
     run = tmp_path / "run"
     run.mkdir()
     (tmp_path / "diag").mkdir()
-    (tmp_path / "diag" / "sitecustomize.py").write_text(DUMP_ON_SIGNAL)
+    (tmp_path / "diag" / "sitecustomize.py").write_text(DIAGNOSTICS)
     path = os.pathsep.join(filter(None, [str(tmp_path / "diag"), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": path,
+        "LOGLEVEL": "INFO",
+    }
     env.pop("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", None)  # the agent needs none set
     agents = []
     for i in range(nodes):
@@ -237,7 +251,7 @@ def agent_logs(tmp_path: Path) -> str:
 
 
 def stacks(agents: list, tmp_path: Path) -> str:
-    """Every live agent's and worker's Python stacks (SIGUSR1, DUMP_ON_SIGNAL), with the tails of
+    """Every live agent's and worker's Python stacks (SIGUSR1, DIAGNOSTICS), with the tails of
     the logs they go to: what a job that did not finish was waiting on."""
     live = [a for a in agents if a.poll() is None]
     for agent in live:

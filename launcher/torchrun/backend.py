@@ -295,6 +295,7 @@ class EtcdV3Store(dist.Store):
         return self._patience.call(what, attempt, dist.DistNetworkError)
 
     def set(self, key: str, value: bytes | str) -> None:
+        log.debug("etcd-v3 store: set %r", key)
         self._call(
             f"a write of store key {key!r}",
             lambda: self._lease.call(
@@ -337,6 +338,7 @@ class EtcdV3Store(dist.Store):
                 ),
             )
             if written:
+                log.debug("etcd-v3 store: added %d to %r: %d", amount, key, new)
                 return new
             if time.monotonic() > deadline:
                 raise dist.DistStoreError(
@@ -385,6 +387,7 @@ class EtcdV3Store(dist.Store):
                     lambda key=key: self._client.get_response(self._k(key)),
                 )
                 if found.kvs:
+                    log.debug("etcd-v3 store: read %r", key)
                     values.append(found.kvs[0].value)
                     break
                 left = deadline - time.monotonic()
