@@ -80,13 +80,20 @@ class AgentLink:
     ) -> None:
         """Abort the current round now, or leave it to the training thread after ``after_step``.
 
-        ``stood_by``: the number of the agent's ``standby``, echoed once it is carried out."""
+        Now also when the step in flight is already past ``after_step``: every member of the new
+        round stops after that step, so none takes the next one. ``stood_by``: the number of the
+        agent's ``standby``, echoed once it is carried out."""
         with self._lock:
             self._switched.notify_all()
-            if after_step and self.status["phase"] in self.IN_ROUND:
+            in_round = self.status["phase"] in self.IN_ROUND
+            if after_step and in_round and self.status["step"] <= after_step:
                 self._switch = (after_step, reason, before_round, stood_by)
                 return
             self._switch, self._promised = None, 0
+        if after_step and in_round:
+            # Step after_step + 1 began before the word came: a node leaving after after_step
+            # never takes it, so it would end on a lost peer. It was not recorded: none is lost.
+            reason = f"{reason} (after step {after_step}; step {after_step + 1} was dropped)"
         self._abort(reason, before_round, stood_by)
 
     def _abort(self, reason: str, before_round: int | None, stood_by: int) -> None:

@@ -69,10 +69,20 @@ def test_a_draining_worker_holds_at_its_step_until_the_standby_and_echoes_it() -
 
 def test_a_round_left_on_a_lost_peer_still_echoes_the_standby_and_drops_its_switch() -> None:
     agent = Agent()
-    agent.link.status.update(phase="step", step=20)  # began step 20 before the standby came
+    agent.link.status.update(phase="step", step=19)  # the standby came during step 19
     agent.channel.send("standby", after_step=19, seq=8)
-    agent.ask_to_leave(in_flight=20)  # answered after the standby: the reader took that in
-    agent.link.left_round()  # step 20's all-reduce failed: the peers had left after 19
+    agent.ask_to_leave(in_flight=19)  # answered after the standby: the reader took that in
+    agent.link.left_round()  # step 19's all-reduce failed on a peer lost meanwhile
     assert agent.next("status")["stood_by"] == 8
     agent.link.status.update(phase="step", step=1)  # the next round's steps: no stale switch
     assert not agent.link.switch_due(21)
+
+
+def test_a_switch_that_comes_once_the_next_step_began_drops_that_step_at_once() -> None:
+    """The others' side of the same race: a survivor began step 20 before its assignment "after
+    step 19" came, and the leaver, holding at 19, never joins step 20's all-reduce."""
+    agent = Agent()
+    agent.link.status.update(phase="step", step=20)
+    agent.channel.send("standby", after_step=19, seq=9)
+    assert agent.next("status")["stood_by"] == 9  # carried out at once, not after step 20
+    assert agent.link.comm.aborted
