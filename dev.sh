@@ -40,7 +40,7 @@ command=${1:-run}
 case "$command" in
   run) exec python -m launcher "$@" ;;
   # Two tests at a time (pytest-xdist): most of a test's time is its processes starting and
-  # waiting on each other: two at once took 19.5 min of pytest on a clean clone on 2 cores. A
+  # waiting on each other: two at once took 17-21 min of pytest on a clean clone on 2 cores. A
   # module whose costly fixture is shared is kept on one worker (pytest.mark.xdist_group).
   test) ruff check . && exec python -m pytest -q -n "${ELASTIC_TEST_PROCS:-2}" --dist loadgroup "$@" ;;
   bench) exec python bench/recovery.py "$@" ;;
