@@ -80,7 +80,7 @@ class AgentLink:
     ) -> None:
         """Abort the current round now, or leave it to the training thread after ``after_step``.
 
-        Now also when the step in flight is already past ``after_step``: every member of the new
+        Now, too, when the step in flight is already past ``after_step``: every member of the new
         round stops after that step, so none takes the next one. ``stood_by``: the number of the
         agent's ``standby``, echoed once it is carried out."""
         with self._lock:
@@ -98,8 +98,13 @@ class AgentLink:
 
     def _abort(self, reason: str, before_round: int | None, stood_by: int) -> None:
         self.comm.abort(reason, before_round=before_round)
+        self._echo(stood_by)
+
+    def _echo(self, stood_by: int) -> None:
+        """Say at once that standby ``stood_by`` (0: none) is carried out.
+
+        A draining agent stops this worker when it has left its round, and not before."""
         if stood_by:
-            # Said at once: a draining agent stops this worker when it has left its round.
             self.status["stood_by"] = stood_by
             self.channel.send("status", waiting=False, **self.status)
 
@@ -128,9 +133,8 @@ class AgentLink:
         with self._lock:
             self.status["phase"] = "idle"  # a message from now on is carried out at once
             pending, self._switch, self._promised = self._switch, None, 0
-        if pending is not None and pending[3]:
-            self.status["stood_by"] = pending[3]
-            self.channel.send("status", waiting=False, **self.status)
+        if pending is not None:
+            self._echo(pending[3])
 
     def next_assignment(self, after: int, timeout: float) -> Assignment | None:
         """The newest assignment to a round later than ``after``; None on timeout."""

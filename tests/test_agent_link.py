@@ -2,10 +2,10 @@
 
 A draining agent asks its worker which step it can stop after, forms the round without the
 node, and sends a standby for after that step; it lets the node leave once the worker echoes
-the standby's number. These are the two ways that went wrong on a loaded machine (the degraded
+the standby's number. These are the ways that went wrong on a loaded machine (the degraded
 node's e2e test, issue 47): the standby came after the worker had begun the next step, whose
-all-reduce then failed on the peers that had left; and, the round left that way, the echo never
-came, so the node never left, nor joined again.
+all-reduce then failed on the peers that had left; the round left that way, the echo never came,
+so the node never left, nor joined again; and a survivor's word came once it had begun that step.
 """
 
 from __future__ import annotations
