@@ -3,7 +3,7 @@
 The channel is :mod:`elastic.control`. Why a thread of its own: a new assignment must reach a
 worker whose training thread is stuck in a collective on a peer that will never answer; the
 reader aborts the communicator, which pulls the training thread out. A planned leave is instead
-carried out by the training thread between two steps (:meth:`AgentLink.switch_due`), so that no
+carried out by the training thread between two steps (:meth:`AgentLink.begin_step`), so that no
 step in flight is dropped.
 """
 
@@ -68,10 +68,10 @@ class AgentLink:
             reason = "this node is not in the current round"
             self._leave_round(msg.get("after_step", 0), reason, stood_by=msg.get("seq", 0))
         elif kind == "leave":
-            in_round = self.status["phase"] in self.IN_ROUND
-            # Peers may have started the step after the one in flight: stop after that one.
-            after = self.status["step"] + 1 if in_round else 0
-            with self._lock:
+            with self._lock:  # the step in flight, as begin_step marks it
+                in_round = self.status["phase"] in self.IN_ROUND
+                # Peers may have started the step after the one in flight: stop after that one.
+                after = self.status["step"] + 1 if in_round else 0
                 self._promised = after
             self.channel.send("leaving", after_step=after)
 
@@ -108,22 +108,25 @@ class AgentLink:
             self.status["stood_by"] = stood_by
             self.channel.send("status", waiting=False, **self.status)
 
-    def switch_due(self, step: int) -> bool:
-        """Leave the round now if a planned switch is due; whether it did.
+    def begin_step(self, step: int) -> bool:
+        """Begin ``step``, unless a planned switch is due first; whether it began.
 
-        Called by the training thread between steps, with the last step trained. The
-        communicator is aborted, as by a message. Past the step it told a draining agent it can
-        stop after, it waits up to :data:`HOLD_S` for the agent's switch before it starts
-        another: its peers stop there, and a step begun without them would fail on a lost peer."""
+        Called by the training thread between steps. A due switch aborts the communicator, as a
+        message does. The step is marked begun under the lock the message reader takes, so a
+        switch that comes later finds it begun (:meth:`_leave_round`). Past the step it told a
+        draining agent it can stop after, it waits up to :data:`HOLD_S` for the agent's switch:
+        its peers stop there, and a step begun without them would fail on a lost peer."""
+        last = step - 1
         with self._lock:
-            if self._switch is None and self._promised and step >= self._promised:
+            if self._switch is None and self._promised and last >= self._promised:
                 self._switched.wait_for(lambda: self._switch is not None, HOLD_S)
-            if self._switch is None or step < self._switch[0]:
-                return False
+            if self._switch is None or last < self._switch[0]:
+                self.status.update(phase="step", step=step)
+                return True
             _, reason, before_round, stood_by = self._switch
             self._switch, self._promised = None, 0
-        self._abort(f"{reason} (after step {step}, as planned)", before_round, stood_by)
-        return True
+        self._abort(f"{reason} (after step {last}, as planned)", before_round, stood_by)
+        return False
 
     def left_round(self) -> None:
         """The training thread left its round some other way (a lost peer, an abort).
