@@ -14,7 +14,9 @@ import queue
 import threading
 from typing import Any
 
+import pytest
 import torch
+import torch.distributed as dist
 
 from elastic.agent_link import AgentLink
 from elastic.communicator import Communicator
@@ -98,3 +100,21 @@ def test_a_step_begun_and_a_switch_that_comes_then_see_each_other() -> None:
     assert agent.link.status["step"] == 20  # begun as the check passed, not later
     agent.channel.send("standby", after_step=19, seq=10)
     assert agent.next("status")["stood_by"] == 10
+
+
+def test_a_worker_leaving_as_planned_says_so_once_the_next_round_is_being_set_up() -> None:
+    """The leaver's agent stops it once it says it left. A survivor may still be in step 20's
+    all-reduce, its own assignment not yet read (0.3 s on 2 loaded cores, the degraded-node
+    loop): stopped then, the leaver broke that step as a lost peer would. So it says it left
+    once every member of the next round reached that round's set-up, on the round's store."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    agent = Agent()
+    agent.link.status.update(phase="step", step=20)  # held: the leaver's step 20 never begins
+    handover = {"next_round": 2, "world_size": 2, "store_host": "127.0.0.1"}
+    agent.channel.send("standby", after_step=19, seq=11, store_port=server.port, **handover)
+    server.set("round2/arrived/0", b"")
+    with pytest.raises(queue.Empty):  # rank 1 of round 2 is still in round 1
+        agent.received.get(timeout=0.5)
+    server.set("round2/arrived/1", b"")
+    assert agent.next("status")["stood_by"] == 11
+    assert agent.link.comm.aborted
