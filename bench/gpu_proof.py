@@ -406,6 +406,10 @@ def run_part(part: Part, ctx: Context, limit_s: float) -> Result:
             stdout=sink,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            # Started in the background by a non-interactive shell (nohup ... &), this process
+            # ignores SIGINT, and a child would inherit that: Python would then never raise
+            # KeyboardInterrupt, and stop() would have to kill it without its clean-ups.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         try:
             result.returncode = child.wait(timeout=limit_s)
