@@ -79,7 +79,9 @@ def test_a_scripted_campaign_keeps_the_invariants_and_reports_each_fault_and_the
     flipped = report["faults"][4]
     assert "repaired" in flipped["breakdown"], flipped  # by the next replica check
     slow = report["faults"][6]
-    assert slow["detected_s"] is not None and slow["detected_s"] < 8, slow  # named, in time
+    # Named while it is slow (the script's duration_s: 15). Two comparisons of 2 steps take about
+    # 4-5 s here, but CI's second test slows the steps: 9.6 s once, where this bound was 8 s.
+    assert slow["detected_s"] is not None and slow["detected_s"] < 15, slow
     assert "evicted" not in slow["breakdown"]  # health.straggler=warn
     for f in report["faults"]:
         assert f["stall_s"] is not None and f["stall_s"] < 60, f
