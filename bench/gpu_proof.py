@@ -27,10 +27,11 @@ nccl-ranks               100  ``bench/nccl_ranks.py``: 3 NCCL ranks on the one G
                               build the next group? Under ours, then torch's defaults;
                               a rank that does not end gets its stacks dumped (py-spy)
 recovery                 140  ``python -m chaos``: three simulated nodes share the GPU over
-                              gloo (``comm.backend=gloo``: NCCL refuses two ranks on one
-                              device) and one is SIGKILLed: the stall, the state taken from a
-                              peer's GPU memory, the invariants; then a one-node NCCL job
-                              whose worker is SIGKILLed and loads the checkpoint on the GPU
+                              NCCL, each a host of its own to it (``NCCL_HOSTID``); ten are
+                              SIGKILLed and one frozen: the stalls, the state taken from a
+                              peer's GPU memory, host and GPU memory at each round's entry,
+                              the invariants; then a one-node NCCL job whose worker is
+                              SIGKILLed and loads the checkpoint on the GPU
 checkpoint                35  ``bench/checkpoint.py --device cuda``: the ResNet-50 state saved
                               from GPU memory, our stall against ``torch.save`` + fsync and
                               DCP's ``async_save``
@@ -44,8 +45,9 @@ throughput                80  ``bench/throughput.py``: ResNet-50, 224 px, bf16,
 ====================  ======  ===========================================================
 
 NCCL refuses two ranks of one communicator on one device unless each passes for a host of its
-own: ``nccl-ranks`` probes that first and reports a refusal word for word; every other part's
-multi-rank paths are proven on gloo by the test suite.
+own (``NCCL_HOSTID``, which it took on the H100 and the H200): ``nccl-ranks`` probes that first
+and reports a refusal word for word, and the simulated nodes of ``recovery`` do the same
+(:func:`launcher.local_cluster.nccl_host_environ`).
 
 ``--device cpu`` runs the same parts in a reduced form (small sizes, gloo; the GPU tests skip;
 recovery only from a checkpoint, no decoding on the device), which CI runs so that this script
@@ -74,9 +76,10 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 BUDGET_S = 525.0
@@ -292,20 +295,20 @@ def checkpoint_headline(output: str, ctx: Context) -> str:
 
 
 # The recovery part's campaigns (python -m chaos, conf/campaign/gpu*.yaml): on CUDA, three
-# simulated nodes share the GPU over gloo (NCCL refuses two ranks on one device) and one is
-# killed; then a one-node NCCL job's worker is killed and loads the checkpoint. On the CPU the
+# simulated nodes share the GPU over NCCL, each a host of its own to it, and are killed again and
+# again; then a one-node NCCL job's worker is killed and loads the checkpoint. On the CPU the
 # second alone, small: in-place recovery on the CPU is the test suite's.
 CAMPAIGNS: dict[str, tuple[tuple[str, str, tuple[str, ...]], ...]] = {
     "cuda": (
         (
-            "peers",
-            "3 nodes on one GPU over gloo, a node SIGKILLed",
+            "nccl",
+            "3 nodes on one GPU over NCCL, 10 SIGKILLed and 1 frozen",
             (
-                "campaign=gpu",
+                "campaign=gpu_nccl",
                 "cluster.nodes=3",
-                "comm.backend=gloo",
                 "health.gpu_memory_fraction=0.2",  # three health checks share the GPU
-                "trainer.epochs=8",
+                "health.max_strikes=20",  # each kill is a strike
+                "trainer.epochs=14",
             ),
         ),
         (
@@ -329,7 +332,7 @@ CAMPAIGNS: dict[str, tuple[tuple[str, str, tuple[str, ...]], ...]] = {
     ),
 }
 PART_LIMIT_ENV = "GPU_PROOF_PART_LIMIT_S"  # a part's limit, as its child sees it
-LAST_CAMPAIGN_S = 25.0  # what the first campaign leaves the second of the recovery part's limit
+LAST_CAMPAIGN_S = 40.0  # what the first campaign leaves the second of the recovery part's limit
 
 
 def recovery_argv(ctx: Context) -> list[str]:
@@ -594,11 +597,16 @@ def judge_campaign(run_dir: Path, name: str, what: str, code: int | None) -> dic
     from elastic.events import read_events  # the same: rotated files too
 
     report_file = run_dir / "chaos" / "report.json"
+    events = read_events(run_dir) if run_dir.is_dir() else []
+    memory = memory_across_rounds(events)
     if not report_file.exists():
         ended = "timed out" if code is None else f"exited {code}"
-        return {"name": name, "ok": False, "summary": f"{what}: no report ({ended})"}
+        struck = len(ev.FAULT_INJECTED.of(events))
+        summary = f"{what}: no report ({ended}) after {struck} fault(s) struck"
+        if memory:
+            summary += f"; {memory['summary']}"
+        return {"name": name, "ok": False, "summary": summary, "memory": memory}
     report = json.loads(report_file.read_text())
-    events = read_events(run_dir)
     struck = min((f["ts"] for f in report["faults"]), default=float("inf"))
     after = [e for e in events if e["ts"] > struck]
     sources = sorted(
@@ -618,6 +626,8 @@ def judge_campaign(run_dir: Path, name: str, what: str, code: int | None) -> dic
     verdict = "PASS" if report["ok"] else "FAIL: " + "; ".join(report["violations"])[:200]
     origins = ", ".join(origin) or "state kept"
     summary = f"{what}: {stalls or 'no fault struck'}; {origins}; {verdict}"
+    if memory:
+        summary += f"; {memory['summary']}"
     return {
         "name": name,
         "ok": bool(report["ok"]) and bool(report["faults"]) and code == 0,
@@ -627,7 +637,31 @@ def judge_campaign(run_dir: Path, name: str, what: str, code: int | None) -> dic
         "state_sources": sources,
         "checkpoints_loaded": loaded,
         "violations": report["violations"],
+        "memory": memory,
     }
+
+
+def memory_across_rounds(events: list[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The memory in use at each round's entry, on the node that entered the most rounds.
+
+    That node outlived the most recoveries: its host memory, and the GPU's, from its first round
+    to its last show whether a recovery leaks. None before any worker recorded it."""
+    from elastic import event_types as ev  # judge_campaign put the repo on the path
+
+    rounds: dict[str, list[Mapping[str, Any]]] = {}
+    for e in ev.STATE_SYNCED.of(events):
+        if e.get("rss_mib") is not None:
+            rounds.setdefault(e["node"], []).append(e)
+    if not rounds:
+        return None
+    node, seen = max(rounds.items(), key=lambda kv: len(kv[1]))
+    rss = [e["rss_mib"] for e in seen]
+    device = [e["device_used_mib"] for e in seen if e.get("device_used_mib") is not None]
+    text = f"{node} over {len(seen)} rounds: host {rss[0]:.0f} -> {rss[-1]:.0f} MiB"
+    text += f" (most {max(rss):.0f})"
+    if device:
+        text += f", GPU used {device[0]:.0f} -> {device[-1]:.0f} MiB (most {max(device):.0f})"
+    return {"node": node, "rss_mib": rss, "device_used_mib": device, "summary": text}
 
 
 def probe_environment(into: Path) -> None:

@@ -270,7 +270,10 @@ CURVES_OFF = _declare(
     "rank 0 writes no TensorBoard curves, and why (elastic/curves.py)",
 )
 STATE_SYNCED = _declare(
-    "state_synced", "worker", "step source digest", "every rank: the state a round starts from"
+    "state_synced",
+    "worker",
+    "step source digest rss_mib device_used_mib",
+    "every rank: the state a round starts from, and the memory in use then",
 )
 STATE_DIGEST = _declare(
     "state_digest", "worker", "step digest", "every rank: a hash of its replica"

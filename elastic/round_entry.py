@@ -9,11 +9,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
+import psutil
+import torch
+
 from elastic import event_types as ev
 from elastic.checkpoint import CheckpointManager
 from elastic.control import Assignment
 from elastic.state import Progress, sync_state
 from elastic.worker import Worker
+
+MIB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,19 @@ class RoundStart:
     assigned_at: float
     pg_ready_at: float
     synced_at: float
+
+
+def memory_in_use(device: torch.device) -> dict[str, float | None]:
+    """This process's host memory, and the GPU's used memory (every process's), in MiB.
+
+    Recorded at every round's entry, so that a leak across recoveries shows in the event log
+    (the GPU proof's NCCL campaign reads it). The GPU's figure is the device's, not this
+    process's: NCCL's buffers are outside torch's allocator."""
+    used = None
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = (total - free) / MIB
+    return {"rss_mib": psutil.Process().memory_info().rss / MIB, "device_used_mib": used}
 
 
 def enter_round(w: Worker, a: Assignment, ckpt: CheckpointManager) -> RoundStart:
@@ -51,7 +69,13 @@ def enter_round(w: Worker, a: Assignment, ckpt: CheckpointManager) -> RoundStart
     w.progress, w.trained_round = progress, a.round
     w.nonfinite.rolled_back()  # skipped steps in a row count within a round: every rank alike
     synced_at = time.time()
-    w.events.emit(ev.STATE_SYNCED, step=progress.step, source=source, digest=w.state.digest())
+    w.events.emit(
+        ev.STATE_SYNCED,
+        step=progress.step,
+        source=source,
+        digest=w.state.digest(),
+        **memory_in_use(w.device),
+    )
 
     progress = fit_world(w, a, progress)
     global_batch = progress.global_batch

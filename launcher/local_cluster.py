@@ -4,6 +4,9 @@ Each simulated node is an agent in its own session and process group, so a fault
 a whole node (the agent and every worker under it) with one signal, as a machine failure would.
 Unless ``cluster.etcd_endpoints`` names a running etcd, an embedded one is started for the job,
 of ``cluster.embedded_etcd_members`` members (1, or 3 to survive the loss of one).
+
+On NCCL, each simulated node passes for a host of its own (:func:`nccl_host_environ`): NCCL
+refuses two ranks of one communicator on one GPU of one host, and a test machine has one GPU.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from types import FrameType
 from typing import Any
 
 from elastic import event_types as ev
-from elastic.config import Config
+from elastic.config import CommBackend, Config, Device
 from elastic.control import EXIT_UNSAVED
 from elastic.events import EventFollower
 from elastic.lifeline import tied
@@ -104,6 +107,24 @@ def _etcd_for(cfg: Config, run_dir: Path, logs: Path) -> tuple[EmbeddedEtcd | No
     return etcd, etcd.endpoints
 
 
+# Each simulated node a host of its own to NCCL, its peers reached over sockets on loopback.
+# NCCL 2.28 takes a host's identity from NCCL_HOSTID when it is set (src/misc/utils.cc).
+NCCL_LOOPBACK = {"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1", "NCCL_NVLS_ENABLE": "0"}
+
+
+def nccl_host_environ(cfg: Config, node: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """What the agent of simulated node ``node`` adds to its environment, for its workers' NCCL.
+
+    With several nodes on CUDA and NCCL, each gets an ``NCCL_HOSTID`` of its own, so that NCCL
+    takes the ranks of nodes that share a GPU (3 ranks on one H100 and one H200, 2026-11-28), and
+    talks over loopback sockets as separate hosts would. A variable ``environ`` sets is kept."""
+    cluster, backend = cfg.cluster, cfg.comm.backend
+    if cluster.nodes < 2 or cluster.device != Device.cuda or backend != CommBackend.auto:
+        return {}
+    wanted = {"NCCL_HOSTID": f"{cfg.job_id}-{node}", **NCCL_LOOPBACK}
+    return {k: v for k, v in wanted.items() if k not in environ}
+
+
 def _start_agent(
     cfg: Config, config_path: Path, node: str, endpoints: list[str], logs: Path
 ) -> subprocess.Popen[bytes]:
@@ -134,7 +155,7 @@ def _start_agent(
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, **nccl_host_environ(cfg, node, os.environ), "PYTHONUNBUFFERED": "1"},
         )
 
 

@@ -66,6 +66,9 @@ def test_the_reduced_form_runs_every_built_part_and_reports_each(tmp_path: Path)
     assert ranks["set_up"] and all(r["next_group"]["ok"] for r in ranks["ranks"][:-1])
     assert parts["nccl-ranks"]["headline"].startswith("ours: 2/2 survivors lived")
     assert "DCP `async_save`: stall" in parts["checkpoint"]["headline"]
+    [campaign] = parts["recovery"]["data"]["campaigns"]  # every round's entry records memory
+    assert campaign["memory"]["rss_mib"] and campaign["memory"]["device_used_mib"] == []
+    assert "host " in parts["recovery"]["headline"]
     markdown = (out / "report.md").read_text()
     for name in status:
         assert f"| {name} |" in markdown

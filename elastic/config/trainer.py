@@ -32,8 +32,8 @@ class CommBackend(Choice):
     """The collective library of the training group."""
 
     auto = "auto"  # NCCL on CUDA, gloo on the CPU
-    # gloo on CUDA tensors: a test aid, for simulated nodes that share one GPU (NCCL refuses two
-    # ranks on one device); slow, and never for a real job.
+    # gloo on CUDA tensors: a test aid, for simulated nodes that share one GPU without NCCL (on
+    # NCCL each passes for a host of its own: launcher.local_cluster); slow, never for a real job.
     gloo = "gloo"
 
 
