@@ -3,7 +3,7 @@
 The channel is :mod:`elastic.control`. Why a thread of its own: a new assignment must reach a
 worker whose training thread is stuck in a collective on a peer that will never answer; the
 reader aborts the communicator, which pulls the training thread out. A planned leave is instead
-carried out by the training thread between two steps (:meth:`AgentLink.switch_due`), so that no
+carried out by the training thread between two steps (:meth:`AgentLink.begin_step`), so that no
 step in flight is dropped.
 """
 
@@ -19,6 +19,7 @@ from typing import Any
 from elastic.communicator import Communicator
 from elastic.control import Assignment, Channel
 from elastic.ddp_hook import DDPHook
+from elastic.group_setup import set_up_begun
 
 log = logging.getLogger("elastic.trainer")
 
@@ -28,6 +29,11 @@ HEARTBEAT_S = 0.5  # how often the worker tells its agent its phase and step
 # down the channel, which on 2 loaded cores took longer than a step (50 ms against 40). Well
 # under health.watchdog_s, so that a held worker is never taken for a frozen one.
 HOLD_S = 5.0
+# How long a worker leaving as planned waits, before it says it left, for the members of the
+# next round to reach its set-up: one may still be in the step after the last, waiting on this
+# worker, until its own assignment comes (0.3 s on 2 loaded cores); were this worker stopped
+# first, that step's all-reduce would fail on a lost peer. Bounded, since that round may fail.
+HANDOVER_S = 5.0
 
 
 class AgentLink:
@@ -48,6 +54,8 @@ class AgentLink:
         # A planned switch: (after step, reason, the new round, the standby's number or 0)
         self._switch: tuple[int, str, int | None, int] | None = None
         self._promised = 0  # the step this worker told a draining agent it can stop after
+        # A planned leave's standby names the round that follows: store, round, world size.
+        self._handover: dict[str, Any] | None = None
         channel.serve(self._on_message, name="agent-link")
         threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
 
@@ -65,13 +73,14 @@ class AgentLink:
             self._leave_round(assignment.after_step, reason, assignment.round)
         elif kind == "standby":
             self._inbox.put(None)
+            self._handover = msg if "next_round" in msg else None
             reason = "this node is not in the current round"
             self._leave_round(msg.get("after_step", 0), reason, stood_by=msg.get("seq", 0))
         elif kind == "leave":
-            in_round = self.status["phase"] in self.IN_ROUND
-            # Peers may have started the step after the one in flight: stop after that one.
-            after = self.status["step"] + 1 if in_round else 0
-            with self._lock:
+            with self._lock:  # the step in flight, as begin_step marks it
+                in_round = self.status["phase"] in self.IN_ROUND
+                # Peers may have started the step after the one in flight: stop after that one.
+                after = self.status["step"] + 1 if in_round else 0
                 self._promised = after
             self.channel.send("leaving", after_step=after)
 
@@ -101,29 +110,40 @@ class AgentLink:
         self._echo(stood_by)
 
     def _echo(self, stood_by: int) -> None:
-        """Say at once that standby ``stood_by`` (0: none) is carried out.
+        """Say that standby ``stood_by`` (0: none) is carried out.
 
-        A draining agent stops this worker when it has left its round, and not before."""
-        if stood_by:
-            self.status["stood_by"] = stood_by
-            self.channel.send("status", waiting=False, **self.status)
+        A draining agent stops this worker when it has left its round, and not before. Leaving
+        as planned, it says so once the next round's members have all left theirs
+        (:data:`HANDOVER_S`)."""
+        if not stood_by:
+            return
+        h = self._handover
+        if h and not set_up_begun(
+            h["store_host"], h["store_port"], h["next_round"], h["world_size"], HANDOVER_S
+        ):
+            log.warning("round %d not set up within %.0f s; leaving", h["next_round"], HANDOVER_S)
+        self.status["stood_by"] = stood_by
+        self.channel.send("status", waiting=False, **self.status)
 
-    def switch_due(self, step: int) -> bool:
-        """Leave the round now if a planned switch is due; whether it did.
+    def begin_step(self, step: int) -> bool:
+        """Begin ``step``, unless a planned switch is due first; whether it began.
 
-        Called by the training thread between steps, with the last step trained. The
-        communicator is aborted, as by a message. Past the step it told a draining agent it can
-        stop after, it waits up to :data:`HOLD_S` for the agent's switch before it starts
-        another: its peers stop there, and a step begun without them would fail on a lost peer."""
+        Called by the training thread between steps. A due switch aborts the communicator, as a
+        message does. The step is marked begun under the lock the message reader takes, so a
+        switch that comes later finds it begun (:meth:`_leave_round`). Past the step it told a
+        draining agent it can stop after, it waits up to :data:`HOLD_S` for the agent's switch:
+        its peers stop there, and a step begun without them would fail on a lost peer."""
+        last = step - 1
         with self._lock:
-            if self._switch is None and self._promised and step >= self._promised:
+            if self._switch is None and self._promised and last >= self._promised:
                 self._switched.wait_for(lambda: self._switch is not None, HOLD_S)
-            if self._switch is None or step < self._switch[0]:
-                return False
+            if self._switch is None or last < self._switch[0]:
+                self.status.update(phase="step", step=step)
+                return True
             _, reason, before_round, stood_by = self._switch
             self._switch, self._promised = None, 0
-        self._abort(f"{reason} (after step {step}, as planned)", before_round, stood_by)
-        return True
+        self._abort(f"{reason} (after step {last}, as planned)", before_round, stood_by)
+        return False
 
     def left_round(self) -> None:
         """The training thread left its round some other way (a lost peer, an abort).

@@ -104,12 +104,15 @@ class Channel:
     the other reads end-of-file at once. Agent to worker: ``assign`` (round, rank, world size,
     store address) and ``standby`` (leave the current round and wait; numbered by ``seq``), each
     at once or, with ``after_step``, once that step is trained (a planned leave switches rounds
-    between two steps); ``leave`` (this node is about to leave: say after which step). Worker to
-    agent: ``ready``, ``status`` (step, phase, round, and ``stood_by``: the ``seq`` of the last
-    standby carried out, sent at once), ``peer_lost`` (round, error), ``leaving``
-    (after_step: the step the node can stop after), ``straggler`` (step, slowdown: this rank
-    found itself a straggler; the agent acts on ``health.straggler``) and ``strike`` (reason:
-    this rank found its node at fault, a corrupt replica or a run of non-finite steps).
+    between two steps; a planned leave's standby also names the next round, its store and world
+    size: ``next_round``, ``store_host``, ``store_port``, ``world_size``); ``leave`` (this node
+    is about to leave: say after which step). Worker to agent: ``ready``, ``status`` (step,
+    phase, round, and ``stood_by``: the ``seq`` of the last standby carried out, sent at once,
+    or in a planned leave once the next round's members all reached its set-up),
+    ``peer_lost`` (round, error), ``leaving`` (after_step: the step the node can stop after),
+    ``straggler`` (step, slowdown: this rank found itself a straggler; the agent acts on
+    ``health.straggler``) and ``strike`` (reason: this rank found its node at fault, a corrupt
+    replica or a run of non-finite steps).
     """
 
     def __init__(self, sock: socket.socket) -> None:

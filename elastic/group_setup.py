@@ -10,6 +10,7 @@ communicator decides which to make (:mod:`elastic.nccl_group`) and keeps the rou
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -47,8 +48,7 @@ def meet(
     offers: list[bytes] = []
 
     def wait_for_peers() -> None:
-        prefix = f"round{assignment.round}/arrived/"
-        keys = [f"{prefix}{rank}" for rank in range(assignment.world_size)]
+        keys = arrival_keys(assignment.round, assignment.world_size)
         pause = MEET_FIRST_PAUSE_S
         try:
             store = dist.TCPStore(
@@ -83,6 +83,30 @@ def meet(
     if errors:
         raise errors[0]
     return offers
+
+
+def arrival_keys(round_: int, world_size: int) -> list[str]:
+    """The keys by which the ranks of round ``round_`` say on its store they reached its set-up."""
+    return [f"round{round_}/arrived/{rank}" for rank in range(world_size)]
+
+
+def set_up_begun(host: str, port: int, round_: int, world_size: int, timeout_s: float) -> bool:
+    """Whether every rank of round ``round_`` reached its set-up within ``timeout_s``.
+
+    Then none is in the previous round any more. A worker leaving that round as planned asks
+    before it goes (:meth:`elastic.agent_link.AgentLink`). On a thread of its own, as in
+    :func:`meet`: a store client connecting to a frozen host hangs whatever its timeout."""
+    begun = threading.Event()
+
+    def wait() -> None:
+        with contextlib.suppress(dist.DistError):  # the store is gone: the answer is no
+            timeout = timedelta(seconds=timeout_s)
+            store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+            store.wait(arrival_keys(round_, world_size))
+            begun.set()
+
+    threading.Thread(target=wait, name=f"await-round{round_}", daemon=True).start()
+    return begun.wait(timeout_s)
 
 
 def init_group(

@@ -276,7 +276,7 @@ def train_steps(w: Worker, s: Steps, ddp: DistributedDataParallel) -> Action:
     loader = make_loader(w.dataset, batches, w.loader_workers, w.device, w.job.collate())
     for batch in Prefetcher(loader, w.device, w.job.to_device):
         progress = s.progress
-        if w.comm.aborted or w.link.switch_due(progress.step):
+        if w.comm.aborted or not w.link.begin_step(progress.step + 1):
             raise RoundAborted("a new round was announced")
         w.chaos.before_step(w.state, w.events, progress.step)
         plan = w.sampler.plan(
@@ -293,7 +293,6 @@ def train_steps(w: Worker, s: Steps, ddp: DistributedDataParallel) -> Action:
             )
         lr = w.policy.lr(progress.samples_seen, global_batch, progress.ramp)
         w.state.apply({"lr": lr, **step_settings(cfg.optim, progress.samples_seen, len(w.dataset))})
-        w.link.status.update(phase="step", step=progress.step + 1)
         poison = w.chaos.poison(rank, progress.step + 1)
         loss, metrics, taken, finite = train_step(w, ddp, batch, plan, world, poison)
         sampler = w.sampler.advance(progress.sampler, plan)

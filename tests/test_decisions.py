@@ -301,7 +301,7 @@ def test_a_round_without_this_node_puts_the_workers_on_standby() -> None:
     old = Round.build(3, [node("a", 1), node("b", 2)])
     new = Round.build(4, [node("a", 1)])
     view = job(new, node("a", 1), node("b", 2))
-    assert follow_round(view, me("b"), current=old, workers_ready=True) == Standby(4)
+    assert follow_round(view, me("b"), current=old, workers_ready=True) == Standby(new)
     assert follow_round(view, me("b"), current=None, workers_ready=True) is None  # standing by
 
 
@@ -309,9 +309,9 @@ def test_a_round_of_an_older_registration_or_incarnation_is_not_this_node() -> N
     old = Round.build(3, [node("a", 1), node("b", 2)])
     rnd = Round.build(4, [node("a", 1), node("b", 2)])
     registered_again = job(rnd, node("a", 1), node("b", 7))
-    assert follow_round(registered_again, me("b"), old, True) == Standby(4)
+    assert follow_round(registered_again, me("b"), old, True) == Standby(rnd)
     # b reported a failure (incarnation 1) that the view does not show yet
-    assert follow_round(job(rnd, node("a", 1), node("b", 2)), me("b", 1), old, True) == Standby(4)
+    assert follow_round(job(rnd, node("a", 1), node("b", 2)), me("b", 1), old, True) == Standby(rnd)
 
 
 def test_a_round_that_is_not_intact_or_workers_not_ready_waits() -> None:
@@ -329,7 +329,7 @@ def test_a_planned_leave_hands_its_step_to_the_workers_of_both_sides() -> None:
     old = Round.build(3, [a, b])
     new = Round.build(4, [a], after_step=16)
     view = job(new, a, leaving(b, 16))
-    assert follow_round(view, me("b"), current=old, workers_ready=True) == Standby(4, 16)
+    assert follow_round(view, me("b"), current=old, workers_ready=True) == Standby(new, 16)
     step = follow_round(view, me("a"), current=old, workers_ready=True)
     assert isinstance(step, Assign) and [x.after_step for x in step.assignments] == [16]
     # A node that was in no round has no step to finish: it starts at once.

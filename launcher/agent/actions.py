@@ -58,8 +58,8 @@ class Actions:
         """Send the workers into a new round that lists this node, or to standby if it does not."""
         step = decide.follow_round(view, self._rdzv.node, self.current, self._workers.ready)
         if isinstance(step, decide.Standby):
-            self._workers.standby(step.after_step)
-            self._events.emit(ev.STANDBY, round=step.round, after_step=step.after_step)
+            self._workers.standby(step.after_step, step.round)
+            self._events.emit(ev.STANDBY, round=step.round.number, after_step=step.after_step)
             self.current = None
         elif isinstance(step, decide.Assign):
             rnd, me = step.round, step.member

@@ -345,9 +345,10 @@ class Standby:
     """The new round does not list this node: its workers leave theirs and wait.
 
     They leave after step ``after_step`` of theirs when the node leaves as planned (0: at
-    once)."""
+    once); then they wait for the members of ``round`` to set it up before they say they left,
+    since a member may still be in the step after that one with them (:mod:`elastic.agent_link`)."""
 
-    round: int
+    round: Round
     after_step: int = 0
 
 
@@ -370,7 +371,7 @@ def follow_round(
     mine = view.nodes.get(me.node_id)
     member = view.is_member(mine) if mine and mine.incarnation == me.incarnation else None
     if member is None:
-        return Standby(rnd.number, rnd.after_step) if current is not None else None
+        return Standby(rnd, rnd.after_step) if current is not None else None
     if not view.round_intact() or not workers_ready:
         return None
     return Assign(rnd, member, tuple(assignments(current, rnd, member)))

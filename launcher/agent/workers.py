@@ -38,6 +38,7 @@ from launcher.agent.inbox import (
     WorkerStrike,
 )
 from launcher.agent.watchdog import Watchdog
+from launcher.rendezvous.membership import Round
 
 log = logging.getLogger(__name__)
 
@@ -256,13 +257,23 @@ class WorkerGroup:
         for slot, a in zip(self.slots, assignments, strict=True):
             slot.send("assign", **asdict(a))
 
-    def standby(self, after_step: int = 0) -> None:
+    def standby(self, after_step: int = 0, successor: Round | None = None) -> None:
         """Take the workers out of their round, at once or after ``after_step``.
 
-        The request is numbered, so that :attr:`out_of_round` knows when they did."""
+        A planned leave names the round that follows theirs (``successor``), whose set-up they
+        await before they say they left. The request is numbered, so that :attr:`out_of_round`
+        knows when they did."""
         self.standby_seq += 1
+        handover = {}
+        if after_step and successor is not None:
+            handover = {
+                "next_round": successor.number,
+                "world_size": successor.world_size,
+                "store_host": successor.store_host,
+                "store_port": successor.store_port,
+            }
         for slot in self.slots:
-            slot.send("standby", after_step=after_step, seq=self.standby_seq)
+            slot.send("standby", after_step=after_step, seq=self.standby_seq, **handover)
 
     def kill_frozen(self) -> None:
         """Kill the workers the watchdog takes for frozen; they are restarted as crashed."""
