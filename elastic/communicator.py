@@ -153,8 +153,8 @@ class Communicator:
     def _abort_group_if_needed(self) -> None:
         """Abort the NCCL communicator unless it is idle and healthy.
 
-        The test is :func:`elastic.nccl_group.must_abort`: an abort costs 0.5-1 s, a destroy
-        milliseconds. One with a failed collective is never destroyed without an abort, since
+        The test is :func:`elastic.nccl_group.must_abort` (what each costs is written there).
+        One with a failed collective is never destroyed without an abort, since
         the destroy may wait for the failed kernel (a survivor hung so on the GPU machine,
         2026-11-28)."""
         if self.backend != "nccl" or not dist.is_initialized():
