@@ -6,8 +6,16 @@ makes happen: the survivors would die with it before their agent moved them to t
 And a non-blocking communicator's own calls (its set-up, its abort) wait up to
 ``TORCH_NCCL_NONBLOCKING_TIMEOUT``, 30 minutes. A worker on NCCL sets both before its first group:
 no handling (the communicator fails the round's collectives itself, and aborts them) and the
-round's ``rendezvous.pg_timeout_s``. What the worker's environment already sets is kept, as the
-user asked; a handling that would end survivors is named in a warning, with the fix.
+round's ``rendezvous.pg_timeout_s``.
+
+It also turns off the flight recorder's dump on a failure (:data:`NO_FAILURE_DUMP`). A watchdog
+that sees a collective fail before the abort reaches it symbolizes the recorded stacks (about 5 s),
+signals a dump and then sleeps four times ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC`` (60 s); the
+group's destroy joins that thread, so the survivor waits it out before its next group. On an H200
+(2026-11-28) a survivor whose watchdog logged "signal dumping" never reached the next group,
+while the one whose watchdog saw nothing did. The runtime records what failed itself
+(:mod:`elastic.round_end`). What the worker's environment already sets is kept, as the user
+asked; a handling that would end survivors is named in a warning, with the fix.
 """
 
 from __future__ import annotations
@@ -22,6 +30,12 @@ ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 NONBLOCKING_TIMEOUT = "TORCH_NCCL_NONBLOCKING_TIMEOUT"
 # torch's values: 0 no handling, 1 abort and end the process, 2 abort only, 3 end the process.
 SURVIVABLE_HANDLING = frozenset({"0", "2"})
+# No flight-recorder trace, no dump on a failure, and no wait for one (torch's watchdog: see above).
+NO_FAILURE_DUMP = {
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "0",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+    "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "0",
+}
 
 
 def survivor_settings(
@@ -44,6 +58,7 @@ def survivor_settings(
         )
     if NONBLOCKING_TIMEOUT not in environ:
         add[NONBLOCKING_TIMEOUT] = str(max(1, round(timeout_s)))
+    add.update({k: v for k, v in NO_FAILURE_DUMP.items() if k not in environ})
     return add, warnings
 
 

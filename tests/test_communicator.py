@@ -30,7 +30,13 @@ from elastic.control import Assignment
 from elastic.ddp_hook import DDPHook
 from elastic.group_setup import init_group
 from elastic.nccl_group import REBUILD, SHRINK, agreed_to_shrink, can_shrink, must_abort
-from elastic.nccl_settings import ERROR_HANDLING, NONBLOCKING_TIMEOUT, apply, survivor_settings
+from elastic.nccl_settings import (
+    ERROR_HANDLING,
+    NO_FAILURE_DUMP,
+    NONBLOCKING_TIMEOUT,
+    apply,
+    survivor_settings,
+)
 from elastic.round_end import (
     CollectiveFailure,
     RoundAborted,
@@ -424,12 +430,15 @@ def test_an_nccl_group_is_destroyed_without_an_abort_only_when_idle_and_healthy(
 
 def test_nccl_is_set_so_that_survivors_live_and_a_users_setting_that_ends_them_is_named() -> None:
     add, warnings = survivor_settings({}, 120.0)
-    assert add == {ERROR_HANDLING: "0", NONBLOCKING_TIMEOUT: "120"} and warnings == []
-    add, warnings = survivor_settings({ERROR_HANDLING: "2", NONBLOCKING_TIMEOUT: "60"}, 120.0)
+    assert add == {ERROR_HANDLING: "0", NONBLOCKING_TIMEOUT: "120", **NO_FAILURE_DUMP}
+    assert warnings == []
+    users = {ERROR_HANDLING: "2", NONBLOCKING_TIMEOUT: "60", **dict.fromkeys(NO_FAILURE_DUMP, "9")}
+    add, warnings = survivor_settings(users, 120.0)
     assert add == {} and warnings == []  # the user's own, and survivable: kept
     add, warnings = survivor_settings({ERROR_HANDLING: "3"}, 0.4)
-    assert add == {NONBLOCKING_TIMEOUT: "1"}  # the user's handling is kept, and named
+    assert add == {NONBLOCKING_TIMEOUT: "1", **NO_FAILURE_DUMP}  # the handling kept, and named
     [warning] = warnings
     assert f"{ERROR_HANDLING}=3" in warning and "Fix: unset" in warning
     environ: dict[str, str] = {}
-    assert apply(30.0, environ) == environ == {ERROR_HANDLING: "0", NONBLOCKING_TIMEOUT: "30"}
+    wanted = {ERROR_HANDLING: "0", NONBLOCKING_TIMEOUT: "30", **NO_FAILURE_DUMP}
+    assert apply(30.0, environ) == environ == wanted
