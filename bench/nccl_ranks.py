@@ -13,9 +13,10 @@ all-reduce that the last never joins, the last is SIGKILLed while it is in fligh
 survivor aborts its round from another thread as its agent link would. Recorded per survivor:
 whether it lived, how its all-reduce ended, the abort's time, whether ``cuda.synchronize()``
 returned, ``mem_get_info`` after, and the next round's group without the dead rank (its set-up
-and first all-reduce, timed apart, and the sum checked). All of it runs twice: under torch's
-defaults for NCCL (``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``, whose watchdog may end a survivor) and
-under the runtime's own (:mod:`elastic.nccl_settings`).
+and first all-reduce, timed apart, and the sum checked). All of it runs twice: under the
+runtime's settings for NCCL (:mod:`elastic.nccl_settings`), then under torch's defaults
+(``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``, whose watchdog may end a survivor, and the flight
+recorder's dump on a failure, which a survivor's next group may wait for).
 
 ``--device cpu`` runs the same on gloo, so that CI keeps this script working before a GPU comes::
 
@@ -50,6 +51,9 @@ STACKS_WAIT_S = 2.0  # how long a stuck rank gets to write its threads' stacks b
 TORCH_DEFAULTS = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
     "TORCH_NCCL_NONBLOCKING_TIMEOUT": "1800",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "15000",
 }
 SETTINGS = ("ours", "torch")  # ours first: a proof cut short still has the one that matters
 
