@@ -3,8 +3,8 @@
 NCCL refuses two ranks of one communicator on one device of one host ("Duplicate GPU
 detected": it compares the host's hash and the GPU's bus id). NCCL 2.28 takes the host's hash
 from ``NCCL_HOSTID`` when it is set, so each rank here runs with a value of its own and passes
-for a host of its own, its peers reached over sockets on loopback (``NCCL_SOCKET_IFNAME=lo``,
-``NCCL_IB_DISABLE=1``, ``NCCL_NVLS_ENABLE=0``). Whether NCCL then accepts them is what this
+for a host of its own, its peers reached over sockets on loopback
+(:func:`elastic.nccl_settings.own_host`). Whether NCCL then accepts them is what this
 probes first, within ``--setup-timeout-s``; a refusal is reported word for word.
 
 Then, through the project's own :class:`~elastic.communicator.Communicator`, as a worker runs
@@ -276,16 +276,16 @@ def one_run(args: argparse.Namespace, settings: str, logs: Path) -> dict[str, An
     """The probe under ``settings``: what each rank said, and how each process ended."""
     import torch.distributed as dist
 
+    sys.path.insert(0, str(REPO))
+    from elastic.nccl_settings import own_host
+
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     tag = uuid.uuid4().hex[:8]
     ranks = []
     for rank in range(args.ranks):
         env = {
             **os.environ,
-            "NCCL_HOSTID": f"elastic-probe-{tag}-{rank}",  # a host of its own, to NCCL
-            "NCCL_SOCKET_IFNAME": "lo",
-            "NCCL_IB_DISABLE": "1",
-            "NCCL_NVLS_ENABLE": "0",
+            **own_host(f"elastic-probe-{tag}-{rank}"),
             "RES_OPTIONS": "attempts:0",  # no DNS for the store's peer names (nccl_lifecycle.py)
             **(TORCH_DEFAULTS if settings == "torch" else {}),
         }

@@ -16,6 +16,9 @@ group's destroy joins that thread, so the survivor waits it out before its next 
 while the one whose watchdog saw nothing did. The runtime records what failed itself
 (:mod:`elastic.round_end`). What the worker's environment already sets is kept, as the user
 asked; a handling that would end survivors is named in a warning, with the fix.
+
+:func:`own_host` is what lets ranks that share one GPU (simulated nodes, the GPU proof's probe)
+into one NCCL communicator.
 """
 
 from __future__ import annotations
@@ -36,6 +39,21 @@ NO_FAILURE_DUMP = {
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
     "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "0",
 }
+
+
+def own_host(host_id: str) -> dict[str, str]:
+    """The settings that make this process a host of its own to NCCL, named ``host_id``.
+
+    NCCL refuses two ranks of one communicator on one GPU of one host; from 2.28 it takes a
+    host's identity from ``NCCL_HOSTID`` (src/misc/utils.cc), so ranks that share a test
+    machine's GPU pass for separate hosts, reached over sockets on loopback. It took 3 such ranks
+    on one H100 and one H200 (2026-11-28)."""
+    return {
+        "NCCL_HOSTID": host_id,
+        "NCCL_SOCKET_IFNAME": "lo",
+        "NCCL_IB_DISABLE": "1",
+        "NCCL_NVLS_ENABLE": "0",
+    }
 
 
 def survivor_settings(

@@ -27,6 +27,7 @@ from elastic.config import CommBackend, Config, Device
 from elastic.control import EXIT_UNSAVED
 from elastic.events import EventFollower
 from elastic.lifeline import tied
+from elastic.nccl_settings import own_host
 from launcher.progress import ProgressDisplay
 from launcher.rendezvous.embedded_etcd import EmbeddedEtcd
 
@@ -107,21 +108,16 @@ def _etcd_for(cfg: Config, run_dir: Path, logs: Path) -> tuple[EmbeddedEtcd | No
     return etcd, etcd.endpoints
 
 
-# Each simulated node a host of its own to NCCL, its peers reached over sockets on loopback.
-# NCCL 2.28 takes a host's identity from NCCL_HOSTID when it is set (src/misc/utils.cc).
-NCCL_LOOPBACK = {"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1", "NCCL_NVLS_ENABLE": "0"}
-
-
 def nccl_host_environ(cfg: Config, node: str, environ: Mapping[str, str]) -> dict[str, str]:
     """What the agent of simulated node ``node`` adds to its environment, for its workers' NCCL.
 
-    With several nodes on CUDA and NCCL, each gets an ``NCCL_HOSTID`` of its own, so that NCCL
-    takes the ranks of nodes that share a GPU (3 ranks on one H100 and one H200, 2026-11-28), and
-    talks over loopback sockets as separate hosts would. A variable ``environ`` sets is kept."""
+    With several nodes on CUDA and NCCL, each is a host of its own to NCCL
+    (:func:`elastic.nccl_settings.own_host`), so that NCCL takes the ranks of nodes that share a
+    GPU. A variable ``environ`` sets is kept."""
     cluster, backend = cfg.cluster, cfg.comm.backend
     if cluster.nodes < 2 or cluster.device != Device.cuda or backend != CommBackend.auto:
         return {}
-    wanted = {"NCCL_HOSTID": f"{cfg.job_id}-{node}", **NCCL_LOOPBACK}
+    wanted = own_host(f"{cfg.job_id}-{node}")
     return {k: v for k, v in wanted.items() if k not in environ}
 
 
