@@ -8,9 +8,10 @@ cycle ``--rounds`` times in one process with one rank, through the project's own
 ``TCPStore`` hosted as an agent hosts it: enter round k, all-reduce a tensor (its value checked)
 and pass the round's abortable barrier, then abort the round from another thread as the worker's
 agent link does when a newer round is announced, and enter round k+1. It measures each rebuild
-(abort until the next group has done its first all-reduce) and, after each round, the process's
-open fds, its threads (Python's and the OS's), its resident memory and, on ``cuda``, the caching
-allocator's and the device's used memory.
+(abort until the next group has done its first all-reduce), the old group's shutdown that runs
+beside it (:mod:`elastic.group_reaper`), and, after each round, the process's open fds, its
+threads (Python's and the OS's), its resident memory and, on ``cuda``, the caching allocator's
+and the device's used memory.
 
 The rule: each measure's highest from round 3 (the rounds before it warm up one-time state: the
 CUDA context, NCCL's and gloo's) to the middle round is the baseline, and the last round may
@@ -183,9 +184,11 @@ def write_json(path: Path | None, report: dict[str, Any]) -> None:
 def row(r: dict[str, Any]) -> str:
     """One round's line of the table."""
     rebuild = f"{r['rebuild_s']:.3f}" if r["rebuild_s"] is not None else f"({r['enter_s']:.3f})"
+    teardown = f"{r['teardown_s']:.3f}" if r["teardown_s"] is not None else "-"
     gpu = f"{r['device_used_mib']:>8.0f}" if "device_used_mib" in r else f"{'-':>8}"
     return (
-        f"{r['round']:>5}  {rebuild:>9}  {r['fds']:>4}  {r['py_threads']:>4}/{r['os_threads']:<4}"
+        f"{r['round']:>5}  {rebuild:>9}  {teardown:>10}  {r['fds']:>4}"
+        f"  {r['py_threads']:>4}/{r['os_threads']:<4}"
         f"  {gpu}  {'ok' if r['allreduce_ok'] else 'WRONG'}"
     )
 
@@ -214,12 +217,16 @@ def one_round(comm: Communicator, number: int, store_port: int) -> dict[str, Any
     correct = checked_allreduce(comm, float(number))
     usable = time.monotonic()
     comm.barrier(f"round {number}")  # the abortable, tracked collective a round ends with
+    # The old group's shutdown runs beside the round (elastic.group_reaper): it is timed apart,
+    # and ended before the sample, so that a teardown still running is not taken for a leak.
+    drained = comm.reaper.drain(comm.timeout.total_seconds())
     return {
         "round": number,
         "rebuild_s": usable - started if number > 1 else None,
         "abort_s": entering - started if number > 1 else None,
         "enter_s": entered - entering,
         "first_allreduce_s": usable - entered,
+        "teardown_s": comm.reaper.teardown_s[-1] if number > 1 and drained else None,
         "allreduce_ok": correct,
     } | resources(comm.device)
 
@@ -233,12 +240,14 @@ def verdict(report: dict[str, Any]) -> tuple[bool, str]:
     problems += report["errors"]
     if problems:
         return False, "FAIL: " + "; ".join(problems)
-    rebuild = report.get("rebuild_s")
+    rebuild, teardown = report.get("rebuild_s"), report.get("teardown_s")
     timing = (
         f"rebuild median {rebuild['median']:.3f} s (max {rebuild['max']:.3f} s), "
         if rebuild
         else ""
     )
+    if teardown:
+        timing += f"old group's teardown beside it {teardown['median']:.3f} s, "
     window = baseline_rounds(len(measured))
     growth = (
         f"nothing grew beyond rounds {window[0]}-{window[-1]}'s"
@@ -273,8 +282,9 @@ def run(device: torch.device, rounds: int, timeout_s: float, out: Path | None) -
         "errors": [],
     }
     print(f"{comm.backend} on {report['gpu'] or device}, torch {torch.__version__}, one rank")
-    print("round  rebuild s   fds  threads   GPU MiB  all-reduce")
-    print("       (first set-up in brackets; threads: python/os; GPU: the device's used memory)")
+    print("round  rebuild s  teardown s   fds  threads   GPU MiB  all-reduce")
+    print("       (first set-up in brackets; teardown: the old group's, beside the round;")
+    print("       threads: python/os; GPU: the device's used memory)")
     for number in range(1, rounds + 1):
         try:
             report["rounds"].append(one_round(comm, number, store.port))
@@ -288,10 +298,17 @@ def run(device: torch.device, rounds: int, timeout_s: float, out: Path | None) -
         try:
             report["shrink"] = shrink_support(comm)
             comm.abort("the bench is over")
-            comm.close()
+            comm.close(wait_s=timeout_s)
             report["after_close"] = resources(device)
         except Exception as exc:
             report["errors"].append(f"shrink probe or close: {type(exc).__name__}: {exc}"[:500])
+    teardowns = [r["teardown_s"] for r in report["rounds"] if r["teardown_s"] is not None]
+    if teardowns:
+        report["teardown_s"] = {"median": statistics.median(teardowns), "max": max(teardowns)}
+        print(
+            f"teardown beside the next round: median {statistics.median(teardowns):.3f} s, "
+            f"max {max(teardowns):.3f} s"
+        )
     rebuilds = [r["rebuild_s"] for r in report["rounds"] if r["rebuild_s"] is not None]
     if rebuilds:
         report["rebuild_s"] = {

@@ -188,7 +188,7 @@ def rank_main(args: argparse.Namespace) -> int:
         return 1
     say(event="survived", **survive_the_cut(comm, args.round_timeout_s))
     say(event="next_group", **enter_and_check(comm, round_of(rank, world - 1, 2, args.port)))
-    comm.close()
+    comm.close(wait_s=args.round_timeout_s)
     return 0
 
 

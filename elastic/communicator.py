@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from elastic import nccl_settings
 from elastic.control import Assignment
+from elastic.group_reaper import GroupReaper, forget_groups
 from elastic.group_setup import init_group, meet, shrink
 from elastic.nccl_group import agreed_to_shrink, can_shrink, healthy, must_abort
 from elastic.round_end import CollectiveFailure, RoundAborted
@@ -71,7 +72,7 @@ class Communicator:
         self._aborted = threading.Event()
         self._pending: list[torch.futures.Future[torch.Tensor]] = []
         self._works: list[dist.Work] = []  # this round's tracked all-reduces
-        self._retired: list[tuple[dist.ProcessGroup, list[dist.Work]]] = []
+        self.reaper = GroupReaper(device, timeout_s)  # shuts the old rounds' groups down
         self.retired_busy = 0  # groups retired with collectives in flight (close), ever
         self._announced = 0  # the newest round the agent has announced
         self._failure: CollectiveFailure | None = None
@@ -238,32 +239,28 @@ class Communicator:
         if self._failure is None:
             self._failure = CollectiveFailure(what, f"{type(exc).__name__}: {exc}"[:300])
 
-    def close(self) -> None:
-        """Destroy the current group; retire it instead while a collective is still in flight.
+    def close(self, wait_s: float = 0.0) -> None:
+        """Let go of the current group; its shutdown runs on a thread (:mod:`elastic.group_reaper`).
 
-        An abandoned collective may linger on the old group's threads until its timeout (gloo
-        cannot abort it); it holds only buffers of the discarded DDP instance. Dropping the last
-        reference to a gloo group joins its threads, which would stall the next round by up to
-        the group's timeout, so such a group is kept until its collectives end.
+        A collective still in flight (gloo cannot abort one) may linger on the old group's
+        threads until its timeout; it holds only buffers of the discarded DDP instance. The
+        group is shut down once it has ended. ``wait_s``: how long to wait for every teardown
+        handed over so far, as a worker leaving for good does.
         """
-        self._retired = [
-            (pg, works) for pg, works in self._retired if not all(w.is_completed() for w in works)
-        ]
-        if not dist.is_initialized():
-            return
-        self._abort_group_if_needed()
-        group = dist.distributed_c10d._get_default_group()
-        with self._lock:
-            works, self._works = self._works, []
-            self._block_mark = None
-        in_flight = [w for w in works if not w.is_completed()]
-        if in_flight:
-            log.info("retiring the old group with %d collective(s) in flight", len(in_flight))
-            self._retired.append((group, in_flight))
-            self.retired_busy += 1  # they may still write into what they were given
-        dist.destroy_process_group()
-        self._group_aborted = False
-        self.saves.drop()  # destroyed with the rest
+        if dist.is_initialized():
+            self._abort_group_if_needed()
+            with self._lock:
+                works, self._works = self._works, []
+                self._block_mark = None
+            in_flight = [w for w in works if not w.is_completed()]
+            if in_flight:
+                log.info("retiring the old group with %d collective(s) in flight", len(in_flight))
+                self.retired_busy += 1  # they may still write into what they were given
+            self.reaper.take(forget_groups(), in_flight)
+            self._group_aborted = False
+            self.saves.drop()  # forgotten with the rest
+        if wait_s > 0 and not self.reaper.drain(wait_s):
+            log.warning("old groups still shutting down after %.0f s", wait_s)
 
     # --- tracked all-reduces -----------------------------------------------------------------
 

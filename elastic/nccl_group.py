@@ -3,10 +3,11 @@
 An abort is what frees a kernel stuck on a dead peer, but it costs 0.5-1 s (NCCL's proxy threads
 see its flag only when their 500 ms poll returns), and it frees the communicator, which a shrink
 needs alive. A destroy waits for one of those polls too (0.5 s on an H200), so neither is cheap;
-a communicator with nothing in flight and no error is destroyed without an abort, and
-the ranks shrink only when every one of them offered to at the round's meet (a shrink is a
-collective of every survivor). The communicator (:mod:`elastic.communicator`) gathers the facts;
-these pure functions decide. The environment NCCL runs with is :mod:`elastic.nccl_settings`'s.
+a communicator with nothing in flight and no error is only destroyed, beside the next round
+(:mod:`elastic.group_reaper`), and the ranks shrink only when every one of them offered to at
+the round's meet (a shrink is a collective of every survivor). The communicator
+(:mod:`elastic.communicator`) gathers the facts; these pure functions decide. The environment NCCL
+runs with is :mod:`elastic.nccl_settings`'s.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ round's ``rendezvous.pg_timeout_s``.
 It also turns off the flight recorder's dump on a failure (:data:`NO_FAILURE_DUMP`). A watchdog
 that sees a collective fail before the abort reaches it symbolizes the recorded stacks (about 5 s),
 signals a dump and then sleeps four times ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC`` (60 s); the
-group's destroy joins that thread, so the survivor waits it out before its next group. On an H200
-(2026-11-28) a survivor whose watchdog logged "signal dumping" never reached the next group,
+group's shutdown joins that thread. On an H200 (2026-11-28), when the destroy still ran on the
+training thread, a survivor whose watchdog logged "signal dumping" never reached the next group,
 while the one whose watchdog saw nothing did. The runtime records what failed itself
 (:mod:`elastic.round_end`). What the worker's environment already sets is kept, as the user
 asked; a handling that would end survivors is named in a warning, with the fix.

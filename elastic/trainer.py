@@ -61,6 +61,7 @@ from elastic.control import (
 from elastic.curves import Curves
 from elastic.ddp_hook import DDPHook
 from elastic.events import EventLog, Rotation
+from elastic.group_reaper import LAST_WAIT_S
 from elastic.job import Batch, Loss
 from elastic.job_target import build_job
 from elastic.lr_policy import LRPolicy
@@ -123,7 +124,7 @@ def main() -> int:
             curves.close()  # before the agent may stop this worker
             if saved:
                 w.link.channel.send("finished", round=assignment.round)  # the round the job names
-            w.comm.close()
+            w.comm.close(wait_s=LAST_WAIT_S)  # the last group's shutdown, cleanly
             return 0 if saved else EXIT_UNSAVED  # rank 0's final_save_failed names the steps
         except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
             end = round_end(w.comm.aborted, w.comm.failure, exc)

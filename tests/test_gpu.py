@@ -624,7 +624,7 @@ def _nccl_main(tmp: Path, found: Findings) -> None:
         }
 
         found["shrink"] = shrink_probe(comm, port)
-        comm.close()
+        comm.close(wait_s=30)
         found["closed"] = not dist.is_initialized()
 
 

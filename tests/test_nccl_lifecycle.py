@@ -39,6 +39,7 @@ def test_rebuilding_the_group_round_after_round_leaks_nothing(tmp_path: Path) ->
     assert all(r["allreduce_ok"] for r in rounds)
     assert rounds[0]["rebuild_s"] is None and rounds[0]["enter_s"] > 0  # the first set-up
     assert all(r["rebuild_s"] > 0 for r in rounds[1:])
+    assert all(r["teardown_s"] >= 0 for r in rounds[1:])  # each old group shut down, beside
     assert report["grew"] == [] and report["errors"] == [] and report["ok"]
     assert "probe" in report["shrink"]  # shrink_group was asked, and refused a one-rank group
     assert done.stdout.strip().splitlines()[-1] == report["verdict"]
