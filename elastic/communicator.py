@@ -152,20 +152,29 @@ class Communicator:
         self._abort_group_if_needed()
 
     def _abort_group_if_needed(self) -> None:
-        """Abort the NCCL communicator unless it is idle and healthy.
+        """Abort the NCCL communicator unless it is idle and healthy, or already being aborted."""
+        group = self._group_to_abort()
+        if group is not None:
+            group.abort()
+
+    def _group_to_abort(self) -> dist.ProcessGroup | None:
+        """The current group if it must be aborted and nobody has begun to; marked as aborted.
 
         The test is :func:`elastic.nccl_group.must_abort` (what each costs is written there).
-        One with a failed collective is never destroyed without an abort, since
-        the destroy may wait for the failed kernel (a survivor hung so on the GPU machine,
-        2026-11-28)."""
+        One with a failed collective is never destroyed without an abort, since the destroy may
+        wait for the failed kernel (a survivor hung so on the GPU machine, 2026-11-28). Marked
+        before the abort: the training thread that reaches :meth:`close` meanwhile leaves the
+        group to its abort instead of waiting on it."""
         if self.backend != "nccl" or not dist.is_initialized():
-            return
-        with self._lock:
-            idle = self._idle()
+            return None
         group = dist.distributed_c10d._get_default_group()
-        if must_abort(self.backend, self._group_aborted, idle, healthy(group, self.device)):
-            group.abort()
-            self._group_aborted = True  # freed: it can be destroyed, never shrunk
+        with self._lock:
+            if not must_abort(
+                self.backend, self._group_aborted, self._idle(), healthy(group, self.device)
+            ):
+                return None
+            self._group_aborted = True  # being freed: it can be destroyed, never shrunk
+        return group
 
     @property
     def aborted(self) -> bool:
@@ -248,7 +257,7 @@ class Communicator:
         handed over so far, as a worker leaving for good does.
         """
         if dist.is_initialized():
-            self._abort_group_if_needed()
+            to_abort = self._group_to_abort()  # aborted beside the next round, as shut down
             with self._lock:
                 works, self._works = self._works, []
                 self._block_mark = None
@@ -256,7 +265,7 @@ class Communicator:
             if in_flight:
                 log.info("retiring the old group with %d collective(s) in flight", len(in_flight))
                 self.retired_busy += 1  # they may still write into what they were given
-            self.reaper.take(forget_groups(), in_flight)
+            self.reaper.take(forget_groups(), in_flight, to_abort)
             self._group_aborted = False
             self.saves.drop()  # forgotten with the rest
         if wait_s > 0 and not self.reaper.drain(wait_s):

@@ -5,9 +5,11 @@ NCCL's proxy thread and joins torch's watchdog. On the training thread that is m
 torch needs only to forget the old groups before the next one is built: :func:`forget_groups`
 does that, and a :class:`GroupReaper` shuts them down on a thread of their own meanwhile.
 
-A group handed over with collectives still in flight (gloo cannot abort them) is shut down only
-once they have ended, and let go then: dropping a gloo group's last reference joins its threads,
-which on the training thread would stall a round by up to the group's timeout.
+A group handed over with collectives still in flight is shut down only once they have ended, and
+let go then: dropping a gloo group's last reference joins its threads, which on the training
+thread would stall a round by up to the group's timeout (gloo cannot abort them). An NCCL group
+that must be aborted first (:func:`elastic.nccl_group.must_abort`) is aborted here too: an abort
+costs 0.5-1 s, and ends its collectives.
 """
 
 from __future__ import annotations
@@ -48,15 +50,22 @@ class GroupReaper:
     def __init__(self, device: torch.device, timeout_s: float) -> None:
         self.device = device
         self.timeout_s = timeout_s  # the groups' own: no collective of theirs outlives it
-        self.teardown_s: list[float] = []  # each round's shutdown, for the benches
+        self.teardown_s: list[float] = []  # each round's, handed over to shut down; for benches
         self._threads: list[threading.Thread] = []
         self._stuck: list[list[dist.ProcessGroup]] = []  # never shut down, held for good
 
-    def take(self, groups: list[dist.ProcessGroup], in_flight: list[dist.Work]) -> None:
-        """Shut ``groups`` down once ``in_flight`` has ended, without waiting for it here."""
+    def take(
+        self,
+        groups: list[dist.ProcessGroup],
+        in_flight: list[dist.Work],
+        abort: dist.ProcessGroup | None = None,
+    ) -> None:
+        """Shut ``groups`` down once ``in_flight`` has ended, without waiting for it here.
+
+        ``abort``: one of them to abort first, which is what ends its collectives (NCCL's)."""
         self._threads = [t for t in self._threads if t.is_alive()]
         thread = threading.Thread(
-            target=self._reap, args=(groups, in_flight), name="group-reaper", daemon=True
+            target=self._reap, args=(groups, in_flight, abort), name="group-reaper", daemon=True
         )
         self._threads.append(thread)
         thread.start()
@@ -69,9 +78,20 @@ class GroupReaper:
         self._threads = [t for t in self._threads if t.is_alive()]
         return not self._threads
 
-    def _reap(self, groups: list[dist.ProcessGroup], in_flight: list[dist.Work]) -> None:
+    def _reap(
+        self,
+        groups: list[dist.ProcessGroup],
+        in_flight: list[dist.Work],
+        abort: dist.ProcessGroup | None,
+    ) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # the current device is a thread's own
+        started = time.monotonic()
+        if abort is not None:
+            try:
+                abort.abort()
+            except Exception as exc:  # shut down below all the same
+                log.warning("aborting an old group failed: %s: %s", type(exc).__name__, exc)
         deadline = time.monotonic() + self.timeout_s + 10
         while not all(w.is_completed() for w in in_flight):
             if time.monotonic() >= deadline:
@@ -80,7 +100,6 @@ class GroupReaper:
                 self._stuck.append(groups)
                 return
             time.sleep(POLL_S)
-        started = time.monotonic()
         for group in groups:
             try:
                 group.shutdown()
