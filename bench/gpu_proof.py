@@ -24,8 +24,11 @@ nccl-lifecycle            30  ``bench/nccl_lifecycle.py``: create, all-reduce, a
 nccl-ranks               100  ``bench/nccl_ranks.py``: 3 NCCL ranks on the one GPU (each a
                               host of its own to NCCL, through ``NCCL_HOSTID``), one
                               SIGKILLed mid-all-reduce: do the survivors live, abort, and
-                              build the next group? Under ours, then torch's defaults;
-                              a rank that does not end gets its stacks dumped (py-spy)
+                              build the next group? Under ours with the abort 0, 0.2 and
+                              0.4 s after the kill (abort, set-up, first all-reduce and
+                              the teardown beside them timed apart; NCCL's INIT and PROXY
+                              log kept), then torch's defaults; a rank that does not end
+                              gets its stacks dumped (py-spy)
 recovery                 140  ``python -m chaos``: three simulated nodes share the GPU over
                               NCCL, each a host of its own to it (``NCCL_HOSTID``); ten are
                               SIGKILLed and one frozen: the stalls, the state taken from a
@@ -229,6 +232,7 @@ def ranks_argv(ctx: Context) -> list[str]:
         f"--json={json_out}",
         f"--logs={logs}",
         "--round-timeout-s=10",
+        *(["--abort-after-s", "0", "0.2", "0.4"] if ctx.device == "cuda" else []),
     )
 
 

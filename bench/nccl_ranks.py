@@ -13,10 +13,13 @@ all-reduce that the last never joins, the last is SIGKILLed while it is in fligh
 survivor aborts its round from another thread as its agent link would. Recorded per survivor:
 whether it lived, how its all-reduce ended, the abort's time, whether ``cuda.synchronize()``
 returned, ``mem_get_info`` after, and the next round's group without the dead rank (its set-up
-and first all-reduce, timed apart, and the sum checked). All of it runs twice: under the
-runtime's settings for NCCL (:mod:`elastic.nccl_settings`), then under torch's defaults
-(``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``, whose watchdog may end a survivor, and the flight
-recorder's dump on a failure, which a survivor's next group may wait for).
+and first all-reduce, timed apart, and the sum checked), with the old group's teardown that runs
+beside it (:mod:`elastic.group_reaper`). It runs under the runtime's settings for NCCL
+(:mod:`elastic.nccl_settings`) once per ``--abort-after-s`` (how long after the kill the abort
+comes), then under torch's defaults for the first of them (``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``,
+whose watchdog may end a survivor, and the flight recorder's dump on a failure, which a
+survivor's next group may wait for). On CUDA each rank logs NCCL's set-up and proxy
+(``NCCL_DEBUG=INFO``, subsystems INIT and PROXY) unless ``NCCL_DEBUG`` is set.
 
 ``--device cpu`` runs the same on gloo, so that CI keeps this script working before a GPU comes::
 
@@ -44,7 +47,7 @@ REPO = Path(__file__).resolve().parent.parent
 ROUND_TIMEOUT_S = 30.0  # the groups' own timeout (--round-timeout-s): a hang beyond it fails
 SYNC_TIMEOUT_S = 10.0  # how long cuda.synchronize() may take after the abort
 KILL_AFTER_S = 0.5  # the survivors' all-reduce in flight this long before the kill
-ABORT_AFTER_S = 0.5  # and the abort this long after it
+ABORT_AFTER_S = 0.5  # and the abort this long after it (--abort-after-s)
 EXIT_WAIT_S = 15.0  # how long a rank may take to end by itself at the end
 STACKS_WAIT_S = 2.0  # how long a stuck rank gets to write its threads' stacks before the kill
 # torch's own defaults for what elastic.nccl_settings sets: given explicitly, they are kept.
@@ -188,6 +191,8 @@ def rank_main(args: argparse.Namespace) -> int:
         return 1
     say(event="survived", **survive_the_cut(comm, args.round_timeout_s))
     say(event="next_group", **enter_and_check(comm, round_of(rank, world - 1, 2, args.port)))
+    drained = comm.reaper.drain(args.round_timeout_s)  # the first group's, beside the second
+    say(event="teardown", ended=drained, seconds=comm.reaper.teardown_s[:1])
     comm.close(wait_s=args.round_timeout_s)
     return 0
 
@@ -272,7 +277,9 @@ def wait_all(ranks: list[Rank], event: str, timeout_s: float) -> bool:
     return False
 
 
-def one_run(args: argparse.Namespace, settings: str, logs: Path) -> dict[str, Any]:
+def one_run(
+    args: argparse.Namespace, settings: str, abort_after_s: float, logs: Path
+) -> dict[str, Any]:
     """The probe under ``settings``: what each rank said, and how each process ended."""
     import torch.distributed as dist
 
@@ -281,9 +288,12 @@ def one_run(args: argparse.Namespace, settings: str, logs: Path) -> dict[str, An
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     tag = uuid.uuid4().hex[:8]
+    name = f"{settings}-abort{abort_after_s:g}s"
+    debug = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,PROXY"}
     ranks = []
     for rank in range(args.ranks):
         env = {
+            **(debug if args.device == "cuda" and "NCCL_DEBUG" not in os.environ else {}),
             **os.environ,
             **own_host(f"elastic-probe-{tag}-{rank}"),
             "RES_OPTIONS": "attempts:0",  # no DNS for the store's peer names (nccl_lifecycle.py)
@@ -292,19 +302,20 @@ def one_run(args: argparse.Namespace, settings: str, logs: Path) -> dict[str, An
         argv = [sys.executable, __file__, f"--device={args.device}", f"--rank={rank}"]
         argv += [f"--world={args.ranks}", f"--port={store.port}"]
         argv += [f"--round-timeout-s={args.round_timeout_s}"]
-        ranks.append(Rank(argv, env, logs / f"{settings}-rank{rank}.log"))
+        ranks.append(Rank(argv, env, logs / f"{name}-rank{rank}.log"))
     survivors, victim = ranks[:-1], ranks[-1]
-    out: dict[str, Any] = {"settings": settings}
+    out: dict[str, Any] = {"settings": settings, "abort_after_s": abort_after_s}
     try:
         out["set_up"] = wait_all(ranks, "allreduce", args.setup_timeout_s)
         ready = out["set_up"] and wait_all([victim], "victim", 10)
         if ready and wait_all(survivors, "in_flight", 10):
             time.sleep(KILL_AFTER_S)
             os.kill(victim.proc.pid, signal.SIGKILL)
-            time.sleep(ABORT_AFTER_S)
+            time.sleep(abort_after_s)
             for r in survivors:
                 r.tell("abort")
             wait_all(survivors, "next_group", args.round_timeout_s + SYNC_TIMEOUT_S + 10)
+            wait_all(survivors, "teardown", args.round_timeout_s + 5)
     finally:
         for r in ranks:
             r.close()
@@ -318,7 +329,7 @@ def one_run(args: argparse.Namespace, settings: str, logs: Path) -> dict[str, An
     ]
     if not out["set_up"]:  # the refusal, word for word: the last lines of each rank's log
         out["refusal"] = {
-            f"rank{i}": (logs / f"{settings}-rank{i}.log").read_text(errors="replace")[-1500:]
+            f"rank{i}": (logs / f"{name}-rank{i}.log").read_text(errors="replace")[-1500:]
             for i in range(len(ranks))
         }
     return out
@@ -326,19 +337,25 @@ def one_run(args: argparse.Namespace, settings: str, logs: Path) -> dict[str, An
 
 def headline(run: dict[str, Any]) -> str:
     """One line for a run: set up or refused; the survivors' fate, abort and rebuild times."""
+    label = f"{run['settings']}: abort {run['abort_after_s']:g} s after the kill"
     if not run["set_up"]:
-        return f"{run['settings']}: {len(run['ranks'])} ranks not set up (see refusal)"
+        return f"{label}: {len(run['ranks'])} ranks not set up (see refusal)"
     survivors = run["ranks"][:-1]
     lived = [r for r in survivors if "survived" in r]
     rebuilt = [r for r in survivors if r.get("next_group", {}).get("ok")]
     aborts = [r["survived"]["abort_s"] for r in lived if r["survived"].get("abort_s") is not None]
     enters = [r["next_group"]["enter_s"] for r in rebuilt]
-    text = f"{run['settings']}: {len(lived)}/{len(survivors)} survivors lived"
+    firsts = [r["next_group"]["allreduce_s"] for r in rebuilt]
+    teardowns = [s for r in rebuilt for s in r.get("teardown", {}).get("seconds", [])]
+    text = f"{label}: {len(lived)}/{len(survivors)} survivors lived"
     text += f", {len(rebuilt)} in the next group"
     if aborts:
         text += f"; abort {max(aborts):.3f} s"
     if enters:
         text += f", next group set up in {max(enters):.3f} s"
+        text += f" and its first all-reduce {max(firsts):.3f} s"
+    if teardowns:
+        text += f"; old group torn down beside it in {max(teardowns):.3f} s"
     return text
 
 
@@ -354,6 +371,13 @@ def main() -> int:
         default=ROUND_TIMEOUT_S,
         help="the groups' timeout, and how long a survivor waits for its abort",
     )
+    parser.add_argument(
+        "--abort-after-s",
+        type=float,
+        nargs="+",
+        default=[ABORT_AFTER_S],
+        help="how long after the kill the survivors' abort comes: a run under ours for each",
+    )
     parser.add_argument("--json", type=Path, help="the report, rewritten after each run")
     parser.add_argument("--logs", type=Path, help="each rank's log (default: beside --json)")
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)  # a rank's own process
@@ -367,16 +391,21 @@ def main() -> int:
     logs = args.logs or (args.json.parent if args.json else Path.cwd())
     logs.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"device": args.device, "ranks": args.ranks, "runs": []}
-    for settings in SETTINGS if args.settings == "both" else (args.settings,):
-        run = one_run(args, settings, logs)
+    plan = [("ours", after) for after in args.abort_after_s]
+    plan += [("torch", args.abort_after_s[0])]
+    for settings, after in plan:
+        if args.settings not in (settings, "both"):
+            continue
+        run = one_run(args, settings, after, logs)
         report["runs"].append(run)
         print(headline(run), flush=True)
         if args.json:
             args.json.write_text(json.dumps(report, indent=1))
-    ours = next((r for r in report["runs"] if r["settings"] == "ours"), None)
-    if ours is None:
-        return 0
-    ok = ours["set_up"] and all(r.get("next_group", {}).get("ok") for r in ours["ranks"][:-1])
+    ours = [r for r in report["runs"] if r["settings"] == "ours"]
+    ok = all(
+        run["set_up"] and all(r.get("next_group", {}).get("ok") for r in run["ranks"][:-1])
+        for run in ours
+    )
     return 0 if ok else 1
 
 

@@ -64,7 +64,9 @@ def test_the_reduced_form_runs_every_built_part_and_reports_each(tmp_path: Path)
     assert parts["nccl-lifecycle"]["data"]["rounds"]
     [ranks] = parts["nccl-ranks"]["data"]["runs"]  # on gloo: a survivor's next group works
     assert ranks["set_up"] and all(r["next_group"]["ok"] for r in ranks["ranks"][:-1])
-    assert parts["nccl-ranks"]["headline"].startswith("ours: 2/2 survivors lived")
+    assert parts["nccl-ranks"]["headline"].startswith(
+        "ours: abort 0.5 s after the kill: 2/2 survivors lived"
+    )
     assert "DCP `async_save`: stall" in parts["checkpoint"]["headline"]
     [campaign] = parts["recovery"]["data"]["campaigns"]  # every round's entry records memory
     assert campaign["memory"]["rss_mib"] and campaign["memory"]["device_used_mib"] == []
