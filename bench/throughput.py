@@ -151,6 +151,10 @@ from elastic.state import TrainState  # noqa: E402
 from elastic.synthetic import ensure_synthetic  # noqa: E402
 from launcher.compose import UsageError, compose, validate_launch  # noqa: E402
 
+sys.path.insert(0, str(REPO / "bench"))  # its siblings, when loaded as a module (tests)
+import step_profile  # noqa: E402
+from pyspy_window import RATE_HZ, PyspyWindow  # noqa: E402
+
 GOAL_PCT = 2.0
 REPLICA_GOAL_PCT = 1.0  # the replica check's share of the step time, at its default interval
 TIMEOUT_S = 1800.0  # one run of either runtime, start to exit
@@ -345,6 +349,7 @@ class Setup:
     steps: int
     intervals: tuple[int, ...]  # the rows' checkpoint intervals in steps; 0: no saves
     device_decode: bool  # ours also with data.decode=device, no saves
+    profile: Path | None = None  # where each run's py-spy stacks of its window go (--profile)
 
     @property
     def total_steps(self) -> int:
@@ -412,8 +417,15 @@ def run_ours(setup: Setup, work: Path, every: int, extra: tuple[str, ...] = ()) 
     env = {**os.environ, "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, cwd=work, stdout=log, stderr=subprocess.STDOUT, env=env)
+        profile = profiled(
+            setup,
+            proc.pid,
+            f"{row_name(every)}-ours",
+            started=lambda: last_step(run_dir) >= setup.warmup,
+            ended=lambda: last_step(run_dir) >= setup.total_steps,
+        )
         try:
-            with TreeCPU([proc.pid], our_role) as cpu:
+            with TreeCPU([proc.pid], our_role) as cpu, profile:
                 code = proc.wait(timeout=TIMEOUT_S)
         finally:
             if proc.poll() is None:  # timed out: its agents and workers die with it (lifeline)
@@ -431,6 +443,21 @@ def run_ours(setup: Setup, work: Path, every: int, extra: tuple[str, ...] = ()) 
         raise RuntimeError(f"our job did not train at world size {world} throughout")
     ends, counts = [e["ts"] for e in steps], [e["step_samples"] for e in steps]
     return window(ends, counts, setup.warmup, setup.steps, cpu.samples)
+
+
+def last_step(run_dir: Path) -> int:
+    """The last step our job's rank 0 has reported; 0 before the first."""
+    return max((e["step"] for e in ev.STEP.of(read_events(run_dir))), default=0)
+
+
+def profiled(
+    setup: Setup, pid: int, name: str, started: Callable[[], bool], ended: Callable[[], bool]
+) -> contextlib.AbstractContextManager[object]:
+    """py-spy over ``pid``'s tree during the window, with ``--profile``; else nothing."""
+    if setup.profile is None:
+        return contextlib.nullcontext()
+    out = setup.profile / f"{name.replace(' ', '-')}-{time.monotonic_ns()}.txt"
+    return PyspyWindow(pid, out, started, ended, TIMEOUT_S)
 
 
 # --- the peer: a plain DDP loop, as torchvision's reference train.py -------------------------
@@ -451,11 +478,13 @@ class PlainJob:
     precision: str
     channels_last: bool
     steps: int
+    warmup: int  # after this many steps rank 0 touches ``warm`` (the window begins)
     world: int
     save_every: int  # rank 0 saves after every this many steps; 0: never
     checkpoint: str  # the file it saves to
     store: str  # the FileStore the group bootstraps through
     result: str  # where rank 0 writes its step times
+    warm: str
 
 
 def plain_save(state: dict[str, object], path: str) -> None:
@@ -542,6 +571,8 @@ def plain_worker(rank: int, job: PlainJob) -> None:
                 samples.append(image.shape[0] * job.world)
                 if len(ends) == job.steps:
                     break
+                if rank == 0 and len(ends) == job.warmup:
+                    Path(job.warm).touch()
                 if rank == 0 and job.save_every and len(ends) % job.save_every == 0:
                     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
                     if scaler is not None:
@@ -571,16 +602,25 @@ def run_plain(setup: Setup, work: Path, every: int) -> Window:
         precision=setup.precision,
         channels_last=setup.channels_last,
         steps=setup.total_steps,
+        warmup=setup.warmup,
         world=setup.procs,
         save_every=every,
         checkpoint=str(work / f"{name}.pth"),
         store=str(work / f"{name}.store"),
         result=str(work / f"{name}.json"),
+        warm=str(work / f"{name}.warm"),
+    )
+    profile = profiled(
+        setup,
+        os.getpid(),  # the ranks are this process's children
+        f"{row_name(every)}-plain",
+        started=lambda: Path(job.warm).exists(),
+        ended=lambda: Path(job.result).exists(),
     )
     context = mp.spawn(plain_worker, args=(job,), nprocs=setup.procs, join=False)
     deadline = time.monotonic() + TIMEOUT_S
     try:
-        with TreeCPU([p.pid for p in context.processes], lambda proc: "workers") as cpu:
+        with TreeCPU([p.pid for p in context.processes], lambda proc: "workers") as cpu, profile:
             while not context.join(timeout=max(0.0, deadline - time.monotonic())):
                 if time.monotonic() >= deadline:
                     raise TimeoutError(f"the plain loop did not finish within {TIMEOUT_S:.0f} s")
@@ -651,6 +691,7 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Setup:
         steps=args.steps,
         intervals=(0, every, aggressive) if aggressive else (0, every),
         device_decode=args.device_decode,
+        profile=args.profile,
     )
 
 
@@ -948,6 +989,13 @@ def main() -> int:
         "the CPU loader",
     )
     parser.add_argument(
+        "--profile",
+        type=Path,
+        help="also sample each run's window with py-spy into this folder, and print ours' and "
+        "the peer's CPU per step split by part (bench/step_profile.py); py-spy takes CPU too, "
+        "so such a run's samples/s is no measure of the goal",
+    )
+    parser.add_argument(
         "overrides",
         nargs="*",
         help="Hydra overrides for both runtimes, e.g. data=imagenet data.root=/data/imagenet",
@@ -959,9 +1007,23 @@ def main() -> int:
     if args.target_ci_pct <= 0:
         parser.error("--target-ci-pct must be above 0, e.g. --target-ci-pct 2")
     setup = resolve(args, parser)
+    if setup.profile is not None:
+        setup.profile.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-throughput-") as tmp:
         runs = measure(setup, args.repeats, Path(tmp))
     report(args, setup, runs)
+    if setup.profile is not None:
+        for every in setup.intervals:
+            ours, plain = (
+                step_profile.mean_split(
+                    sorted(setup.profile.glob(f"{row_name(every).replace(' ', '-')}-{who}-*.txt")),
+                    RATE_HZ,
+                    setup.steps,
+                )
+                for who in ("ours", "plain")
+            )
+            print(f"\nprofile, {row_name(every)} (means of {args.repeats} runs' windows):")
+            print(step_profile.compare(ours, plain))
     return 0
 
 
