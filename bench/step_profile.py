@@ -4,7 +4,7 @@
 window (:mod:`bench.pyspy_window`). Each sampled stack is put in one part by its innermost frame
 that a rule names (:data:`RULES`, first match from the leaf), so that the comm hook's time inside
 a backward pass counts as the hook's, not as compute. A stack no rule names is the job's own
-work: "compute", the forward, backward and optimizer kernels torch runs natively. A thread other
+work: "compute", what torch runs natively below the loop's own frames. A thread other
 than its process's main one is counted apart ("beside the loop"), since on saturated cores it
 takes its CPU from the compute. Agents and the launcher are one part; etcd, not Python, is not
 sampled (its CPU is throughput.py's row).
@@ -46,10 +46,17 @@ RULES: tuple[tuple[str, str], ...] = (
     ("elastic/pipeline.py", "data loading"),
     ("elastic/data.py", "data loading"),
     ("torch/utils/data/", "data loading"),
-    ("torchvision/", "data loading"),
+    ("torchvision/datasets/", "data loading"),
+    ("torchvision/transforms/", "data loading"),
+    ("torchvision/io/", "data loading"),
     ("PIL/", "data loading"),
-    ("torch/optim/", "optimizer (Python)"),
-    ("torch/nn/parallel/distributed.py", "DDP (Python)"),
+    ("torch/optim/", "optimizer"),
+    ("torch/nn/parallel/distributed.py", "DDP's own Python"),
+    ("torch/nn/modules/", "forward"),
+    ("torchvision/models/", "forward"),
+    ("torch/nn/functional.py", "forward"),
+    ("torch/autograd/", "backward"),
+    ("torch/_tensor.py", "backward"),
 )
 # Functions whose own line blocks: a stack ending in one is a wait that py-spy took for work.
 WAITS = frozenset(

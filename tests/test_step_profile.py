@@ -29,7 +29,8 @@ RAW = "\n".join(
         "_beat (elastic/agent_link.py:70) 2",
         # Its loader process, and an agent.
         f"{LAUNCHER};{WORKER};{LOADER};thread (300);_worker_loop "
-        "(torch/utils/data/_utils/worker.py:300);__call__ (torchvision/transforms.py:90) 20",
+        "(torch/utils/data/_utils/worker.py:300);"
+        "__call__ (torchvision/transforms/transforms.py:90) 20",
         f"{LAUNCHER};thread (100);_loop (launcher/agent/agent.py:200) 4",
         # The plain loop's rank under the bench, and the bench itself (left out).
         f"{BENCH};{PLAIN};thread (500): MainThread;plain_worker (bench/throughput.py:540);"
@@ -46,7 +47,7 @@ RAW = "\n".join(
 def test_each_stack_counts_for_its_innermost_named_part() -> None:
     parts = step_profile.split(RAW, rate_hz=100, steps=10)  # ms per step = count / 100 * 100
     assert parts == {
-        "compute": pytest.approx(50 + 55),  # ours' and the plain loop's, in one run here
+        "backward": pytest.approx(50 + 55),  # ours and the plain loop's, in one run here
         "data loading": pytest.approx(20),
         "comm hook": pytest.approx(10),
         "launcher and agents": pytest.approx(4),
