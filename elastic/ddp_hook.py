@@ -4,10 +4,10 @@ Why a comm hook: DDP waits for its gradient all-reduce inside ``backward()``, an
 blocked on a frozen peer would hold the worker until the group's timeout. The hook hands DDP a
 future of the communicator's that completes with the all-reduce, or fails as soon as
 :meth:`elastic.communicator.Communicator.abort` is called (the agent announced a new round), so a
-stuck step is abandoned at once. On the way the hook casts each bucket to ``comm.grad_dtype``, in
-tensors it keeps for the worker's life, counts the buckets a step handed over (whether a stall is
-this rank's or its peers', :attr:`DDPHook.waiting_for_peers`), and marks when the step's compute
-ended (:class:`elastic.step_timing.StepTiming`).
+stuck step is abandoned at once. On the way the hook casts each bucket to a narrower
+``comm.grad_dtype`` (in a tensor it keeps per bucket), counts the buckets a step handed over
+(whether a stall is this rank's or its peers', :attr:`DDPHook.waiting_for_peers`), and marks when
+the step's compute ended (:class:`elastic.step_timing.StepTiming`).
 """
 
 # No ``from __future__ import annotations`` here: DDP checks the comm hook's annotations at run
@@ -45,7 +45,7 @@ class DDPHook:
         self.timing = StepTiming(comm.device)
         self.buckets_this_step = 0  # hook calls since begin_step(): how far backward got
         self.buckets_per_step = 0  # hook calls of the last complete step
-        self._kept: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}  # _wires
+        self._kept: dict[tuple[Any, ...], torch.Tensor] = {}  # _wire's
         self._kept_at = comm.retired_busy  # the retired groups that may write into _kept
         self._ddp: DistributedDataParallel | None = None  # this round's, until its buckets settle
 
@@ -115,40 +115,38 @@ class DDPHook:
         smallest subnormal (6e-8) flush to zero, which the GradScaler's loss scale keeps rare.
         bf16 has fp32's range: for it the order changes nothing.
 
-        The mean travels in a tensor of this hook's, one per bucket, kept across steps and
-        rounds (:meth:`_wires`), and our future completes with it (cast back, for a narrower
-        ``grad_dtype``); DDP reads the gradients from it. torch keeps the hook futures of a
-        step that a lost peer broke, with their tensors: had they been the bucket buffers,
-        every broken round would have kept the model's gradients' size (45 MB for ResNet-18)
-        for the life of the worker; a tensor used again keeps nothing more.
+        The bucket is divided in place and, unless ``grad_dtype`` is narrower, all-reduced itself,
+        as DDP's own hook does: the future completes with the bucket, and DDP copies nothing
+        back. (Into a tensor of the hook's, kept per bucket, the division alone took 18 of the
+        23 ms a step the profile gave the hook, docs/benchmarks.md, and DDP copied it back.) A
+        step that a lost peer broke keeps nothing of it: torch keeps its
+        futures, but ours fails without a value, and the all-reduce's own future lets go of
+        the bucket once its work has ended (:mod:`elastic.group_reaper` holds works still in
+        flight).
         """
         self.buckets_this_step += 1
         self.timing.bucket_handed()
         if self.comm.aborted:
             return _failed(RoundAborted("the round was left"))
         buffer = bucket.buffer()
-        out, wire = self._wires(bucket.index(), buffer)
-        torch.div(buffer, dist.get_world_size(), out=out)
-        if wire is not out:
-            wire.copy_(out)
+        buffer.div_(dist.get_world_size())
+        wire = buffer if buffer.dtype == self.grad_dtype else self._wire(bucket.index(), buffer)
+        if wire is not buffer:
+            wire.copy_(buffer)
         work = self.comm.launch(wire, "gradient all-reduce")
         if work is None:
             return _failed(RoundAborted("the round was left"))
-        return self.comm.track(work, "gradient all-reduce", out, wire)
+        return self.comm.track(work, "gradient all-reduce", buffer, wire)
 
-    def _wires(self, index: int, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Bucket ``index``'s kept tensors: the mean, and the one the network carries.
+    def _wire(self, index: int, buffer: torch.Tensor) -> torch.Tensor:
+        """Bucket ``index``'s kept tensor in the narrower ``grad_dtype``, that the network carries.
 
-        The mean is in the bucket's dtype; the network's is the same tensor unless
-        ``grad_dtype`` is narrower. A round's first step has buckets of other sizes (DDP rebuilds
-        them after it), so two sets are kept: twice the gradients' size, allocated once for the
-        worker's life."""
+        A round's first step has buckets of other sizes (DDP rebuilds them after it), so two sets
+        are kept, allocated once for the worker's life."""
         key = (index, buffer.numel(), buffer.dtype, self.grad_dtype)
         kept = self._kept.get(key)
         if kept is None:
-            out = torch.empty_like(buffer)
-            wire = out if out.dtype == self.grad_dtype else out.to(self.grad_dtype)
-            kept = self._kept[key] = (out, wire)
+            kept = self._kept[key] = torch.empty_like(buffer, dtype=self.grad_dtype)
         return kept
 
 
