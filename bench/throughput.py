@@ -119,8 +119,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -256,6 +256,7 @@ class Window:
     samples_per_s: float
     step_s: float
     cpu: dict[str, float]
+    switches: dict[str, float] = field(default_factory=dict)  # involuntary, per step, by role
 
     @property
     def cpu_per_sample(self) -> float:
@@ -263,7 +264,12 @@ class Window:
 
 
 def window(
-    ends: list[float], samples: list[int], warmup: int, steps: int, cpu: list[CpuSample]
+    ends: list[float],
+    samples: list[int],
+    warmup: int,
+    steps: int,
+    cpu: list[CpuSample],
+    switches: list[CpuSample] | None = None,
 ) -> Window:
     """The steady state from the step end times (time.time()) and global samples of steps 1, 2, ...
 
@@ -276,7 +282,11 @@ def window(
     count = sum(samples[warmup:last])
     before, after = cpu_at(cpu, start), cpu_at(cpu, end)
     used = {role: (after[role] - before.get(role, 0.0)) / count for role in after}
-    return Window(count / (end - start), (end - start) / steps, used)
+    switched = {}
+    if switches:
+        before, after = cpu_at(switches, start), cpu_at(switches, end)
+        switched = {role: (after[role] - before.get(role, 0.0)) / steps for role in after}
+    return Window(count / (end - start), (end - start) / steps, used, switched)
 
 
 class TreeCPU:
@@ -287,10 +297,16 @@ class TreeCPU:
 
     A process is found at the first reading after it starts and counted at its last reading
     after it exits; the window's processes live through it. Its role is asked at every reading,
-    so a process that execs (the lifeline's) is counted under what it became."""
+    so a process that execs (the lifeline's) is counted under what it became.
+
+    Beside the CPU it reads each process's involuntary context switches (:attr:`switches`): on
+    Linux those of its main thread, which is the training loop's. Each is a time the kernel took
+    the core from a runnable loop for another task, the cost of what runs beside it."""
 
     def __init__(self, roots: list[int], role: Callable[[psutil.Process], str]) -> None:
         self.samples: list[CpuSample] = []
+        self.switches: list[CpuSample] = []  # involuntary context switches so far, by role
+        self._last_switches: dict[int, tuple[str, float]] = {}
         self._roots = roots
         self._role = role
         self._procs: dict[int, psutil.Process] = {}
@@ -321,12 +337,20 @@ class TreeCPU:
                     self._procs.setdefault(proc.pid, proc)
         for pid, proc in self._procs.items():
             with contextlib.suppress(psutil.Error):
-                times = proc.cpu_times()
-                self._last[pid] = (self._role(proc), times.user + times.system)
-        totals: dict[str, float] = {}
-        for role, seconds in self._last.values():
-            totals[role] = totals.get(role, 0.0) + seconds
-        self.samples.append(((t0 + time.time()) / 2, totals))
+                times, role = proc.cpu_times(), self._role(proc)
+                self._last[pid] = (role, times.user + times.system)
+                self._last_switches[pid] = (role, proc.num_ctx_switches().involuntary)
+        t = (t0 + time.time()) / 2
+        self.samples.append((t, by_role(self._last.values())))
+        self.switches.append((t, by_role(self._last_switches.values())))
+
+
+def by_role(values: Iterable[tuple[str, float]]) -> dict[str, float]:
+    """The values summed by role."""
+    totals: dict[str, float] = {}
+    for role, value in values:
+        totals[role] = totals.get(role, 0.0) + value
+    return totals
 
 
 # --- the job both runtimes train -------------------------------------------------------------
@@ -442,7 +466,7 @@ def run_ours(setup: Setup, work: Path, every: int, extra: tuple[str, ...] = ()) 
     if {e["world_size"] for e in steps} != {world}:
         raise RuntimeError(f"our job did not train at world size {world} throughout")
     ends, counts = [e["ts"] for e in steps], [e["step_samples"] for e in steps]
-    return window(ends, counts, setup.warmup, setup.steps, cpu.samples)
+    return window(ends, counts, setup.warmup, setup.steps, cpu.samples, cpu.switches)
 
 
 def last_step(run_dir: Path) -> int:
@@ -631,7 +655,9 @@ def run_plain(setup: Setup, work: Path, every: int) -> Window:
                 p.join(timeout=60)
     Path(job.checkpoint).unlink(missing_ok=True)
     result = json.loads(Path(job.result).read_text())
-    return window(result["ends"], result["samples"], setup.warmup, setup.steps, cpu.samples)
+    return window(
+        result["ends"], result["samples"], setup.warmup, setup.steps, cpu.samples, cpu.switches
+    )
 
 
 # --- the command -----------------------------------------------------------------------------
@@ -860,6 +886,14 @@ def report(args: argparse.Namespace, setup: Setup, runs: Runs) -> None:
             for role in ("workers", "launcher and agents", "etcd")
         )
         print(f"- {row_name(every)}: " + ", ".join(parts))
+
+    print("\ninvoluntary context switches per step, the training loops' (medians, all processes):")
+    for every in setup.intervals:
+        ours, plain = (
+            statistics.median(w.switches.get("workers", 0.0) for w in each)
+            for each in (runs.ours[every], runs.plain[every])
+        )
+        print(f"- {row_name(every)}: ours {ours:.1f}, plain DDP {plain:.1f}")
 
     target = args.target_ci_pct
     print(

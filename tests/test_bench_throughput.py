@@ -66,6 +66,12 @@ def test_window_times_and_charges_the_measured_steps_only() -> None:
     assert w.samples_per_s == pytest.approx(96 / 3.5)
     assert w.step_s == pytest.approx(3.5 / 3)
     assert w.cpu_per_sample == pytest.approx(7 / 96)
+    assert w.switches == {}  # none read
+    # 10 involuntary context switches a second: 35 over the window's 3 steps.
+    switches = [(t / 2, {"workers": 5.0 * t}) for t in range(13)]
+    counted = bench.window(ends, [32] * 5, warmup=1, steps=3, cpu=cpu, switches=switches)
+    assert counted.switches == {"workers": pytest.approx(35 / 3)}
+    assert counted.cpu_per_sample == w.cpu_per_sample  # switches are no CPU
     with pytest.raises(RuntimeError, match="only 5 steps"):
         bench.window(ends, [32] * 5, warmup=3, steps=3, cpu=cpu)
 
