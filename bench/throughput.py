@@ -72,7 +72,8 @@ sample trained. Unlike wall time it does not grow when other processes take the 
 varies less from run to run; its overhead is what ours costs in CPU, which on a machine whose
 cores the workers fill is also what it costs in time. Ours is broken down into workers, launcher
 and agents, and etcd: on such a machine the embedded etcd's CPU is taken from the trainers (on
-bare metal etcd has machines of its own).
+bare metal etcd has machines of its own). Each runtime's training loops' involuntary context
+switches a step are printed too: how often what runs beside them took their core.
 
 The noise. Single runs on a shared 2-core VM spread by about +-10 %. Each row's two runtimes run
 back to back, in alternating order from one repeat to the next, so that a slow minute hits both
