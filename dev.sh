@@ -2,7 +2,8 @@
 # One entry point that sets itself up: creates .venv and installs the project on first use
 # (and again whenever pyproject.toml changes), then
 #   ./dev.sh run [overrides...]    the main job (python -m launcher with Hydra overrides)
-#   ./dev.sh test [pytest args...] ruff, then the test suite, ELASTIC_TEST_PROCS (2) tests at a time
+#   ./dev.sh test [pytest args...] ruff, then the test suite, ELASTIC_TEST_PROCS (2) tests at a time,
+#                                  each skip named with its reason
 #                                  (what CI runs)
 #   ./dev.sh bench [args...]       the recovery benchmark against the torchrun peer
 #   ./dev.sh gpu-wheels [DIR]      the wheels the offline GPU machine lacks, into DIR (gpu-wheels)
@@ -42,7 +43,7 @@ case "$command" in
   # Two tests at a time (pytest-xdist): most of a test's time is its processes starting and
   # waiting on each other: two at once took 17-21 min of pytest on a clean clone on 2 cores. A
   # module whose costly fixture is shared is kept on one worker (pytest.mark.xdist_group).
-  test) ruff check . && exec python -m pytest -q -n "${ELASTIC_TEST_PROCS:-2}" --dist loadgroup "$@" ;;
+  test) ruff check . && exec python -m pytest -q -rs -n "${ELASTIC_TEST_PROCS:-2}" --dist loadgroup "$@" ;;
   bench) exec python bench/recovery.py "$@" ;;
   gpu-wheels) exec python bench/gpu_wheels.py prepare "${1:-gpu-wheels}" ;;
   *) echo "usage: ./dev.sh run|test|bench|gpu-wheels|gpu-proof [args...]" >&2; exit 2 ;;
