@@ -44,7 +44,9 @@ def available() -> str:
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return f"no {tool} command (iproute2)"
-    probe = f"{PREFIX}probe"
+    # A name of this process's own: two processes probing at once (a campaign and a test module,
+    # two at a time in CI) shared one, and the second's add failed with "File exists".
+    probe = f"{PREFIX}probe{os.getpid()}"
     made = _ip("netns", "add", probe)
     if made.returncode != 0:
         return f"ip netns add failed: {made.stderr.strip()}"
