@@ -60,6 +60,9 @@ class FaultSpec:
     # freeze_node, slow_node, kill_etcd_member, fill_disk, the network kinds: end after this long
     duration_s: float = 5.0
     restart_after_s: float = -1.0  # kill_node, leave_node: started again after this; <0: never
+    # slow_node: lifted as soon as the job names the node a straggler, duration_s at the latest,
+    # so that the time it takes is measured, whatever the machine's pace
+    until_named: bool = False
     # ...and only once the job trains at this many ranks or more (a node struck before is back
     # in): 0, whatever its world size
     min_world: int = 0
@@ -128,6 +131,15 @@ def problems(c: CampaignConfig, nodes: int) -> list[str]:
         if f.min_world < 0:
             found.append(
                 problem(f"{key}.min_world", f.min_world, "a number of ranks", "set it >= 0")
+            )
+        if f.until_named and f.kind is not FaultKind.slow_node:
+            found.append(
+                problem(
+                    f"{key}.until_named",
+                    True,
+                    f"only a slow_node is named by the job, not a {f.kind}",
+                    "remove it, or set it on a slow_node",
+                )
             )
         if f.kind in TIMED_KINDS and f.duration_s <= 0:
             found.append(

@@ -78,6 +78,7 @@ class CampaignRunner:
     ballast: dict[Path, float] = field(default_factory=dict)  # file -> when it is removed
     cut: dict[tuple[str, FaultKind], float] = field(default_factory=dict)  # -> when it ends
     slowed: dict[str, tuple[CpuLimit, float]] = field(default_factory=dict)  # -> end
+    until_named: set[str] = field(default_factory=set)  # slowed nodes lifted once named
     agents: dict[str, int] = field(default_factory=dict)  # node -> its newest agent's pid
     # node -> the pid of what started it again, until its agent says it started: before, the
     # log names the agent before it, and a fault would strike that one (or its zombie).
@@ -115,6 +116,9 @@ class CampaignRunner:
                         if e["step"] > world_after:
                             world = e["world_size"]
                     trained |= ev.TRAINING_DONE.matches(e)
+                    if ev.STRAGGLER.matches(e) and e["node"] in self.until_named:
+                        limit, _ = self.slowed[e["node"]]
+                        self.slowed[e["node"]] = (limit, 0.0)  # lifted now
                 now = time.time()
                 self._end_timed_faults(now)
                 if now - self.kept_slow_at >= KEEP_SLOW_S:  # new workers of a slow node
@@ -199,6 +203,8 @@ class CampaignRunner:
             elif spec.kind is FaultKind.slow_node:
                 limit = injectors.slow_node(self.run_dir, node, self.campaign.slow_factor)
                 self.slowed[node] = (limit, time.time() + spec.duration_s)
+                if spec.until_named:
+                    self.until_named.add(node)
             else:
                 sig = signal.SIGKILL if spec.kind is FaultKind.kill_node else signal.SIGTERM
                 injectors.kill_node(self.run_dir, node, sig)
@@ -311,6 +317,7 @@ class CampaignRunner:
             if now >= at or not restart:
                 injectors.unslow_node(self.run_dir, node, limit)
                 del self.slowed[node]
+                self.until_named.discard(node)
         for member, at in list(self.etcd_down.items()):
             if (now >= at or not restart) and self.etcd is not None:
                 injectors.start_etcd(self.run_dir, self.etcd, member)

@@ -86,6 +86,7 @@ def test_a_campaign_that_cannot_run_names_each_key_and_its_fix() -> None:
             FaultSpec(at_step=1, target="node7"),
             FaultSpec(kind=FaultKind.freeze_node, at_step=1, duration_s=0),
             FaultSpec(kind=FaultKind.fill_disk, at_step=1, duration_s=-1),
+            FaultSpec(kind=FaultKind.freeze_node, at_step=1, until_named=True),
         ],
         etcd_members=2,
     )
@@ -96,6 +97,7 @@ def test_a_campaign_that_cannot_run_names_each_key_and_its_fix() -> None:
         "campaign.faults[1].target",
         "campaign.faults[2].duration_s",
         "campaign.faults[3].duration_s",
+        "campaign.faults[4].until_named",
         "campaign.etcd_members",
     ]
     assert all("Fix:" in p for p in found)
