@@ -142,7 +142,7 @@ from elastic import event_types as ev  # noqa: E402
 from elastic.config import Config  # noqa: E402
 from elastic.data import imagenet_transform, train_root  # noqa: E402
 from elastic.ddp_hook import BUFFERS_PER_REPLICA  # noqa: E402
-from elastic.events import read_events  # noqa: E402
+from elastic.events import EventFollower, read_events  # noqa: E402
 from elastic.model import build_model  # noqa: E402
 from elastic.optim import build_optimizer  # noqa: E402
 from elastic.pipeline import PREFETCH_FACTOR, loader_workers  # noqa: E402
@@ -442,12 +442,13 @@ def run_ours(setup: Setup, work: Path, every: int, extra: tuple[str, ...] = ()) 
     env = {**os.environ, "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, cwd=work, stdout=log, stderr=subprocess.STDOUT, env=env)
+        last_step = LastStep(run_dir)
         profile = profiled(
             setup,
             proc.pid,
             f"{row_name(every)}-ours",
-            started=lambda: last_step(run_dir) >= setup.warmup,
-            ended=lambda: last_step(run_dir) >= setup.total_steps,
+            started=lambda: last_step() >= setup.warmup,
+            ended=lambda: last_step() >= setup.total_steps,
         )
         try:
             with TreeCPU([proc.pid], our_role) as cpu, profile:
@@ -470,9 +471,19 @@ def run_ours(setup: Setup, work: Path, every: int, extra: tuple[str, ...] = ()) 
     return window(ends, counts, setup.warmup, setup.steps, cpu.samples, cpu.switches)
 
 
-def last_step(run_dir: Path) -> int:
-    """The last step our job's rank 0 has reported; 0 before the first."""
-    return max((e["step"] for e in ev.STEP.of(read_events(run_dir))), default=0)
+class LastStep:
+    """The last step our job has reported; 0 before the first.
+
+    Each look reads only what was appended since the last: the profiler's window asks 10 times a
+    second, and reading the whole run each time took CPU from the window it profiles."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self._follower = EventFollower(run_dir)
+        self._step = 0
+
+    def __call__(self) -> int:
+        self._step = max((e["step"] for e in ev.STEP.of(self._follower.poll())), default=self._step)
+        return self._step
 
 
 def profiled(
@@ -503,13 +514,13 @@ class PlainJob:
     precision: str
     channels_last: bool
     steps: int
-    warmup: int  # after this many steps rank 0 touches ``warm`` (the window begins)
+    warmup: int  # after this many steps rank 0 touches ``warm`` (the window begins), if profiled
     world: int
     save_every: int  # rank 0 saves after every this many steps; 0: never
     checkpoint: str  # the file it saves to
     store: str  # the FileStore the group bootstraps through
     result: str  # where rank 0 writes its step times
-    warm: str
+    warm: str  # "": not profiled
 
 
 def plain_save(state: dict[str, object], path: str) -> None:
@@ -596,7 +607,7 @@ def plain_worker(rank: int, job: PlainJob) -> None:
                 samples.append(image.shape[0] * job.world)
                 if len(ends) == job.steps:
                     break
-                if rank == 0 and len(ends) == job.warmup:
+                if rank == 0 and job.warm and len(ends) == job.warmup:
                     Path(job.warm).touch()
                 if rank == 0 and job.save_every and len(ends) % job.save_every == 0:
                     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
@@ -633,7 +644,7 @@ def run_plain(setup: Setup, work: Path, every: int) -> Window:
         checkpoint=str(work / f"{name}.pth"),
         store=str(work / f"{name}.store"),
         result=str(work / f"{name}.json"),
-        warm=str(work / f"{name}.warm"),
+        warm=str(work / f"{name}.warm") if setup.profile is not None else "",
     )
     profile = profiled(
         setup,

@@ -20,6 +20,7 @@ from elastic.communicator import Communicator
 from elastic.control import Assignment, Channel
 from elastic.ddp_hook import DDPHook
 from elastic.group_setup import set_up_begun
+from elastic.sched_policy import helper_thread
 
 log = logging.getLogger("elastic.trainer")
 
@@ -57,7 +58,7 @@ class AgentLink:
         # A planned leave's standby names the round that follows: store, round, world size.
         self._handover: dict[str, Any] | None = None
         channel.serve(self._on_message, name="agent-link")
-        threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
+        helper_thread(self._heartbeat, "heartbeat").start()
 
     def _on_message(self, msg: dict[str, Any]) -> None:
         kind = msg["type"]

@@ -32,6 +32,7 @@ from elastic.checkpoint import CheckpointManager
 from elastic.checkpoint_save import Plan, SaveAbandoned, SaveFailed
 from elastic.events import EventLog
 from elastic.round_end import RoundAborted
+from elastic.sched_policy import helper_thread
 
 log = logging.getLogger(__name__)
 
@@ -178,12 +179,10 @@ class BackgroundSaver:
         rank = dist.get_rank(group)
         stall = time.perf_counter() - t0  # and the start of the thread, below
         go = threading.Event()
-        threading.Thread(
-            target=self._run,
-            args=(manager, save, replay, meta, group, rank, {**(shared or {}), "stall_s": stall}),
-            kwargs={"go": go},
-            name=f"checkpoint-step{step}",
-            daemon=True,
+        helper_thread(
+            self._run,
+            f"checkpoint-step{step}",
+            (manager, save, replay, meta, group, rank, {**(shared or {}), "stall_s": stall}, go),
         ).start()
         go.set()
         return Started(stall, copied, previous.gathered if previous is not None else None)

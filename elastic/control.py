@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
+from elastic.sched_policy import helper_thread
+
 log = logging.getLogger(__name__)
 
 CONTROL_FD_ENV = "ELASTIC_CONTROL_FD"
@@ -161,7 +163,7 @@ class Channel:
             self.closed.set()
             on_message({"type": "eof"})
 
-        thread = threading.Thread(target=loop, name=name, daemon=True)
+        thread = helper_thread(loop, name)
         thread.start()
         return thread
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from elastic import event_types as ev
 from elastic.events import EventLog
+from elastic.sched_policy import helper_thread
 
 Scalar = tuple[str, float, int]  # (tag, value, global step)
 
@@ -122,9 +123,7 @@ class Curves:
         with self._lock:
             if rank == 0 and self._queue is None and self._writer_class is not None:
                 self._queue = queue.SimpleQueue()
-                self._thread = threading.Thread(
-                    target=self._write, args=(self._queue,), name="curves", daemon=True
-                )
+                self._thread = helper_thread(self._write, "curves", (self._queue,))
                 self._thread.start()
                 self._events.sink = self._queue.put
             elif rank != 0 and self._queue is not None:

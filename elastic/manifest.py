@@ -14,13 +14,14 @@ from __future__ import annotations
 import hashlib
 import json
 import queue
-import threading
 from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
 import fsspec
 from fsspec import AbstractFileSystem
+
+from elastic.sched_policy import helper_thread
 
 MANIFEST = "manifest.json"
 FORMAT = 3  # the shards in elastic.shard_io's layout, files hashed in pieces
@@ -58,8 +59,7 @@ class PieceDigest:
             queue.Queue(backlog) for _ in range(threads)
         ]
         self._threads = [
-            threading.Thread(target=self._run, args=(q,), name=f"sha256-{i}", daemon=True)
-            for i, q in enumerate(self._queues)
+            helper_thread(self._run, f"sha256-{i}", (q,)) for i, q in enumerate(self._queues)
         ]
         self._digests: dict[int, bytes] = {}
         self._size = 0

@@ -12,6 +12,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from elastic.sched_policy import helpers_yield
+
 
 class SaveGroup:
     """Holds the current round's save group, between its set-up and the round's close."""
@@ -24,9 +26,10 @@ class SaveGroup:
         """Make this round's save group, once its training group is set up.
 
         It is a collective of the round's ranks."""
-        self.group = dist.new_group(
-            backend="gloo", timeout=self.timeout, group_desc="checkpoint saves"
-        )
+        with helpers_yield():  # its threads wake 100 times a second, saving or not
+            self.group = dist.new_group(
+                backend="gloo", timeout=self.timeout, group_desc="checkpoint saves"
+            )
 
     def drop(self) -> None:
         """Let go of the group, destroyed with the training group.

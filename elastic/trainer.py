@@ -73,6 +73,7 @@ from elastic.round_end import RoundAborted, RoundEnd, release, round_end
 from elastic.round_entry import enter_round
 from elastic.sampler import ElasticSampler, StepPlan
 from elastic.saving import final_save, save
+from elastic.sched_policy import train_in_foreground
 from elastic.state import TrainState
 from elastic.step_checks import AFTER_STEP, Action, StepDone, Steps, evaluate_if_due
 from elastic.worker import Worker
@@ -94,6 +95,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     env = WorkerEnv.from_environ()
     cfg = config.load(env.config)
+    train_in_foreground(cfg.cluster.yield_to_training)  # before any thread starts
     torch.set_num_threads(env.threads)
     rotation = Rotation.of_mb(cfg.trainer.events_rotate_mb, cfg.trainer.events_keep)
     events = EventLog(

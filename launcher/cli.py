@@ -36,6 +36,7 @@ from elastic.config import ClusterMode, Config, ConfigError
 from elastic.control import EXIT_UNSAVED
 from elastic.events import EventFollower, read_events
 from elastic.job_target import prepare_job
+from elastic.sched_policy import yield_to_training
 from launcher import alerts
 from launcher.compose import finalize, validate_launch
 from launcher.curves_png import CURVES_PNG, draw
@@ -57,6 +58,8 @@ def launch(cfg: Config) -> int:
     if problems:
         print("error: the job cannot start:\n  " + "\n  ".join(problems), file=sys.stderr)
         return 2
+    if cfg.cluster.yield_to_training:  # etcd, the agents and this process; the workers train
+        yield_to_training()
     run_dir = Path(cfg.run_dir)
     started = time.time()
     prepare_job(cfg)  # the job's data, generated once (the ImageNet job's synthetic ImageFolder)

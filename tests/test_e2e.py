@@ -464,6 +464,13 @@ def test_killed_worker_is_restarted_and_rejoins_in_place_and_requests_are_refuse
     wait_event(
         run_dir, proc, lambda e: e["event"] == "round_joined" and e["node"] == "node1", fault
     )
+    # cluster.yield_to_training: the launcher and agents yield, every worker trains in the
+    # foreground, the one its agent started again too (the policy is inherited).
+    started = [e for e in read_events(run_dir) if e["event"] in ("agent_started", "worker_started")]
+    yielding = [proc.pid] + [e["pid"] for e in started if e["event"] == "agent_started"]
+    workers = {e["node"]: e["worker_pid"] for e in started if e["event"] == "worker_started"}
+    assert {os.sched_getscheduler(p) for p in yielding} == {os.SCHED_BATCH}
+    assert {os.sched_getscheduler(p) for p in workers.values()} == {os.SCHED_OTHER}
     gate.open()
 
     assert wait_exit(proc, run_dir) == 0, output(run_dir)[-3000:]

@@ -73,6 +73,10 @@ class ClusterConfig:
     embedded_etcd_members: int = bounded(
         1, ge=1, le=3, fix="set cluster.embedded_etcd_members=1 or 3"
     )
+    # The launcher, agents, embedded etcd and the workers' helper threads (curves, saves, the
+    # agent link) run SCHED_BATCH: waking, they never take a training loop's core (Linux;
+    # elastic/sched_policy.py). false: everything at the default policy.
+    yield_to_training: bool = True
     # Worker crashes a node survives before it leaves the job.
     max_restarts: int = bounded(10, ge=0, fix="set cluster.max_restarts=0 or more")
 

@@ -10,6 +10,7 @@ import socket
 import sys
 
 from elastic import config
+from elastic.sched_policy import yield_to_training
 from launcher.agent.agent import Agent
 
 
@@ -32,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format=f"%(asctime)s [{args.node_id}] %(name)s: %(message)s"
     )
     cfg = config.load(args.config)
+    if cfg.cluster.yield_to_training:  # and its threads and processes, but for the workers
+        yield_to_training()
     agent = Agent(
         cfg,
         args.config,
