@@ -471,6 +471,12 @@ def test_killed_worker_is_restarted_and_rejoins_in_place_and_requests_are_refuse
     workers = {e["node"]: e["worker_pid"] for e in started if e["event"] == "worker_started"}
     assert {os.sched_getscheduler(p) for p in yielding} == {os.SCHED_BATCH}
     assert {os.sched_getscheduler(p) for p in workers.values()} == {os.SCHED_OTHER}
+    # Only what talks to etcd runs protobuf's pure-Python code (the agents), not the workers.
+    for pid in workers.values():
+        assert (
+            b"PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"
+            not in Path(f"/proc/{pid}/environ").read_bytes()
+        )
     gate.open()
 
     assert wait_exit(proc, run_dir) == 0, output(run_dir)[-3000:]

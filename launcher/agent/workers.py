@@ -38,6 +38,7 @@ from launcher.agent.inbox import (
     WorkerStrike,
 )
 from launcher.agent.watchdog import Watchdog
+from launcher.rendezvous.etcd import PROTOBUF_MODE
 from launcher.rendezvous.membership import Round
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ class WorkerSlot:
                 # code between fork and exec trips gRPC's fork handlers.
                 tied([sys.executable, "-m", "elastic.trainer"]),
                 env={
-                    **os.environ,
+                    **{k: v for k, v in os.environ.items() if k != PROTOBUF_MODE},  # no etcd
                     **self.env.to_environ(),
                     CONTROL_FD_ENV: str(theirs.fileno()),
                     "PYTHONUNBUFFERED": "1",

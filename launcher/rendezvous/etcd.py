@@ -37,6 +37,10 @@ if TYPE_CHECKING:
     import etcd3
 
 log = logging.getLogger("launcher.rendezvous.etcd")
+# The etcd3 client's generated code needs protobuf's pure-Python implementation with today's
+# protobuf. It is set only in processes that talk to etcd: the launcher and the agents, not their
+# workers, where it would slow every protobuf user (TensorBoard's writer, 2x).
+PROTOBUF_MODE = "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"
 
 
 class EtcdUnavailable(ConnectionError):
@@ -183,7 +187,7 @@ def connect(
     refuses this node's credentials or certificates (or this node refuses etcd's); their
     messages name the settings as ``names`` spells them (torchrun's: ``TORCHRUN_NAMES``).
     """
-    os.environ["PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"] = "python"
+    os.environ[PROTOBUF_MODE] = "python"
     import etcd3
     import grpc
 
@@ -385,7 +389,7 @@ def etcd_errors() -> tuple[type[BaseException], ...]:
     """What a call to an unreachable or failing etcd raises; callers retry on these alone.
 
     The client's own exceptions, and gRPC's for the calls it does not translate (streams)."""
-    os.environ["PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"] = "python"
+    os.environ[PROTOBUF_MODE] = "python"
     import grpc
     from etcd3.exceptions import Etcd3Exception
 

@@ -46,6 +46,7 @@ from launcher.rendezvous.credentials import (
     read_password,
 )
 from launcher.rendezvous.etcd import (
+    PROTOBUF_MODE,
     EtcdRefused,
     EtcdSecurity,
     EtcdUnavailable,
@@ -493,9 +494,6 @@ def _seconds(
     return value
 
 
-_PROTOBUF_MODE = "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"
-
-
 def _security(params: RendezvousParameters) -> EtcdSecurity:
     """TLS files and the etcd user from ``--rdzv-conf``, with the user's password.
 
@@ -536,7 +534,7 @@ def _connect(
     the job starts). It leaves the environment as it was: connect sets the protobuf mode that the
     etcd client needs before its import. torchrun's workers inherit the agent's environment, where
     that mode would slow every protobuf user down."""
-    before = os.environ.get(_PROTOBUF_MODE)
+    before = os.environ.get(PROTOBUF_MODE)
     began = time.monotonic()
     pause, longest = RETRY_PAUSE_S
     try:
@@ -565,9 +563,9 @@ def _connect(
                 pause = min(2 * pause, longest)
     finally:
         if before is None:
-            os.environ.pop(_PROTOBUF_MODE, None)
+            os.environ.pop(PROTOBUF_MODE, None)
         else:
-            os.environ[_PROTOBUF_MODE] = before
+            os.environ[PROTOBUF_MODE] = before
 
 
 def _prefix_end(prefix: str) -> bytes:
