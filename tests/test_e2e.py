@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -9,7 +10,9 @@ import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -864,6 +867,33 @@ def fill(path: Path, name: str = "filler") -> Path:
     return filler
 
 
+@contextlib.contextmanager
+def kept_full(path: Path, name: str = "kept-full") -> Iterator[Path]:
+    """Keep ``path``'s file system full while in the block, as a disk other writers share stays
+    full: what a save frees when it fails (its partial files), or a commit when it prunes, is
+    taken again within milliseconds. The file, ``name``, stays after the block."""
+    stop = threading.Event()
+    fd = os.open(path / name, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    chunk = bytes(64 << 10)
+
+    def take() -> None:
+        while not stop.is_set():
+            try:
+                os.write(fd, chunk)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+                stop.wait(0.005)  # the disk is full: look again for freed space
+
+    thread = threading.Thread(target=take, name="kept-full", daemon=True)
+    thread.start()
+    try:
+        yield path / name
+    finally:
+        stop.set()
+        thread.join(10)
+        os.close(fd)
+
+
 def test_a_checkpoint_store_that_fills_up_costs_checkpoints_not_the_round(
     tmp_path: Path, gate: Gate
 ) -> None:
@@ -904,14 +934,17 @@ def test_a_checkpoint_store_that_fills_up_costs_checkpoints_not_the_round(
             wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["step"] > failed["step"])
             # A worker that crashes now is restarted: its node's disk check fails as every
             # node's would, which is a warning for a node already in the job, not a refusal.
+            # The disk stays full meanwhile: a save that committed during the filling pruned
+            # its predecessor and freed a checkpoint's room (CI at a7cf0d5).
             gate.hold_after(0)
-            crashed = kill_worker(run_dir, "node1")
-            checked = wait_event(
-                run_dir,
-                proc,
-                lambda e: e["event"] == "health_checked" and e["node"] == "node1",
-                crashed,
-            )
+            with kept_full(store) as topped:
+                crashed = kill_worker(run_dir, "node1")
+                checked = wait_event(
+                    run_dir,
+                    proc,
+                    lambda e: e["event"] == "health_checked" and e["node"] == "node1",
+                    crashed,
+                )
             assert checked["ok"] and any("checkpoint_disk" in w for w in checked["warnings"])
             wait_event(
                 run_dir,
@@ -922,6 +955,7 @@ def test_a_checkpoint_store_that_fills_up_costs_checkpoints_not_the_round(
             gate.open()
             freed = time.time()
             filler.unlink()
+            topped.unlink()
             again = wait_event(run_dir, proc, lambda e: e["event"] == "checkpoint_saved", freed)
             assert again["step"] > failed["step"]
             # Full again, until a save fails after the filling: one that committed meanwhile
