@@ -77,8 +77,8 @@ class CampaignRunner:
     etcd_down: dict[int, float] = field(default_factory=dict)  # member -> when it is started
     ballast: dict[Path, float] = field(default_factory=dict)  # file -> when it is removed
     cut: dict[tuple[str, FaultKind], float] = field(default_factory=dict)  # -> when it ends
-    slowed: dict[str, tuple[CpuLimit, float]] = field(default_factory=dict)  # -> end
-    until_named: set[str] = field(default_factory=set)  # slowed nodes lifted once named
+    # node -> its limit, when it is lifted, and whether sooner once the job names it
+    slowed: dict[str, tuple[CpuLimit, float, bool]] = field(default_factory=dict)
     agents: dict[str, int] = field(default_factory=dict)  # node -> its newest agent's pid
     # node -> the pid of what started it again, until its agent says it started: before, the
     # log names the agent before it, and a fault would strike that one (or its zombie).
@@ -116,14 +116,14 @@ class CampaignRunner:
                         if e["step"] > world_after:
                             world = e["world_size"]
                     trained |= ev.TRAINING_DONE.matches(e)
-                    if ev.STRAGGLER.matches(e) and e["node"] in self.until_named:
-                        limit, _ = self.slowed[e["node"]]
-                        self.slowed[e["node"]] = (limit, 0.0)  # lifted now
+                    slow = self.slowed.get(e["node"]) if ev.STRAGGLER.matches(e) else None
+                    if slow is not None and slow[2]:  # until_named: lifted now
+                        self.slowed[e["node"]] = (slow[0], 0.0, True)
                 now = time.time()
                 self._end_timed_faults(now)
                 if now - self.kept_slow_at >= KEEP_SLOW_S:  # new workers of a slow node
                     self.kept_slow_at = now
-                    for node, (limit, _) in self.slowed.items():
+                    for node, (limit, _, _) in self.slowed.items():
                         if node in self.agents:
                             injectors.keep_slow(self.agents[node], limit)
                 while (
@@ -202,9 +202,7 @@ class CampaignRunner:
                 injectors.corrupt_replica(self.run_dir, node)
             elif spec.kind is FaultKind.slow_node:
                 limit = injectors.slow_node(self.run_dir, node, self.campaign.slow_factor)
-                self.slowed[node] = (limit, time.time() + spec.duration_s)
-                if spec.until_named:
-                    self.until_named.add(node)
+                self.slowed[node] = (limit, time.time() + spec.duration_s, spec.until_named)
             else:
                 sig = signal.SIGKILL if spec.kind is FaultKind.kill_node else signal.SIGTERM
                 injectors.kill_node(self.run_dir, node, sig)
@@ -313,11 +311,10 @@ class CampaignRunner:
                     link = PEER_LINK if kind is FaultKind.partition_peers else ETCD_LINK
                     injectors.heal(self.run_dir, self.net, i, link)
                 del self.cut[(node, kind)]
-        for node, (limit, at) in list(self.slowed.items()):
+        for node, (limit, at, _) in list(self.slowed.items()):
             if now >= at or not restart:
                 injectors.unslow_node(self.run_dir, node, limit)
                 del self.slowed[node]
-                self.until_named.discard(node)
         for member, at in list(self.etcd_down.items()):
             if (now >= at or not restart) and self.etcd is not None:
                 injectors.start_etcd(self.run_dir, self.etcd, member)

@@ -82,7 +82,8 @@ def test_a_scripted_campaign_keeps_the_invariants_and_reports_each_fault_and_the
     # Named while it is slow: the script lifts it once named (until_named), a minute at most. Two
     # comparisons of 2 steps take 4-5 s alone; CI's second test beside it took 15.3 s once.
     assert slow["detected_s"] is not None and slow["detected_s"] < 60, slow
-    lifted = [e for e in read_events(tmp_path / "run") if e["event"] == "fault_cleared"]
+    events = read_events(tmp_path / "run")
+    lifted = [e for e in events if e["event"] == "fault_cleared"]
     lifted_s = next(e["ts"] for e in lifted if e["kind"] == "slow_node") - slow["ts"]
     assert 0 <= lifted_s - slow["detected_s"] < 5, (lifted_s, slow)  # by the naming
     assert "evicted" not in slow["breakdown"]  # health.straggler=warn
@@ -93,7 +94,7 @@ def test_a_scripted_campaign_keeps_the_invariants_and_reports_each_fault_and_the
     assert 0.3 < report["goodput"] <= 1.0, report["goodput"]
     assert report["fault_free_goodput"] is None  # the first fault at step 10: too soon to tell
     # The corrupted shard was verified and refused (its checksum), not left unjudged.
-    verified = [e for e in read_events(tmp_path / "run") if e["event"] == "checkpoint_verified"]
+    verified = [e for e in events if e["event"] == "checkpoint_verified"]
     assert len(verified) == 1 and "does not match its checksum" in verified[0]["refused"]
     assert (out_dir / "timeline.png").read_bytes()[:4] == b"\x89PNG"
     summary = (out_dir / "summary.txt").read_text()

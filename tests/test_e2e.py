@@ -44,6 +44,7 @@ from elastic.final_save import unsaved_steps
 from elastic.synthetic import ensure_synthetic
 from launcher.agent.agent import EXIT_UNHEALTHY
 from launcher.health.quarantine import Quarantine
+from launcher.rendezvous.etcd import PROTOBUF_MODE
 
 from .conftest import PATCH_HOOKS, Gate, launch, output, small_tmpfs, with_limit
 
@@ -476,10 +477,7 @@ def test_killed_worker_is_restarted_and_rejoins_in_place_and_requests_are_refuse
     assert {os.sched_getscheduler(p) for p in workers.values()} == {os.SCHED_OTHER}
     # Only what talks to etcd runs protobuf's pure-Python code (the agents), not the workers.
     for pid in workers.values():
-        assert (
-            b"PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"
-            not in Path(f"/proc/{pid}/environ").read_bytes()
-        )
+        assert PROTOBUF_MODE.encode() not in Path(f"/proc/{pid}/environ").read_bytes()
     gate.open()
 
     assert wait_exit(proc, run_dir) == 0, output(run_dir)[-3000:]
