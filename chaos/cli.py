@@ -114,11 +114,8 @@ def nothing_to_judge(events: list[dict[str, Any]], out_dir: Path) -> str | None:
     )
 
 
-def launch(cfg: Config, campaign: CampaignConfig, job: list[str]) -> int:
-    """Launch a local job on an etcd of our own, run the campaign on it, and judge it.
-
-    The job records every rank's samples (``trainer.record_samples=true``): the invariants need
-    them."""
+def launch_problems(cfg: Config, campaign: CampaignConfig) -> list[str]:
+    """What keeps ``campaign`` from launching job ``cfg`` itself: the key, the value and the fix."""
     found = problems(campaign, cfg.cluster.nodes)
     if cfg.cluster.mode is not ClusterMode.local:
         found.append(
@@ -147,7 +144,15 @@ def launch(cfg: Config, campaign: CampaignConfig, job: list[str]) -> int:
                 "run as root with iproute2, or leave it false (network faults are then skipped)",
             )
         )
-    if found:
+    return found
+
+
+def launch(cfg: Config, campaign: CampaignConfig, job: list[str]) -> int:
+    """Launch a local job on an etcd of our own, run the campaign on it, and judge it.
+
+    The job records every rank's samples (``trainer.record_samples=true``): the invariants need
+    them."""
+    if found := launch_problems(cfg, campaign):
         return refuse(found)
 
     run_dir = Path(cfg.run_dir)
