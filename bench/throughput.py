@@ -33,11 +33,13 @@ The runtimes:
 DDP at parity: the peer's ``DistributedDataParallel`` gets every option ``DDPHook.wrap``
 gives ours, so that the overhead measured is the runtime's and not a DDP setting's:
 ``forward_sync_buffers=False`` (DDP's default broadcasts the buffers, batch-norm statistics,
-from rank 0 before every forward: a blocking collective per step that ours does not run) and
+from rank 0 before every forward: a blocking collective per step that ours does not run),
 ``init_sync=False`` (no parameter broadcast at construction; every rank seeds its model alike
 instead, as ours makes its replicas identical by its state sync; a one-time cost outside the
-window either way). Not its comm hook: ours all-reduces through an abortable hook whose cost is
-part of what this measures; the peer keeps DDP's built-in all-reduce.
+window either way) and ``gradient_as_bucket_view=True`` (no copy of the buckets back into the
+gradients after the all-reduce). These are ``elastic.ddp_hook.DDP_OPTIONS``. Not its comm
+hook: ours all-reduces through an abortable hook whose cost is part of what this measures; the
+peer keeps DDP's built-in all-reduce.
 
 The rows, each run ``--repeats`` times for both runtimes:
 
@@ -141,7 +143,7 @@ from elastic import config  # noqa: E402
 from elastic import event_types as ev  # noqa: E402
 from elastic.config import Config  # noqa: E402
 from elastic.data import imagenet_transform, train_root  # noqa: E402
-from elastic.ddp_hook import BUFFERS_PER_REPLICA  # noqa: E402
+from elastic.ddp_hook import DDP_OPTIONS  # noqa: E402
 from elastic.events import EventFollower, read_events  # noqa: E402
 from elastic.model import build_model  # noqa: E402
 from elastic.optim import build_optimizer  # noqa: E402
@@ -573,8 +575,7 @@ def plain_worker(rank: int, job: PlainJob) -> None:
         ddp = DistributedDataParallel(
             model,
             device_ids=[rank] if cuda else None,
-            init_sync=False,
-            **BUFFERS_PER_REPLICA,
+            **DDP_OPTIONS,
         )
         criterion = nn.CrossEntropyLoss()
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)

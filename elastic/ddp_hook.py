@@ -4,8 +4,11 @@ Why a comm hook: DDP waits for its gradient all-reduce inside ``backward()``, an
 blocked on a frozen peer would hold the worker until the group's timeout. The hook hands DDP a
 future of the communicator's that completes with the all-reduce, or fails as soon as
 :meth:`elastic.communicator.Communicator.abort` is called (the agent announced a new round), so a
-stuck step is abandoned at once. On the way the hook casts each bucket to a narrower
-``comm.grad_dtype`` (in a tensor it keeps per bucket), counts the buckets a step handed over
+stuck step is abandoned at once. The hook sums: the trainer weights each sample by one over
+the global batch, so each rank's gradient is already its share of the mean and the sum is the
+mean, with no pass over the gradients to divide them. On the way the hook casts each bucket to a
+narrower ``comm.grad_dtype`` (in a tensor it keeps per bucket), counts the buckets a step handed
+over
 (whether a stall is this rank's or its peers', :attr:`DDPHook.waiting_for_peers`), and marks when
 the step's compute ended (:class:`elastic.step_timing.StepTiming`).
 """
@@ -32,6 +35,10 @@ BUFFERS_PER_REPLICA = (
     else {"broadcast_buffers": False}
 )
 
+# What DDPHook.wrap gives DDP beside the hook (its docstring says why); bench/throughput.py gives
+# the plain DDP peer the same, so that a DDP setting is not counted as the runtime's cost.
+DDP_OPTIONS = {"init_sync": False, "gradient_as_bucket_view": True, **BUFFERS_PER_REPLICA}
+
 
 class DDPHook:
     """Wraps a round's model in DDP whose gradients travel through the abortable all-reduce.
@@ -56,12 +63,13 @@ class DDPHook:
         DDP's own broadcast from rank 0 would be wrong when rank 0 is a newcomer.
         ``forward_sync_buffers=False``: buffers (batch-norm statistics) stay per replica between
         syncs, which saves a blocking collective in every forward.
+        ``gradient_as_bucket_view=True``: the gradients the optimizer reads are the all-reduced
+        buckets themselves, which saves copying every bucket back after its all-reduce.
         """
         ddp = DistributedDataParallel(
             model,
             device_ids=[self.comm.device.index] if self.comm.device.type == "cuda" else None,
-            init_sync=False,
-            **BUFFERS_PER_REPLICA,
+            **DDP_OPTIONS,
         )
         ddp.register_comm_hook(None, self._allreduce_hook)
         self._ddp = ddp
@@ -104,31 +112,30 @@ class DDPHook:
     def _allreduce_hook(
         self, state: Any, bucket: dist.GradBucket
     ) -> torch.futures.Future[torch.Tensor]:
-        """Average ``bucket`` over the ranks, in :attr:`grad_dtype` on the network.
+        """Sum ``bucket`` over the ranks, in :attr:`grad_dtype` on the network.
 
-        The bucket is divided by the world size in fp32, before the cast: the network then
-        carries each rank's share of the mean, which lies a world size further from fp16's
-        limit (65504) than the gradient, so a gradient or a sum whose mean fits does not turn
-        into inf on the way (torch's ``fp16_compress_hook`` divides after its cast, where a
-        large gradient has already overflowed). An inf would cost the whole step, which the
-        GradScaler then skips; what dividing first costs instead is that shares below fp16's
-        smallest subnormal (6e-8) flush to zero, which the GradScaler's loss scale keeps rare.
-        bf16 has fp32's range: for it the order changes nothing.
+        Each rank's bucket is its share of the mean (the trainer's sample weights), so the sum is
+        the mean. That share lies a world size further from fp16's limit (65504) than the
+        gradient, so a gradient or a sum whose mean fits does not turn into inf on the way
+        (torch's ``fp16_compress_hook`` divides after its cast, where a large gradient has
+        already overflowed). An inf would cost the whole step, which the GradScaler then skips;
+        what it costs instead is that shares below fp16's smallest subnormal (6e-8) flush to
+        zero, which the GradScaler's loss scale keeps rare. bf16 has fp32's range: for it the
+        order changes nothing.
 
-        The bucket is divided in place and, unless ``grad_dtype`` is narrower, all-reduced itself,
-        as DDP's own hook does: the future completes with the bucket. (A tensor of the hook's,
-        kept per bucket, held twice the gradients' size for the worker's life, 90 MB for
-        ResNet-18, and cost a pass over them every step.) A step that a lost peer broke keeps
-        nothing of it: torch keeps its futures, but ours fails without a value, and the
-        all-reduce's own future lets go of the bucket once its work has ended
-        (:mod:`elastic.group_reaper` holds works still in flight).
+        Unless ``grad_dtype`` is narrower, the bucket is all-reduced itself, as DDP's own hook
+        does: the future completes with the bucket. (A tensor of the hook's, kept per bucket,
+        held twice the gradients' size for the worker's life, 90 MB for ResNet-18, and cost a
+        pass over them every step.) A step that a lost peer broke keeps nothing of it: torch
+        keeps its futures, but ours fails without a value, and the all-reduce's own future lets
+        go of the bucket once its work has ended (:mod:`elastic.group_reaper` holds works still
+        in flight).
         """
         self.buckets_this_step += 1
         self.timing.bucket_handed()
         if self.comm.aborted:
             return _failed(RoundAborted("the round was left"))
         buffer = bucket.buffer()
-        buffer.div_(dist.get_world_size())
         wire = buffer if buffer.dtype == self.grad_dtype else self._wire(bucket.index(), buffer)
         if wire is not buffer:
             wire.copy_(buffer)

@@ -34,6 +34,15 @@ class StepPlan:
     real: int
     global_count: int  # samples the whole job trains in this step
 
+    def weights(self, device: torch.device | None = None) -> torch.Tensor:
+        """Each of this rank's samples' weight in the step's mean over the global batch.
+
+        ``1 / global_count`` for a real sample, 0 for padding: summed over every rank (the comm
+        hook's all-reduce), the weighted gradients are the mean over the global batch, also for
+        an uneven last step, at any world size (Goyal et al.)."""
+        real = torch.arange(len(self.indices), device=device) < self.real
+        return real.float() / self.global_count
+
 
 class ElasticSampler:
     def __init__(self, num_samples: int, batch_size: int, seed: int) -> None:

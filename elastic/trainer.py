@@ -297,7 +297,7 @@ def train_steps(w: Worker, s: Steps, ddp: DistributedDataParallel) -> Action:
         lr = w.policy.lr(progress.samples_seen, global_batch, progress.ramp)
         w.state.apply({"lr": lr, **step_settings(cfg.optim, progress.samples_seen, len(w.dataset))})
         poison = w.chaos.poison(rank, progress.step + 1)
-        loss, metrics, taken, finite = train_step(w, ddp, batch, plan, world, poison)
+        loss, metrics, taken, finite = train_step(w, ddp, batch, plan, poison)
         sampler = w.sampler.advance(progress.sampler, plan)
         s.progress = w.progress = progress.after(plan, sampler, world, lr)
         done = StepDone(plan, lr, loss, metrics, taken, finite)
@@ -313,7 +313,6 @@ def train_step(
     ddp: DistributedDataParallel,
     batch: Batch,
     plan: StepPlan,
-    world: int,
     poison: bool = False,
 ) -> tuple[float, dict[str, float], bool, bool]:
     """One optimizer step on this rank's share of the global batch.
@@ -327,13 +326,11 @@ def train_step(
 
     The share is split into micro-batches of at most ``data.batch_size`` (more than one only under
     ``keep_global_batch`` on a smaller world); gradients accumulate locally and are all-reduced
-    once, with the last micro-batch. Weighting every sample by ``world / global_count`` makes the
-    DDP average the mean over the global batch (Goyal et al.), also for an uneven last step;
-    padding samples get weight zero.
+    once, with the last micro-batch, summed over the ranks: each sample weighs
+    :meth:`~elastic.sampler.StepPlan.weights`, so the sum is the mean over the global batch.
     """
     n = max(1, math.ceil(plan.real / w.cfg.data.batch_size))
-    weight = (torch.arange(len(plan.indices), device=w.device) < plan.real).float()
-    weight *= world / plan.global_count
+    weight = plan.weights(w.device)
     w.state.optimizer.zero_grad(set_to_none=True)
     assert w.buffers is not None
     w.buffers.save()

@@ -262,7 +262,8 @@ def _hook_main(rank: int, port: int, grad_dtype: str, out: str) -> None:
     ddp = h.wrap(model)
     x, y = batch(rank)
     h.begin_step()
-    F.mse_loss(ddp(x), y).backward()
+    # Each rank's share of the mean, as the trainer's sample weights make it: the hook sums.
+    (F.mse_loss(ddp(x), y) / dist.get_world_size()).backward()
     h.end_step()
     bare = torch.tensor([1.5, -2.25, 3.0, 0.125], dtype=dtype) * (rank + 1)
     dist.all_reduce(bare)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+import torch
 
 from elastic.sampler import MIN_LOCAL_BATCH, ElasticSampler, SamplerState
 
@@ -17,6 +18,10 @@ def run_epoch(sampler: ElasticSampler, worlds: list[int]) -> Counter[int]:
         plans = [sampler.plan(state, r, world, limit=10**9) for r in range(world)]
         assert len({p.global_count for p in plans}) == 1
         assert sum(p.real for p in plans) == plans[0].global_count
+        # Summed over the ranks (the comm hook sums), the weights are the global batch's mean.
+        weights = torch.cat([p.weights() for p in plans])
+        assert torch.allclose(weights.sum(), torch.tensor(1.0))
+        assert set(weights.tolist()) <= {0.0, torch.tensor(1 / plans[0].global_count).item()}
         for p in plans:
             seen.update(p.indices[: p.real])
             assert len(p.indices) >= MIN_LOCAL_BATCH
