@@ -20,7 +20,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +27,13 @@ import psutil
 
 from chaos.cpu_limit import CpuLimit, limit_cpu
 from chaos.netns import PEER_LINK, LocalNetwork
+from elastic import config
 from elastic import event_types as ev
 from elastic.events import read_events
 from elastic.lifeline import tied
 from elastic.manifest import MANIFEST, candidates
 from launcher.agent.fault_helper import TargetNotFound, log_event, process_tree, send
+from launcher.local_cluster import agent_argv
 from launcher.rendezvous.embedded_etcd import EmbeddedEtcd
 
 BALLAST = ".chaos-ballast"  # the file that fills a checkpoint file system
@@ -162,21 +163,9 @@ def restart_node(
     it starts."""
     run_dir = Path(run_dir)
     sent = log_event(run_dir, ev.FAULT_CLEARED, kind="restart", target=node_id)
-    argv = [
-        sys.executable,
-        "-m",
-        "launcher.agent",
-        "--config",
-        str(run_dir / "config.yaml"),
-        "--node-id",
-        node_id,
-        "--host",
-        "127.0.0.1",
-        "--etcd",
-        ",".join(endpoints),
-        "--nodes-on-machine",
-        str(nodes_on_machine),
-    ]
+    config_path = run_dir / "config.yaml"
+    port = config.load(config_path).metrics.port
+    argv = agent_argv(config_path, node_id, endpoints, nodes_on_machine, port)
     with open(run_dir / "logs" / f"{node_id}.log", "ab") as out:
         proc = subprocess.Popen(
             tied(argv),

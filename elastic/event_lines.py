@@ -119,6 +119,14 @@ def _curves_off(e: Event) -> str:
     return f"{e['node']}: TensorBoard curves off ({e['reason']})"
 
 
+def _metrics_served(e: Event) -> str:
+    return f"{e['node']}: Prometheus metrics at {e['url']}"
+
+
+def _metrics_off(e: Event) -> str:
+    return f"{e['node']}: no Prometheus metrics: {e['reason']}"
+
+
 def _worker_failed(e: Event) -> str:
     return f"{e['node']}: worker rank {e['rank']} failed: {e['error']}"
 
@@ -231,6 +239,8 @@ LINES: dict[ev.EventType, Callable[[Event], str | None]] = {
     ev.CHECKPOINT_SAVED: _checkpoint_saved,
     ev.CHECKPOINT_FAILED: _checkpoint_failed,
     ev.CURVES_OFF: _curves_off,
+    ev.METRICS_SERVED: _metrics_served,
+    ev.METRICS_OFF: _metrics_off,
     ev.WORKER_FAILED: _worker_failed,
     ev.CHECKPOINT_SKIPPED: _checkpoint_skipped,
     ev.WORKER_EXITED: _worker_exited,

@@ -168,6 +168,12 @@ GPU_WARNING = _declare(
 GPU_FAULT = _declare(
     "gpu_fault", "agent", "gpus reasons", "a GPU broke while training: the node must leave"
 )
+METRICS_SERVED = _declare(
+    "metrics_served", "agent", "url", "the agent serves Prometheus metrics (launcher/metrics/)"
+)
+METRICS_OFF = _declare(
+    "metrics_off", "agent", "reason", "metrics.port is set but nothing serves it, and why"
+)
 NODE_LEFT = _declare("node_left", "agent", "code signal reason", "the agent ends")
 
 # --- the launcher ---------------------------------------------------------------------------------
@@ -221,9 +227,10 @@ EVALUATED = _declare(
 RECOVERED = _declare(
     "recovered",
     "worker",
-    "step world_size interrupted_at formed_at assigned_at pg_ready_at synced_at first_step_at "
-    "rendezvous_s rebuild_s sync_s first_step_s in_place",
-    "the first step after a fault, with the recovery's breakdown",
+    "step world_size cause interrupted_at formed_at assigned_at pg_ready_at synced_at "
+    "first_step_at rendezvous_s rebuild_s sync_s first_step_s in_place",
+    "the first step after a fault, with why the round ended (cause: a RoundEnd's value) and the "
+    "recovery's breakdown",
 )
 CHECKPOINT_SAVED = _declare(
     "checkpoint_saved", "worker", "step round url bytes seconds stall_s", "a checkpoint committed"

@@ -127,12 +127,13 @@ def report_recovery(w: Worker, a: Assignment, start: RoundStart, step: int) -> N
     """Report the recovery at the first step after a round broke (rank 0's ``recovered`` event).
 
     It says how long detection, rendezvous, rebuild, state sync and the first step took."""
-    assert w.interrupted_at is not None
+    assert w.interrupted_at is not None and w.interrupted_by is not None
     now = time.time()
     w.events.emit(
         ev.RECOVERED,
         step=step,
         world_size=a.world_size,
+        cause=w.interrupted_by.value,
         interrupted_at=w.interrupted_at,
         formed_at=a.formed_at,
         assigned_at=start.assigned_at,

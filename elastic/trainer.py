@@ -200,7 +200,7 @@ def leave_round(w: Worker, a: Assignment, exc: BaseException, end: RoundEnd) -> 
     """Leave round ``a``, which a new round or a lost peer ended (``end``).
 
     The state stays in memory for the next one."""
-    w.interrupted_at = time.time()
+    w.interrupted_at, w.interrupted_by = time.time(), end
     w.link.left_round()
     w.saver.abandon()
     failure = w.comm.failure

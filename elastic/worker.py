@@ -23,6 +23,7 @@ from elastic.job import Job
 from elastic.lr_policy import LRPolicy
 from elastic.nonfinite import BufferBackup, NonFiniteSteps
 from elastic.precision import MixedPrecision
+from elastic.round_end import RoundEnd
 from elastic.sampler import ElasticSampler
 from elastic.state import Progress, TrainState
 
@@ -52,6 +53,7 @@ class Worker:
     progress: Progress | None = None  # None until this process holds a state
     trained_round: int = -1  # the round this state was last trained or synced in
     interrupted_at: float | None = None  # when the previous round broke for this worker
+    interrupted_by: RoundEnd | None = None  # and why
     nonfinite: NonFiniteSteps = field(default_factory=lambda: NonFiniteSteps(3))
     buffers: BufferBackup | None = None  # the model's buffers before the step in flight
     params: list[torch.nn.Parameter] = field(default_factory=list)  # the model's, in order

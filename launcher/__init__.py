@@ -6,5 +6,6 @@ The modules here are the launch, ``python -m launcher`` (:mod:`launcher.cli`, co
 job (``launcher.commands.status``, ``.doctor``, ``.quarantine``, ``.disk_usage``). The other
 subpackages are the roles: :mod:`launcher.agent` (the per-node agent and its workers),
 :mod:`launcher.rendezvous` (etcd, keys, membership, rounds), :mod:`launcher.health` (checks and
-quarantine) and :mod:`launcher.torchrun` (torchrun's ``etcd-v3`` backend).
+quarantine), :mod:`launcher.metrics` (each agent's Prometheus endpoint) and
+:mod:`launcher.torchrun` (torchrun's ``etcd-v3`` backend).
 """

@@ -121,6 +121,36 @@ def nccl_host_environ(cfg: Config, node: str, environ: Mapping[str, str]) -> dic
     return {k: v for k, v in wanted.items() if k not in environ}
 
 
+def local_metrics_port(port: int, node: str) -> int:
+    """Where simulated node ``node`` serves /metrics: they share a host, so node i is port + i."""
+    return port + int(node.removeprefix("node")) if port else 0
+
+
+def agent_argv(
+    config_path: Path, node: str, endpoints: list[str], nodes: int, metrics_port: int
+) -> list[str]:
+    """The command line of simulated node ``node``'s agent, one of ``nodes`` on this machine.
+
+    ``metrics_port`` is ``metrics.port`` (:func:`local_metrics_port` picks the node's own)."""
+    return [
+        sys.executable,
+        "-m",
+        "launcher.agent",
+        "--config",
+        str(config_path),
+        "--node-id",
+        node,
+        "--host",
+        "127.0.0.1",
+        "--etcd",
+        ",".join(endpoints),
+        "--nodes-on-machine",
+        str(nodes),
+        "--metrics-port",
+        str(local_metrics_port(metrics_port, node)),
+    ]
+
+
 def _start_agent(
     cfg: Config, config_path: Path, node: str, endpoints: list[str], logs: Path
 ) -> subprocess.Popen[bytes]:
@@ -128,25 +158,10 @@ def _start_agent(
 
     In its own session, a fault injector kills the whole node with one signal. The agent's
     output goes to ``<logs>/<node>.log``."""
+    argv = agent_argv(config_path, node, endpoints, cfg.cluster.nodes, cfg.metrics.port)
     with open(logs / f"{node}.log", "ab") as out:
         return subprocess.Popen(
-            tied(
-                [
-                    sys.executable,
-                    "-m",
-                    "launcher.agent",
-                    "--config",
-                    str(config_path),
-                    "--node-id",
-                    node,
-                    "--host",
-                    "127.0.0.1",
-                    "--etcd",
-                    ",".join(endpoints),
-                    "--nodes-on-machine",
-                    str(cfg.cluster.nodes),
-                ]
-            ),
+            tied(argv),
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

@@ -109,12 +109,19 @@ def test_the_decisions_import_no_module_that_does_io() -> None:
 # The launcher's roles, lowest first: a role imports only from roles below it (and elastic/, the
 # lowest of all); the launch at the top of launcher/ and the operator's commands
 # (launcher/commands/) may import any role.
-ROLES = ("launcher.rendezvous", "launcher.torchrun", "launcher.health", "launcher.agent")
+ROLES = (
+    "launcher.rendezvous",
+    "launcher.torchrun",
+    "launcher.health",
+    "launcher.metrics",
+    "launcher.agent",
+)
 MAY_IMPORT = {
     "launcher.rendezvous": set(),
     "launcher.torchrun": {"launcher.rendezvous"},
     "launcher.health": {"launcher.rendezvous"},
-    "launcher.agent": {"launcher.rendezvous", "launcher.health"},
+    "launcher.metrics": set(),
+    "launcher.agent": {"launcher.rendezvous", "launcher.health", "launcher.metrics"},
 }
 
 

@@ -19,6 +19,7 @@ from elastic.config.cluster import (
 from elastic.config.io import load, save
 from elastic.config.job import Config, max_nodes
 from elastic.config.job_rules import JOB_ID
+from elastic.config.metrics import MetricsConfig
 from elastic.config.model_data import (
     DIGITS_PER_CLASS,
     BNStats,
@@ -102,6 +103,7 @@ __all__ = [
     "HealthConfig",
     "LarsConfig",
     "ModelConfig",
+    "MetricsConfig",
     "NotifyConfig",
     "OptimConfig",
     "OptimizerName",

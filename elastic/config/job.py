@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastic.config.cluster import ClusterConfig, RendezvousConfig
+from elastic.config.metrics import MetricsConfig
 from elastic.config.model_data import DataConfig, ModelConfig
 from elastic.config.notify import NotifyConfig
 from elastic.config.optim import OptimConfig
@@ -38,6 +39,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
     notify: NotifyConfig = field(default_factory=NotifyConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
 
 def max_nodes(cfg: Config) -> int:

@@ -28,6 +28,12 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="agents sharing this machine's cores (local simulation)",
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="where this node serves /metrics (default: metrics.port)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s [{args.node_id}] %(name)s: %(message)s"
@@ -42,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         args.host or socket.getfqdn(),
         args.etcd.split(","),
         args.nodes_on_machine,
+        args.metrics_port,
     )
     return agent.run()
 

@@ -19,11 +19,8 @@ import logging
 import os
 import signal
 import time
-from datetime import timedelta
 from pathlib import Path
 from types import FrameType
-
-import torch.distributed as dist
 
 from elastic import config
 from elastic import event_types as ev
@@ -43,13 +40,14 @@ from launcher.agent.inbox import (
     WorkerStraggler,
     WorkerStrike,
 )
-from launcher.agent.parts import Node, assemble, connect_etcd, start_workers
+from launcher.agent.parts import Node, assemble, connect_etcd, round_store, start_workers
 from launcher.agent.peers import PROBE_AGAIN_S
 from launcher.agent.progress_key import ProgressPublisher
 from launcher.agent.self_quarantine import SelfQuarantine
 from launcher.agent.slots import local_slots
 from launcher.agent.workers import WorkerGroup
 from launcher.health.gpu_watch import GpuWatch
+from launcher.metrics.exporter import start_metrics
 from launcher.rendezvous.etcd import etcd_errors
 from launcher.rendezvous.lease import ETCD_LOST_FIX
 from launcher.rendezvous.membership import JobView
@@ -69,8 +67,11 @@ class Agent:
         host: str,
         endpoints: list[str],
         nodes_on_machine: int = 1,
+        metrics_port: int | None = None,
     ) -> None:
+        """``metrics_port``: where this node serves /metrics; None: ``metrics.port``."""
         self.cfg = cfg
+        self.metrics_port = cfg.metrics.port if metrics_port is None else metrics_port
         self.config_path = config_path
         self.node_id = node_id
         self.host = host
@@ -98,16 +99,12 @@ class Agent:
 
     def run(self) -> int:
         self.events.emit(ev.AGENT_STARTED, pgid=os.getpgid(0), slots=self.slots, device=self.device)
-        store = dist.TCPStore(  # used when this node holds rank 0 of a round
-            "0.0.0.0",
-            0,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=self.cfg.rendezvous.pg_timeout_s),
-        )
+        store = round_store(self.cfg.rendezvous.pg_timeout_s)
         client = connect_etcd(self.node)
         if client is None:
             return EXIT_UNHEALTHY
+        where = (self.host, self.metrics_port)
+        metrics = start_metrics(self.cfg, self.node_id, where, self._worker_pids, self.events)
         parts = assemble(
             self.node,
             client,
@@ -115,6 +112,7 @@ class Agent:
             self.inbox.put,
             stopped=self._stopped,
             worker_pid=lambda i: p.pid if (p := self.workers.slots[i].proc) else 0,
+            metrics_url=metrics.url if metrics else "",
         )
         self.rdzv, self.faults, self.peers = parts.rdzv, parts.faults, parts.peers
         self.admission = parts.admission
@@ -131,6 +129,8 @@ class Agent:
                 reason=self.leave_reason,
             )
             client.close()
+            if metrics is not None:
+                metrics.close()
             return code
         self.workers, self.leaving = start_workers(
             self.node, self.config_path, self.threads, self.inbox.put, self.rdzv.record.leave_after
@@ -163,6 +163,8 @@ class Agent:
         finally:
             gpus.close()
             self.progress.close()
+            if metrics is not None:
+                metrics.close()
             self.workers.stop(STOP_GRACE_S)
             self.rdzv.leave()
             self.events.emit(
@@ -171,6 +173,10 @@ class Agent:
             # The client's channel is left to the process's exit: closed, it makes the etcd
             # client's watch thread (etcd3 0.12) die with a traceback in every agent's log.
         return code
+
+    def _worker_pids(self) -> dict[str, int]:
+        """Each running worker's pid, for the metrics; none before the workers start."""
+        return self.workers.pids() if hasattr(self, "workers") else {}
 
     def others_led(self) -> frozenset[str] | None:
         """The other nodes, from its view, if this node led the job as it ended; else None.

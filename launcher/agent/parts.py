@@ -11,8 +11,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+import torch.distributed as dist
 
 from elastic import config
 from elastic import event_types as ev
@@ -63,17 +66,19 @@ def assemble(
     *,
     stopped: Callable[[float], int | None],
     worker_pid: Callable[[int], int],
+    metrics_url: str = "",
 ) -> Parts:
     """Build the parts of ``node``'s agent over the etcd ``client``.
 
-    ``store_port`` is the port of the TCPStore the agent hosts. ``stopped`` and ``worker_pid``
-    are as :class:`Admission` and :class:`FaultAnswerer` take them."""
+    ``store_port`` is the port of the TCPStore the agent hosts, ``metrics_url`` where it serves
+    its metrics (published with its record). ``stopped`` and ``worker_pid`` are as
+    :class:`Admission` and :class:`FaultAnswerer` take them."""
     cfg = node.cfg
     guard = Quarantine(client, cfg.rendezvous.prefix, cfg.job_id, cfg.health, node.events)
     rdzv = Rendezvous(
         client,
         job_id=cfg.job_id,
-        node=NodeRecord(node.node_id, node.host, store_port, node.slots),
+        node=NodeRecord(node.node_id, node.host, store_port, node.slots, metrics_url=metrics_url),
         cfg=cfg.rendezvous,
         min_nodes=cfg.cluster.min_nodes,
         max_nodes=config.max_nodes(cfg),
@@ -112,6 +117,15 @@ def assemble(
             node.events,
             stopped=stopped,
         ),
+    )
+
+
+def round_store(timeout_s: float) -> dist.TCPStore:
+    """The c10d TCPStore the agent hosts, used when this node holds rank 0 of a round.
+
+    It binds every interface on an ephemeral port (docs/bare-metal.md, security)."""
+    return dist.TCPStore(
+        "0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
     )
 
 

@@ -238,6 +238,10 @@ class WorkerGroup:
     def exit_codes(self) -> list[int | None]:
         return [s.exit_code for s in self.slots]
 
+    def pids(self) -> dict[str, int]:
+        """Each running worker's pid, by name (``worker<local rank>``)."""
+        return {f"worker{i}": s.proc.pid for i, s in enumerate(self.slots) if s.proc}
+
     @property
     def ready(self) -> bool:
         return all(s.ready and s.exit_code is None for s in self.slots)

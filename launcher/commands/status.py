@@ -183,6 +183,7 @@ def _member_data(read: JobRead, node_id: str, now: float) -> dict[str, Any]:
         "quarantine": _quarantine_data(read.quarantine.get(node_id), now),
         "strikes": len(recent),
         "straggler": read.stragglers.get(node_id),
+        "metrics": record.metrics_url if record else "",
     }
 
 
@@ -329,6 +330,7 @@ def render(data: dict[str, Any]) -> str:
         lines.append("(no node is registered)")
     if any(m["leader"] for m in data["members"]):
         lines.append("* leader (proposes the rounds)")
+    lines += [f"{m['node']} metrics: {m['metrics']}" for m in data["members"] if m["metrics"]]
     return "\n".join(lines)
 
 

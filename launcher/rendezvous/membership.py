@@ -29,6 +29,7 @@ class NodeRecord:
     # for the next one, which the others form without it; 0: not leaving.
     leaving_after: int = 0
     joined_rev: int = 0  # etcd create_revision of the node key: the join order
+    metrics_url: str = ""  # where its agent serves Prometheus metrics; "": nowhere
 
     def to_json(self) -> str:
         data = asdict(self)

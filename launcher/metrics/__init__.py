@@ -1,0 +1,1 @@
+"""Each agent's Prometheus endpoint: the figures (:mod:`.node_metrics`) and their server."""
