@@ -19,6 +19,7 @@ from elastic import event_types as ev
 from elastic.events import EventLog, read_events
 from launcher.metrics.exporter import MetricsServer, start_metrics
 from launcher.metrics.node_metrics import NodeMetrics
+from launcher.rendezvous.etcd_client import EtcdLoad
 
 LABELS = {"job_id": "j", "node": "node1"}
 
@@ -157,6 +158,19 @@ def test_memory_is_shown_for_the_processes_running_now() -> None:
     m.set_memory({"agent": 150})  # worker0 exited
     assert value(m, "elastic_process_resident_memory_bytes", process="agent") == 150
     assert value(m, "elastic_process_resident_memory_bytes", process="worker0") is None
+
+
+def test_the_etcd_clients_counts_become_counters_that_only_move_by_what_was_added() -> None:
+    m = NodeMetrics("j", "node1")
+    load = EtcdLoad()
+    load.requests, load.seconds, load.errors = 10, 0.5, 1
+    m.count_etcd(load)
+    load.requests, load.seconds = 14, 0.75
+    m.count_etcd(load)
+    m.count_etcd(load)  # nothing new
+    assert value(m, "elastic_etcd_requests_total") == 14
+    assert value(m, "elastic_etcd_request_seconds_total") == 0.75
+    assert value(m, "elastic_etcd_request_errors_total") == 1
 
 
 def scrape(url: str) -> dict[str, float]:

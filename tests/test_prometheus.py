@@ -182,6 +182,7 @@ def test_prometheus_sees_the_world_size_go_3_2_3_and_each_recovery_counted_once(
             counted = query(url, "sum(elastic_recovery_stall_seconds_count)")
             observed = query(url, "sum(elastic_recovery_stall_seconds_sum)")
             up = query(url, 'count(up{job="elastic"} == 1)')
+            etcd = query(url, "min(elastic_etcd_requests_total)")  # every node's, restarted too
             endpoints = config.load(run_dir / "config.yaml").cluster.etcd_endpoints
             status = subprocess.run(
                 [
@@ -205,6 +206,7 @@ def test_prometheus_sees_the_world_size_go_3_2_3_and_each_recovery_counted_once(
     assert counted == len(recovered), (counted, recovered)
     assert observed == pytest.approx(stalls, abs=1e-6)
     assert up == NODES
+    assert etcd is not None and etcd > 0
     for i, target in enumerate(targets):  # each node's record in etcd names its endpoint
         assert f"node{i} metrics: http://{target}/metrics" in status.stdout, status
 

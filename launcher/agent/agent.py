@@ -47,7 +47,6 @@ from launcher.agent.self_quarantine import SelfQuarantine
 from launcher.agent.slots import local_slots
 from launcher.agent.workers import WorkerGroup
 from launcher.health.gpu_watch import GpuWatch
-from launcher.metrics.exporter import start_metrics
 from launcher.rendezvous.etcd import etcd_errors
 from launcher.rendezvous.lease import ETCD_LOST_FIX
 from launcher.rendezvous.membership import JobView
@@ -103,8 +102,6 @@ class Agent:
         client = connect_etcd(self.node)
         if client is None:
             return EXIT_UNHEALTHY
-        where = (self.host, self.metrics_port)
-        metrics = start_metrics(self.cfg, self.node_id, where, self._worker_pids, self.events)
         parts = assemble(
             self.node,
             client,
@@ -112,10 +109,10 @@ class Agent:
             self.inbox.put,
             stopped=self._stopped,
             worker_pid=lambda i: p.pid if (p := self.workers.slots[i].proc) else 0,
-            metrics_url=metrics.url if metrics else "",
+            metrics=(self.metrics_port, self._worker_pids),
         )
         self.rdzv, self.faults, self.peers = parts.rdzv, parts.faults, parts.peers
-        self.admission = parts.admission
+        self.admission, metrics = parts.admission, parts.metrics
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         code = self._join(in_running_job=False)

@@ -9,7 +9,7 @@ inbox (``post``) and the callbacks given here, so none of them imports it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -28,6 +28,7 @@ from launcher.agent.peers import Peers
 from launcher.agent.planned_leave import PlannedLeave
 from launcher.agent.workers import WorkerGroup
 from launcher.health.quarantine import Quarantine
+from launcher.metrics.exporter import MetricsServer, start_metrics
 from launcher.rendezvous.etcd import EtcdUnavailable, connect, etcd_security
 from launcher.rendezvous.membership import NodeRecord
 from launcher.rendezvous.rendezvous import Rendezvous
@@ -51,6 +52,7 @@ class Node:
 
 @dataclass(frozen=True)
 class Parts:
+    metrics: MetricsServer | None
     guard: Quarantine
     rdzv: Rendezvous
     faults: FaultAnswerer
@@ -66,25 +68,36 @@ def assemble(
     *,
     stopped: Callable[[float], int | None],
     worker_pid: Callable[[int], int],
-    metrics_url: str = "",
+    metrics: tuple[int, Callable[[], Mapping[str, int]]] = (0, dict),
 ) -> Parts:
     """Build the parts of ``node``'s agent over the etcd ``client``.
 
-    ``store_port`` is the port of the TCPStore the agent hosts, ``metrics_url`` where it serves
-    its metrics (published with its record). ``stopped`` and ``worker_pid`` are as
-    :class:`Admission` and :class:`FaultAnswerer` take them."""
+    ``store_port`` is the port of the TCPStore the agent hosts. ``metrics`` is the port the node
+    serves its metrics on (0: none; its URL is published with the node's record) and its workers'
+    pids by name. ``stopped`` and ``worker_pid`` are as :class:`Admission` and
+    :class:`FaultAnswerer` take them."""
     cfg = node.cfg
+    port, worker_pids = metrics
+    server = start_metrics(cfg, node.node_id, (node.host, port), worker_pids, node.events)
     guard = Quarantine(client, cfg.rendezvous.prefix, cfg.job_id, cfg.health, node.events)
     rdzv = Rendezvous(
         client,
         job_id=cfg.job_id,
-        node=NodeRecord(node.node_id, node.host, store_port, node.slots, metrics_url=metrics_url),
+        node=NodeRecord(
+            node.node_id,
+            node.host,
+            store_port,
+            node.slots,
+            metrics_url=server.url if server else "",
+        ),
         cfg=cfg.rendezvous,
         min_nodes=cfg.cluster.min_nodes,
         max_nodes=config.max_nodes(cfg),
         events=node.events,
         on_change=lambda: post(RendezvousChanged()),
     )
+    if server is not None:
+        server.etcd = rdzv.load  # counted from here on
     requests = FaultRequests(
         client,
         cfg.rendezvous.prefix,
@@ -93,6 +106,7 @@ def assemble(
         post=lambda rid, request: post(FaultRequested(rid, request)),
     )
     return Parts(
+        metrics=server,
         guard=guard,
         rdzv=rdzv,
         faults=FaultAnswerer(

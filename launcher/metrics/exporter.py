@@ -24,7 +24,7 @@ from prometheus_client.registry import Collector
 from elastic import event_types as ev
 from elastic.config import Config
 from elastic.events import EventFollower, EventLog
-from launcher.metrics.node_metrics import NodeMetrics
+from launcher.metrics.node_metrics import EtcdCounts, NodeMetrics
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ class MetricsServer:
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(_OnScrape(self.refresh, metrics.registry))
         self._server: Any = None
+        self.etcd: EtcdCounts | None = None  # the agent's etcd client's counts, once it has one
         self.url = ""  # once serving
 
     def serve(self, host: str, port: int) -> str:
@@ -77,6 +78,8 @@ class MetricsServer:
             try:
                 self.metrics.apply(self._events.poll())
                 self.metrics.set_memory(resident_bytes(self._processes()))
+                if self.etcd is not None:
+                    self.metrics.count_etcd(self.etcd)
             except Exception:  # a scrape must answer with what it has; never the agent's end
                 log.exception("metrics: the figures were not brought up to date")
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -102,12 +102,23 @@ FAMILIES: dict[str, tuple[Any, str, tuple[str, ...]]] = {
     "quarantines": (Counter, "Quarantines this agent wrote.", ()),
     "etcd_unreachable": (Counter, "Times etcd stopped answering this agent.", ()),
     "etcd_no_space": (Counter, "etcd's NOSPACE alarms seen.", ()),
+    "etcd_requests": (Counter, "Requests this agent sent etcd (a watch: one).", ()),
+    "etcd_request_seconds": (Counter, "The wall time of those requests, summed.", ()),
+    "etcd_request_errors": (Counter, "Those requests that failed.", ()),
     "process_resident_memory_bytes": (
         Gauge,
         "Resident memory of the agent and of each worker.",
         ("process",),
     ),
 }
+
+
+class EtcdCounts(Protocol):
+    """What the agent's etcd client has counted (``launcher.rendezvous.etcd_client.EtcdLoad``)."""
+
+    requests: int
+    seconds: float
+    errors: int
 
 
 class NodeMetrics:
@@ -124,6 +135,7 @@ class NodeMetrics:
         self._labels = {"job_id": job_id, "node": node_id}
         self._pace = Pace()
         self._last_step = 0  # the newest step this node saw trained (rank 0's step events)
+        self._etcd: dict[str, float] = {}  # count_etcd's last totals
         self.f: dict[str, Any] = {}  # each family, or the node's child of one without labels
         for name, (kind, doc, extra) in FAMILIES.items():
             family = kind(f"elastic_{name}", doc, (*NODE_LABELS, *extra), registry=self.registry)
@@ -148,6 +160,16 @@ class NodeMetrics:
         self.f["process_resident_memory_bytes"].clear()
         for process, rss in rss_by_process.items():
             self.labelled("process_resident_memory_bytes", process=process).set(rss)
+
+    def count_etcd(self, load: EtcdCounts) -> None:
+        """Bring the etcd counters up to ``load``, the agent's counts since it started."""
+        for name, total in (
+            ("etcd_requests", load.requests),
+            ("etcd_request_seconds", load.seconds),
+            ("etcd_request_errors", load.errors),
+        ):
+            self.f[name].inc(max(0.0, total - self._etcd.get(name, 0.0)))
+            self._etcd[name] = total
 
     def set(self, **values: float) -> None:
         """Set the gauges named by the keywords."""

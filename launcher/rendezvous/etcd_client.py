@@ -12,11 +12,12 @@ retried call at once (:class:`EtcdFull`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -74,10 +75,25 @@ class EtcdLoad:
     watch_events: int = 0
     watch_bytes: int = 0
     read_bytes: int = 0
+    seconds: float = 0.0  # the requests' wall time, summed (a watch's: its creation)
+    errors: int = 0  # requests that raised
     _taken: tuple[int, ...] = (0, 0, 0, 0, 0)
 
     def count_keepalive(self) -> None:
         self.keepalives += 1
+
+    @contextlib.contextmanager
+    def request(self, count: int = 1) -> Iterator[None]:
+        """Count ``count`` requests sent in the block, its time, and an error raised from it."""
+        self.requests += count
+        started = time.monotonic()
+        try:
+            yield
+        except BaseException:
+            self.errors += 1
+            raise
+        finally:
+            self.seconds += time.monotonic() - started
 
     def take(self) -> dict[str, int]:
         """The load since the previous call, as event fields."""
@@ -112,23 +128,23 @@ class EtcdClient:
         return self.raw.transactions
 
     def get(self, key: str) -> tuple[bytes | None, Any]:
-        self.load.requests += 1
-        return self.raw.get(key)
+        with self.load.request():
+            return self.raw.get(key)
 
     def put(self, key: str, value: str, lease: Any = None) -> None:
-        self.load.requests += 1
-        self.raw.put(key, value, lease)
+        with self.load.request():
+            self.raw.put(key, value, lease)
 
     def transaction(
         self, compare: list[Any], success: list[Any], failure: list[Any]
     ) -> tuple[bool, list[Any]]:
-        self.load.requests += 1
-        return self.raw.transaction(compare=compare, success=success, failure=failure)
+        with self.load.request():
+            return self.raw.transaction(compare=compare, success=success, failure=failure)
 
     def lease(self, ttl: int) -> Any:
         """A new lease of ``ttl`` seconds."""
-        self.load.requests += 1
-        return self.raw.lease(ttl)
+        with self.load.request():
+            return self.raw.lease(ttl)
 
     def revoke_lease(self, lease_id: int) -> None:
         self.raw.revoke_lease(lease_id)
@@ -137,8 +153,8 @@ class EtcdClient:
         self, reads: list[tuple[str, bytes | None]], revision: int = 0
     ) -> tuple[int, list[list[Any]]]:
         """:func:`launcher.rendezvous.etcd.read_at_one_revision`: one request per read."""
-        self.load.requests += len(reads)
-        return read_at_one_revision(self.raw, reads, revision)
+        with self.load.request(len(reads)):
+            return read_at_one_revision(self.raw, reads, revision)
 
     def read_members(self, read: tuple[str, bytes | None], revision: int) -> list[list[Any]]:
         """One read of a round's member keys (:meth:`read`), whose bytes count as read."""
@@ -150,10 +166,10 @@ class EtcdClient:
         """A watch of ``key`` whose events are counted as delivered, before ``callback`` sees them.
 
         The arguments are the etcd3 client's."""
-        self.load.requests += 1
-        return self.raw.add_watch_callback(
-            key, functools.partial(self._delivered, callback), **kwargs
-        )
+        with self.load.request():
+            return self.raw.add_watch_callback(
+                key, functools.partial(self._delivered, callback), **kwargs
+            )
 
     def _delivered(self, callback: Callable[[Any], None], response: Any) -> None:
         if not isinstance(response, Exception):  # the watch broke: nothing delivered
