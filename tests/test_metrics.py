@@ -158,6 +158,8 @@ def test_memory_is_shown_for_the_processes_running_now() -> None:
     m.set_memory({"agent": 150})  # worker0 exited
     assert value(m, "elastic_process_resident_memory_bytes", process="agent") == 150
     assert value(m, "elastic_process_resident_memory_bytes", process="worker0") is None
+    m.set_gpu_memory({"0": 2**30, "1": 2**31})
+    assert value(m, "elastic_gpu_memory_used_bytes", gpu="1") == 2**31
 
 
 def test_the_etcd_clients_counts_become_counters_that_only_move_by_what_was_added() -> None:
@@ -229,6 +231,7 @@ def test_every_metric_the_dashboard_and_the_alerts_query_is_in_a_scrape() -> Non
     m = NodeMetrics("j", "node1")
     m.apply([RECOVERED, started(0, False), step(1, 64)])
     m.set_memory({"agent": 1})
+    m.set_gpu_memory({"0": 1})
     served = {
         s.name
         for f in text_string_to_metric_families(generate_latest(m.registry).decode())

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import psutil
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, disable_created_metrics, start_http_server
 from prometheus_client.registry import Collector
 
 from elastic import event_types as ev
@@ -27,6 +27,9 @@ from elastic.events import EventFollower, EventLog
 from launcher.metrics.node_metrics import EtcdCounts, NodeMetrics
 
 log = logging.getLogger(__name__)
+
+
+disable_created_metrics()  # no ``_created`` series beside every counter: half the lines
 
 
 class _OnScrape(Collector):
@@ -62,6 +65,7 @@ class MetricsServer:
         self._registry.register(_OnScrape(self.refresh, metrics.registry))
         self._server: Any = None
         self.etcd: EtcdCounts | None = None  # the agent's etcd client's counts, once it has one
+        self._gpus = GpuMemory()
         self.url = ""  # once serving
 
     def serve(self, host: str, port: int) -> str:
@@ -80,13 +84,50 @@ class MetricsServer:
                 self.metrics.set_memory(resident_bytes(self._processes()))
                 if self.etcd is not None:
                     self.metrics.count_etcd(self.etcd)
+                self.metrics.set_gpu_memory(self._gpus.used())
             except Exception:  # a scrape must answer with what it has; never the agent's end
                 log.exception("metrics: the figures were not brought up to date")
 
     def close(self) -> None:
+        self._gpus.close()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+
+
+class GpuMemory:
+    """The memory in use on each GPU of the node, through NVML (nvidia-ml-py) where it is there.
+
+    NVML is opened at the first reading and kept open; without it, or without a GPU, every
+    reading is empty and the family is not served."""
+
+    def __init__(self) -> None:
+        self._nvml: Any = None
+        self._tried = False
+
+    def used(self) -> dict[str, int]:
+        """Bytes in use on each GPU, by its NVML index."""
+        if not self._tried:
+            self._tried = True
+            try:
+                import pynvml  # the gpu extra's nvidia-ml-py
+
+                pynvml.nvmlInit()
+                self._nvml = pynvml
+            except Exception as exc:  # not installed, no driver, no GPU: nothing to show
+                log.debug("metrics: no GPU memory (%s)", exc)
+        if self._nvml is None:
+            return {}
+        nvml = self._nvml
+        return {
+            str(i): nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(i)).used
+            for i in range(nvml.nvmlDeviceGetCount())
+        }
+
+    def close(self) -> None:
+        if self._nvml is not None:
+            self._nvml.nvmlShutdown()
+            self._nvml = None
 
 
 def resident_bytes(pids: Mapping[str, int]) -> dict[str, int]:

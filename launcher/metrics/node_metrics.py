@@ -105,6 +105,7 @@ FAMILIES: dict[str, tuple[Any, str, tuple[str, ...]]] = {
     "etcd_requests": (Counter, "Requests this agent sent etcd (a watch: one).", ()),
     "etcd_request_seconds": (Counter, "The wall time of those requests, summed.", ()),
     "etcd_request_errors": (Counter, "Those requests that failed.", ()),
+    "gpu_memory_used_bytes": (Gauge, "Memory in use on each GPU of the node (NVML).", ("gpu",)),
     "process_resident_memory_bytes": (
         Gauge,
         "Resident memory of the agent and of each worker.",
@@ -160,6 +161,11 @@ class NodeMetrics:
         self.f["process_resident_memory_bytes"].clear()
         for process, rss in rss_by_process.items():
             self.labelled("process_resident_memory_bytes", process=process).set(rss)
+
+    def set_gpu_memory(self, used_by_gpu: Mapping[str, int]) -> None:
+        """Each GPU's bytes in use now (none without NVML)."""
+        for gpu, used in used_by_gpu.items():
+            self.labelled("gpu_memory_used_bytes", gpu=gpu).set(used)
 
     def count_etcd(self, load: EtcdCounts) -> None:
         """Bring the etcd counters up to ``load``, the agent's counts since it started."""
