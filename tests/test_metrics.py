@@ -83,8 +83,9 @@ def test_steps_set_the_progress_and_count_the_samples() -> None:
 
 def test_a_recovery_counts_once_by_its_cause_and_observes_its_stall_and_phases() -> None:
     m = NodeMetrics("j", "node1")
-    m.apply([RECOVERED])
+    m.apply([step(5, 320, ts=99.5), RECOVERED])  # the last step before the round broke at 100
     assert value(m, "elastic_recoveries_total", cause="peer_lost") == 1
+    assert value(m, "elastic_recovery_phase_seconds_sum", phase="detection") == 0.5
     assert value(m, "elastic_recoveries_total", cause="left") is None
     assert value(m, "elastic_recovery_stall_seconds_count") == 1
     assert value(m, "elastic_recovery_stall_seconds_sum") == 1.5
@@ -242,3 +243,10 @@ def test_every_metric_the_dashboard_and_the_alerts_query_is_in_a_scrape() -> Non
     exprs.append((EXAMPLES / "alerts.yml").read_text())
     queried = {name for e in exprs for name in re.findall(r"\belastic_[a-z_]+", e)}
     assert len(queried) >= 15 and queried <= served, sorted(queried - served)
+
+
+def test_a_port_out_of_range_is_refused_at_launch_naming_the_key_and_the_fix() -> None:
+    cfg = config.Config(job_id="j")
+    cfg.metrics.port = 70000
+    with pytest.raises(config.ConfigError, match=r"metrics\.port.*70000.*metrics\.port=9464"):
+        config.validate(cfg)

@@ -33,8 +33,9 @@ NODE_LABELS = ("job_id", "node")
 STALL_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 SAVE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 # The parts of a recovery the worker times (``recovered``): its agent's rendezvous, the group's
-# rebuild, the state sync and the first step. Finding the fault happens before the worker knows
-# of it; chaos campaigns measure that part from the fault's own time (docs/chaos.md).
+# rebuild, the state sync and the first step. Before them, ``detection``: from the last step
+# trained to the round's end, the step the fault broke and the finding of the fault (the node
+# does not know when the fault struck; chaos campaigns measure from that, docs/chaos.md).
 PHASES = {
     "rendezvous": "rendezvous_s",
     "rebuild": "rebuild_s",
@@ -136,6 +137,7 @@ class NodeMetrics:
         self._labels = {"job_id": job_id, "node": node_id}
         self._pace = Pace()
         self._last_step = 0  # the newest step this node saw trained (rank 0's step events)
+        self._last_step_at: float | None = None  # and when
         self._etcd: dict[str, float] = {}  # count_etcd's last totals
         self.f: dict[str, Any] = {}  # each family, or the node's child of one without labels
         for name, (kind, doc, extra) in FAMILIES.items():
@@ -201,7 +203,7 @@ class NodeMetrics:
         self._last_step = e["step"]
 
     def _step(self, e: Event) -> None:
-        self._last_step = e["step"]
+        self._last_step, self._last_step_at = e["step"], e["ts"]
         self.set(
             step=e["step"],
             step_timestamp_seconds=e["ts"],
@@ -216,6 +218,9 @@ class NodeMetrics:
 
     def _recovered(self, e: Event) -> None:
         self.labelled("recoveries", cause=e["cause"]).inc()
+        if self._last_step_at is not None:
+            detection = max(0.0, e["interrupted_at"] - self._last_step_at)
+            self.labelled("recovery_phase_seconds", phase="detection").observe(detection)
         self.f["recovery_stall_seconds"].observe(e["first_step_at"] - e["interrupted_at"])
         for phase, key in PHASES.items():
             self.labelled("recovery_phase_seconds", phase=phase).observe(max(0.0, e[key]))
