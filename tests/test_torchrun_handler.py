@@ -146,6 +146,45 @@ def test_the_store_waits_for_keys_and_a_new_rendezvous_clears_it(
         prefixed.wait(["never"], timedelta(seconds=0.3))
 
 
+class AnswerLost:
+    """A real etcd client whose next transaction commits and then loses its answer.
+
+    That is what a connection dropped between etcd's commit and its reply does; the call raises
+    the client's connection error, as it would, and is retried."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.lose = 0  # the transactions still to lose the answer of
+
+    def transaction(self, **kwargs: Any) -> Any:
+        result = self._client.transaction(**kwargs)
+        if self.lose:
+            from etcd3.exceptions import ConnectionFailedError
+
+            self.lose -= 1
+            raise ConnectionFailedError("the answer was lost (injected)")
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+def test_an_add_whose_answer_is_lost_counts_once(etcd_endpoint: str, job_id: str) -> None:
+    """torch's exit barrier writes its last key when an add returns the world size: an add
+    counted twice (its write committed, its answer lost, the retry adding again) would leave
+    every agent waiting out the barrier's 300 s."""
+    backend, store = create_backend(params(etcd_endpoint, job_id))
+    backend.set_state(b"state")
+    lossy = AnswerLost(store._client)
+    store._client = lossy
+    lossy.lose = 1
+    assert store.add("num_members", 1) == 1  # committed, answer lost, retried
+    assert store.add("num_members", 1) == 2
+    lossy.lose = 1
+    assert store.add("num_members", 3) == 5
+    assert store.get("num_members") == b"5"
+
+
 @pytest.mark.parametrize(
     ("conf", "endpoint", "message"),
     [

@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -320,25 +321,38 @@ class EtcdV3Store(dist.Store):
         )
 
     def add(self, key: str, amount: int) -> int:
-        """Add ``amount`` to the decimal integer at ``key`` (0 if absent).
+        """Add ``amount`` to the decimal integer at ``key`` (0 if absent); the sum, once.
 
-        A compare-and-set on the key's mod revision, repeated while another writer comes first."""
+        A compare-and-set on the key's mod revision, repeated while another writer comes first.
+        The write also puts a marker of this add (``<key>/.add/<uuid>``: the sum it wrote). A
+        transaction etcd committed but whose answer was lost is retried, and its compare then
+        fails on its own write: the marker, read back by the failed transaction, says the add is
+        done, and with what sum. Without it the add counted twice, and torch's exit barrier,
+        which ends when an add returns the world size, waited out its 300 s."""
         k, t = self._k(key), self._client.transactions
+        marker = f"{k}/.add/{uuid.uuid4().hex}"
         deadline = time.monotonic() + self.timeout.total_seconds()
         what = f"an add to store key {key!r}"
         while True:
             value, meta = self._call(what, lambda: self._client.get(k))
             new = (0 if value is None else int(value)) + amount
             seen = t.version(k) == 0 if value is None else t.mod(k) == meta.mod_revision
-            written, _ = self._call(
+            written, responses = self._call(
                 what,
                 lambda new=new, seen=seen: self._lease.call(
                     lambda lease: self._client.transaction(
-                        compare=[seen], success=[t.put(k, str(new), lease=lease)], failure=[]
+                        compare=[seen],
+                        success=[
+                            t.put(k, str(new), lease=lease),
+                            t.put(marker, str(new), lease=lease),
+                        ],
+                        failure=[t.get(marker)],
                     )
                 ),
             )
-            if written:
+            done = not written and responses and responses[0]
+            if written or done:
+                new = int(responses[0][0][0]) if done else new
                 log.debug("etcd-v3 store: added %d to %r: %d", amount, key, new)
                 return new
             if time.monotonic() > deadline:
