@@ -315,3 +315,26 @@ def gate(tmp_path: Path) -> Iterator[Gate]:
     held.open()
     yield held
     held.open()
+
+
+class AnswerLost:
+    """A real etcd client whose next transaction commits and then loses its answer.
+
+    That is what a connection dropped between etcd's commit and its reply does; the call raises
+    the client's connection error, as it would, and is retried."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.lose = 0  # the transactions still to lose the answer of
+
+    def transaction(self, **kwargs: Any) -> Any:
+        result = self._client.transaction(**kwargs)
+        if self.lose:
+            from etcd3.exceptions import ConnectionFailedError
+
+            self.lose -= 1
+            raise ConnectionFailedError("the answer was lost (injected)")
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)

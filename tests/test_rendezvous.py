@@ -17,7 +17,7 @@ from launcher.rendezvous.keys import JobKeys
 from launcher.rendezvous.membership import JobView, NodeRecord
 from launcher.rendezvous.rendezvous import NodeIdInUse, Rendezvous
 
-from .conftest import FAST
+from .conftest import FAST, AnswerLost
 
 
 def ids(rdzv: Rendezvous, view: JobView) -> list[str]:
@@ -78,6 +78,31 @@ def test_duplicate_node_id_is_refused_naming_the_holder_which_can_be_taken_over(
     # What an agent does when the holder is its own dead incarnation: delete that registration.
     assert first.evict(holder, "an earlier incarnation of this node, now gone")
     assert first.fenced.wait(5)  # the old registration finds itself gone
+
+
+def test_a_registration_whose_answer_is_lost_stands(etcd_endpoint, etcd_client, job_id) -> None:
+    """etcd created the node's key, and the answer was lost: the retry finds the key under a
+    lease of its own earlier attempt, so the node is registered, not refused as its own rival
+    (which cost a lease TTL's wait before the key expired)."""
+    raw = AnswerLost(connect([etcd_endpoint]))
+    r = Rendezvous(
+        raw,
+        job_id=job_id,
+        node=NodeRecord("a", "127.0.0.1", 1000, 1),
+        cfg=FAST,
+        min_nodes=1,
+        max_nodes=1,
+    )
+    raw.lose = 1
+    r.join()
+    try:
+        _, meta = etcd_client.get(f"/elastic/{job_id}/nodes/a")
+        assert meta.lease_id == r._lease.id and meta.create_revision == r._registration
+        r.record.set_ready()  # and it goes on as any node: a round of its own
+        assert r.wait(lambda view: view.round is not None, timeout=10) is not None
+    finally:
+        r.leave()
+    assert etcd_client.get(f"/elastic/{job_id}/nodes/a")[0] is None
 
 
 def test_first_round_waits_for_max_nodes_then_forms_at_once(make) -> None:

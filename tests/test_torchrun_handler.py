@@ -32,6 +32,8 @@ from launcher.rendezvous.embedded_etcd import EmbeddedEtcd
 from launcher.rendezvous.etcd import connect
 from launcher.torchrun.backend import create_backend
 
+from .conftest import AnswerLost
+
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 STEPS = 200  # at most 20 a second (a 0.05 s sleep each): an etcd outage and a node lost fit in
 SHORT_OUTAGE_S = 2.0  # etcd away while one call waits for it
@@ -144,29 +146,6 @@ def test_the_store_waits_for_keys_and_a_new_rendezvous_clears_it(
     late.join()
     with pytest.raises(dist.DistStoreError, match="read_timeout"):
         prefixed.wait(["never"], timedelta(seconds=0.3))
-
-
-class AnswerLost:
-    """A real etcd client whose next transaction commits and then loses its answer.
-
-    That is what a connection dropped between etcd's commit and its reply does; the call raises
-    the client's connection error, as it would, and is retried."""
-
-    def __init__(self, client: Any) -> None:
-        self._client = client
-        self.lose = 0  # the transactions still to lose the answer of
-
-    def transaction(self, **kwargs: Any) -> Any:
-        result = self._client.transaction(**kwargs)
-        if self.lose:
-            from etcd3.exceptions import ConnectionFailedError
-
-            self.lose -= 1
-            raise ConnectionFailedError("the answer was lost (injected)")
-        return result
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._client, name)
 
 
 def test_an_add_whose_answer_is_lost_counts_once(etcd_endpoint: str, job_id: str) -> None:

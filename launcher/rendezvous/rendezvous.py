@@ -19,6 +19,7 @@ lease: the node trains on and retries, up to ``rendezvous.etcd_grace_s``. The ag
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -148,16 +149,24 @@ class Rendezvous:
         self._stop.clear()
         self.fenced.clear()
         self.follower.reset(self.record.fresh())
-        lease, ok, responses = self.retry("register", self._register)
-        if not ok:
-            self._etcd.revoke_lease(lease.id)
+        leases: list[Any] = []  # one per attempt: a retried attempt may have registered
+        lease, ok, responses = self.retry("register", lambda: self._register(leases))
+        if ok:
+            registration = responses[0].response_put.header.revision
+        else:
             [(value, meta)] = responses[0]
-            raise NodeIdInUse(
-                f"node id {self.node.node_id!r} is already live in this job: give each node its "
-                "own cluster.node_id, or wait for the old node's lease to expire",
-                NodeRecord.from_json(value, meta.create_revision),
-            )
-        self._registration = responses[0].response_put.header.revision
+            lease = next((ours for ours in leases if ours.id == meta.lease_id), None)
+            if lease is None:
+                self._revoke(leases)
+                raise NodeIdInUse(
+                    f"node id {self.node.node_id!r} is already live in this job: give each "
+                    "node its own cluster.node_id, or wait for the old node's lease to expire",
+                    NodeRecord.from_json(value, meta.create_revision),
+                )
+            # An earlier attempt registered and its answer was lost: that registration stands.
+            registration = meta.create_revision
+        self._revoke([other for other in leases if other is not lease])
+        self._registration = registration
         self._lease = lease
         self.record.start(self._registration, lease)
         self._upkeep.start(self._registration, lease)
@@ -180,8 +189,10 @@ class Rendezvous:
         if meta is None or meta.create_revision != self._registration:
             self._fence_now("this node was evicted by a peer")
 
-    def _register(self) -> tuple[Any, bool, list[Any]]:
+    def _register(self, leases: list[Any]) -> tuple[Any, bool, list[Any]]:
+        """One attempt to create this node's key under a new lease, kept in ``leases``."""
         lease = self._etcd.lease(self._cfg.lease_ttl_s)
+        leases.append(lease)
         t = self._etcd.transactions
         ok, responses = self._etcd.transaction(
             compare=[t.version(self._node_key) == 0],
@@ -189,6 +200,12 @@ class Rendezvous:
             failure=[t.get(self._node_key)],
         )
         return lease, ok, responses
+
+    def _revoke(self, leases: list[Any]) -> None:
+        """Revoke ``leases`` (those of attempts that did not register); etcd away: they expire."""
+        for lease in leases:
+            with contextlib.suppress(*etcd_errors()):
+                self._etcd.revoke_lease(lease.id)
 
     def retry(self, what: str, call: Callable[[], Any]) -> Any:
         """``call()``, retried with backoff while etcd does not answer.
