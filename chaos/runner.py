@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from chaos import injectors
 from chaos.campaign import (
@@ -55,6 +55,21 @@ def due(spec: FaultSpec, step: int, since_start: float, world: int = 0) -> bool:
     return step >= spec.at_step if spec.at_step > 0 else since_start >= spec.at_s
 
 
+class Slowed(NamedTuple):
+    """A node slowed by a ``slow_node`` fault."""
+
+    limit: CpuLimit
+    until: float  # when it is lifted
+    until_named: bool  # lifted sooner, once the job names it a straggler after ``since``
+    since: float  # when it was slowed: a naming logged before says nothing of the slowdown
+
+    def lifted_by(self, e: dict[str, Any]) -> bool:
+        """Whether event ``e`` lifts it now: the job named the node since it was slowed.
+
+        Only with ``until_named``. A naming logged just before the strike may be read after it."""
+        return self.until_named and ev.STRAGGLER.matches(e) and e["ts"] > self.since
+
+
 @dataclass
 class CampaignRunner:
     """One campaign on one job (``cfg``), whose etcd is at ``endpoints``.
@@ -77,8 +92,7 @@ class CampaignRunner:
     etcd_down: dict[int, float] = field(default_factory=dict)  # member -> when it is started
     ballast: dict[Path, float] = field(default_factory=dict)  # file -> when it is removed
     cut: dict[tuple[str, FaultKind], float] = field(default_factory=dict)  # -> when it ends
-    # node -> its limit, when it is lifted, and whether sooner once the job names it
-    slowed: dict[str, tuple[CpuLimit, float, bool]] = field(default_factory=dict)
+    slowed: dict[str, Slowed] = field(default_factory=dict)
     agents: dict[str, int] = field(default_factory=dict)  # node -> its newest agent's pid
     # node -> the pid of what started it again, until its agent says it started: before, the
     # log names the agent before it, and a fault would strike that one (or its zombie).
@@ -116,16 +130,16 @@ class CampaignRunner:
                         if e["step"] > world_after:
                             world = e["world_size"]
                     trained |= ev.TRAINING_DONE.matches(e)
-                    slow = self.slowed.get(e["node"]) if ev.STRAGGLER.matches(e) else None
-                    if slow is not None and slow[2]:  # until_named: lifted now
-                        self.slowed[e["node"]] = (slow[0], 0.0, True)
+                    slow = self.slowed.get(e.get("node", ""))
+                    if slow is not None and slow.lifted_by(e):
+                        self.slowed[e["node"]] = slow._replace(until=0.0)
                 now = time.time()
                 self._end_timed_faults(now)
                 if now - self.kept_slow_at >= KEEP_SLOW_S:  # new workers of a slow node
                     self.kept_slow_at = now
-                    for node, (limit, _, _) in self.slowed.items():
+                    for node, slow in self.slowed.items():
                         if node in self.agents:
-                            injectors.keep_slow(self.agents[node], limit)
+                            injectors.keep_slow(self.agents[node], slow.limit)
                 while (
                     self.todo
                     and started is not None
@@ -202,7 +216,8 @@ class CampaignRunner:
                 injectors.corrupt_replica(self.run_dir, node)
             elif spec.kind is FaultKind.slow_node:
                 limit = injectors.slow_node(self.run_dir, node, self.campaign.slow_factor)
-                self.slowed[node] = (limit, time.time() + spec.duration_s, spec.until_named)
+                now = time.time()
+                self.slowed[node] = Slowed(limit, now + spec.duration_s, spec.until_named, now)
             else:
                 sig = signal.SIGKILL if spec.kind is FaultKind.kill_node else signal.SIGTERM
                 injectors.kill_node(self.run_dir, node, sig)
@@ -311,9 +326,9 @@ class CampaignRunner:
                     link = PEER_LINK if kind is FaultKind.partition_peers else ETCD_LINK
                     injectors.heal(self.run_dir, self.net, i, link)
                 del self.cut[(node, kind)]
-        for node, (limit, at, _) in list(self.slowed.items()):
-            if now >= at or not restart:
-                injectors.unslow_node(self.run_dir, node, limit)
+        for node, slow in list(self.slowed.items()):
+            if now >= slow.until or not restart:
+                injectors.unslow_node(self.run_dir, node, slow.limit)
                 del self.slowed[node]
         for member, at in list(self.etcd_down.items()):
             if (now >= at or not restart) and self.etcd is not None:

@@ -14,7 +14,7 @@ import pytest
 from chaos.campaign import CampaignConfig, FaultKind, FaultSpec, pick, problems, schedule
 from chaos.cli import nothing_to_judge, split
 from chaos.injectors import clear_disk, corrupt_shard, fill_disk
-from chaos.runner import due
+from chaos.runner import Slowed, due
 from chaos.timeline import levels, phases, smoothed
 from chaos.verdict import (
     Interval,
@@ -25,6 +25,7 @@ from chaos.verdict import (
     intervals,
     pace,
 )
+from elastic import event_types as ev
 from elastic.events import read_events
 from elastic.manifest import FORMAT, file_record
 from launcher.agent.fault_helper import TargetNotFound
@@ -77,6 +78,18 @@ def test_targets_are_picked_among_the_nodes_up_the_same_way_every_time() -> None
     assert pick("node2", up, "node0", 0, 1) == "node2"
     assert pick("node2", ["node0", "node1"], "node0", 0, 1) is None  # down: skipped
     assert pick("not_rank0", ["node0"], "node0", 0, 1) is None
+
+
+def test_a_slow_node_is_lifted_by_a_naming_logged_after_it_was_slowed_only() -> None:
+    """CI at 18f448f: node2 was named a straggler (by load) 0.27 s before the slowdown struck,
+    that event was read after the strike and lifted the slowdown at once, so the slowdown was
+    never named."""
+    slow = Slowed(None, until=160.0, until_named=True, since=100.0)  # type: ignore[arg-type]
+    named = {"event": ev.STRAGGLER.name, "node": "node2"}
+    assert not slow.lifted_by({**named, "ts": 99.73})
+    assert slow.lifted_by({**named, "ts": 104.0})
+    assert not slow.lifted_by({"event": ev.STEP.name, "node": "node2", "ts": 104.0})
+    assert not slow._replace(until_named=False).lifted_by({**named, "ts": 104.0})
 
 
 def test_a_campaign_that_cannot_run_names_each_key_and_its_fix() -> None:
