@@ -16,7 +16,6 @@ of the first: the cost is counted high, not low.
 from __future__ import annotations
 
 import argparse
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,19 +27,7 @@ import psutil
 
 from elastic import event_types as ev
 from elastic.events import EventFollower
-
-
-def free_port(count: int) -> int:
-    """The first of ``count`` consecutive ports free now."""
-    for base in range(21000, 60000, 89):
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free ports")
+from launcher.rendezvous.embedded_etcd import free_ports
 
 
 def agents(launcher: psutil.Process) -> list[psutil.Process]:
@@ -68,7 +55,7 @@ def main() -> int:
         "--every-s", type=float, default=15.0, help="the scrape interval the cost is given at"
     )
     args = parser.parse_args()
-    base = free_port(args.nodes)
+    base = free_ports(args.nodes)
     work = Path(tempfile.mkdtemp(prefix="metrics-cost-"))
     run_dir = work / "run"
     job = subprocess.Popen(

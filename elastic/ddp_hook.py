@@ -8,9 +8,8 @@ stuck step is abandoned at once. The hook sums: the trainer weights each sample 
 the global batch, so each rank's gradient is already its share of the mean and the sum is the
 mean, with no pass over the gradients to divide them. On the way the hook casts each bucket to a
 narrower ``comm.grad_dtype`` (in a tensor it keeps per bucket), counts the buckets a step handed
-over
-(whether a stall is this rank's or its peers', :attr:`DDPHook.waiting_for_peers`), and marks when
-the step's compute ended (:class:`elastic.step_timing.StepTiming`).
+over (whether a stall is this rank's or its peers', :attr:`DDPHook.waiting_for_peers`), and marks
+when the step's compute ended (:class:`elastic.step_timing.StepTiming`).
 """
 
 # No ``from __future__ import annotations`` here: DDP checks the comm hook's annotations at run

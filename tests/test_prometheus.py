@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ import pytest
 from elastic import config
 from elastic import event_types as ev
 from elastic.events import read_events
+from launcher.rendezvous.embedded_etcd import free_ports
 
 from .conftest import FAST_JOB, Gate
 
@@ -37,20 +37,6 @@ pytestmark = pytest.mark.skipif(
 )
 NODES = 3
 WAIT_S = 240.0  # the whole job takes about a minute here
-
-
-def free_ports(count: int) -> int:
-    """The first of ``count`` consecutive ports free now (the nodes serve port + i)."""
-    for base in range(20000, 60000, 97):
-        with contextlib.ExitStack() as stack:
-            try:
-                for port in range(base, base + count):
-                    s = stack.enter_context(socket.socket())
-                    s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return base
-    raise RuntimeError("no free ports")
 
 
 @contextlib.contextmanager

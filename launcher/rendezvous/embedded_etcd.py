@@ -22,6 +22,7 @@ one retention window of writes needs.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -84,6 +85,21 @@ def free_port(host: str = HOST) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def free_ports(count: int, host: str = HOST) -> int:
+    """The first of ``count`` consecutive ports free now, for servers at port + i.
+
+    Simulated nodes serve their metrics so (``launcher.local_cluster.local_metrics_port``)."""
+    for base in range(20000, 60000, 97):
+        with contextlib.ExitStack() as held:  # every port of the run bound at once
+            try:
+                for port in range(base, base + count):
+                    held.enter_context(socket.socket()).bind((host, port))
+            except OSError:
+                continue
+            return base
+    raise RuntimeError(f"no {count} consecutive free ports on {host}")
 
 
 @dataclass
