@@ -465,11 +465,21 @@ def test_killed_worker_is_restarted_and_rejoins_in_place_and_requests_are_refuse
     refused = [e for e in read_events(run_dir) if e["event"] == "fault_refused"]
     assert [(e["node"], e["kind"]) for e in refused] == [("node1", "freeze_node")]
     fault = kill_worker(run_dir, "node1")
-    wait_event(
+    joined = wait_event(
         run_dir, proc, lambda e: e["event"] == "round_joined" and e["node"] == "node1", fault
     )
+    for node in ("node0", "node1"):  # both past the round's set-up, where gloo's threads start
+        wait_event(
+            run_dir,
+            proc,
+            lambda e, n=node: (
+                e["event"] == "state_synced" and e["node"] == n and e["round"] == joined["round"]
+            ),
+            fault,
+        )
     # cluster.yield_to_training: the launcher and agents yield, every worker trains in the
-    # foreground, the one its agent started again too (the policy is inherited).
+    # foreground, the one its agent started again too (the policy is inherited). A worker's main
+    # thread yields only while it opens a round's save group (sched_policy.helpers_yield).
     started = [e for e in read_events(run_dir) if e["event"] in ("agent_started", "worker_started")]
     yielding = [proc.pid] + [e["pid"] for e in started if e["event"] == "agent_started"]
     workers = {e["node"]: e["worker_pid"] for e in started if e["event"] == "worker_started"}
