@@ -32,9 +32,10 @@ environment is not passed on, so each backend runs its own default unless the ro
   every 5 s, a node dead after 3 missed (15 s), a last call of 30 s (join 600 s, close 30 s,
   heartbeat 5 s, none of which a recovery waits on), and each backend's own store default
   (c10d: the shared agent store; etcd-v3: none, see above).
-- ``tuned``: ``--rdzv-conf=keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1``
-  and ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: a keep-alive every 1 s, a node dead after 2
-  missed, a last call of 1 s. Those three are the only settings a recovery waits on (read from
+- ``tuned``: ``--rdzv-conf=keep_alive_interval=1,keep_alive_max_attempt=4,last_call_timeout=1``
+  and ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: a keep-alive every 1 s, a node dead after 4
+  missed (the fewest the etcd-v3 backend allows at 1 s: ``keep_alive_problem``), a last call
+  of 1 s. Those three are the only settings a recovery waits on (read from
   torch's ``dynamic_rendezvous.py``): the survivors leave the completed round, which moves to
   the next round only once the dead node's heartbeat is older than ``keep_alive_interval *
   keep_alive_max_attempt`` and a survivor's sync removes it; the new round reaches
@@ -117,7 +118,7 @@ BACKENDS = ("etcd-v3", "c10d")
 SETTINGS = {  # name: (--rdzv-conf, the agents' extra environment)
     "defaults": ("", {}),
     "tuned": (
-        "keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1",
+        "keep_alive_interval=1,keep_alive_max_attempt=4,last_call_timeout=1",
         {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
     ),
 }

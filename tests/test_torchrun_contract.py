@@ -65,7 +65,7 @@ FAST_CONF = {
     "close_timeout": "30",
     "heartbeat_timeout": "5",
     "keep_alive_interval": "1",
-    "keep_alive_max_attempt": "3",
+    "keep_alive_max_attempt": "4",
     "read_timeout": "10",
 }
 WAIT_S = 15.0  # the most any step of a flow waits (a round takes 1-3 s)

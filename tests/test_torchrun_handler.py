@@ -30,7 +30,7 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError, Rend
 
 from launcher.rendezvous.embedded_etcd import EmbeddedEtcd
 from launcher.rendezvous.etcd import connect
-from launcher.torchrun.backend import create_backend
+from launcher.torchrun.backend import create_backend, create_rdzv_handler, keep_alive_problem
 
 from .conftest import AnswerLost
 
@@ -86,11 +86,11 @@ logging.getLogger("launcher.torchrun").addHandler(_h)
 logging.getLogger("launcher.torchrun").setLevel(logging.DEBUG)
 """
 
-# Fast re-forming: a node whose heartbeat (every second) is 2 s old is dead; a round with the
-# minimum of nodes waits 1 s for more.
+# Fast re-forming: a node whose heartbeat (every second) is 4 s old is dead, the shortest bound
+# the backend allows (keep_alive_problem); a round with the minimum of nodes waits 1 s for more.
 RDZV_CONF = (
     "join_timeout=40,last_call_timeout=1,close_timeout=5,heartbeat_timeout=5,"
-    "keep_alive_interval=1,keep_alive_max_attempt=2,read_timeout=30,etcd_timeout=5"
+    "keep_alive_interval=1,keep_alive_max_attempt=4,read_timeout=30,etcd_timeout=5"
 )
 
 
@@ -181,6 +181,22 @@ def test_settings_that_cannot_work_are_refused_by_name(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         create_backend(params(etcd_endpoint if endpoint is None else endpoint, "job", **conf))
+
+
+@pytest.mark.parametrize(
+    ("interval", "attempts", "fix"),
+    [(1, 2, 4), (1, 3, 4), (2, 2, 3), (5, 2, 3), (1, 4, None), (2, 3, None), (5, 3, None)],
+)
+def test_a_dead_node_bound_inside_a_live_nodes_heartbeat_gap_is_refused_before_connecting(
+    interval: int, attempts: int, fix: int | None
+) -> None:
+    """torch's defaults (5 s, 3) pass; 1 s and 2 split a round's world in one run of 12 here."""
+    conf = {"keep_alive_interval": str(interval), "keep_alive_max_attempt": str(attempts)}
+    if fix is None:
+        assert keep_alive_problem(interval, attempts) is None
+        return
+    with pytest.raises(ValueError, match=f"keep_alive_max_attempt={fix} or more"):
+        create_rdzv_handler(params("127.0.0.1:1", "job", **conf))  # no etcd there: not reached
 
 
 def wait_until(what: str, done: Callable[[], bool], agents: list, logs: Path, timeout_s: float):
