@@ -71,7 +71,7 @@ def gradients_finite(params: Sequence[torch.nn.Parameter]) -> bool:
     """Whether the gradients are finite, read where every inf and NaN passes.
 
     It reads the parameters nearest the loss (the last ones) and nearest the input (the first
-    ones, whose gradients backward computes last), about :data:`SENTINEL_ELEMENTS` of each. A
+    ones, whose gradients backward computes last), at most :data:`SENTINEL_ELEMENTS` of each. A
     non-finite loss, input or activation, or a NaN weight, spoils the gradient of every layer
     below it, down to the first. Reading them all would cost a pass over every gradient each
     step (5 % of a ResNet-18 step on a CPU core). A host sync, which the step's loss already
@@ -79,16 +79,31 @@ def gradients_finite(params: Sequence[torch.nn.Parameter]) -> bool:
     grads = [p.grad for p in params if p.grad is not None]
     picked: dict[int, torch.Tensor] = {}
     for ordered in (grads, grads[::-1]):
-        seen = 0
+        left = SENTINEL_ELEMENTS
         for g in ordered:
-            if seen >= SENTINEL_ELEMENTS:
+            if left <= 0:
                 break
-            picked[id(g)] = g
-            seen += g.numel()
+            part = leading_view(g, left)
+            if id(g) not in picked or picked[id(g)].numel() < part.numel():
+                picked[id(g)] = part
+            left -= g.numel()
     if not picked:
         return True
     sums = torch.stack([g.sum(dtype=torch.float32) for g in picked.values()])
     return bool(torch.isfinite(sums.sum()).item())
+
+
+def leading_view(g: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` elements of ``g`` in memory, a view (all of ``g`` if it has no flat one).
+
+    A gradient below a non-finite value is non-finite throughout, so its first elements show it;
+    reading all of the tensor that crosses :data:`SENTINEL_ELEMENTS` read a ResNet-18's last
+    convolution whole, 2.4 M elements, and made the check 0.68 ms a step instead of 0.1."""
+    if g.numel() <= n:
+        return g
+    if g.dim() == 4 and g.is_contiguous(memory_format=torch.channels_last):
+        g = g.permute(0, 2, 3, 1)  # the same memory, now contiguous
+    return g.reshape(-1)[:n] if g.is_contiguous() else g
 
 
 def first_producer(flags: Sequence[float]) -> int:

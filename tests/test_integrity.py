@@ -6,11 +6,13 @@ import torch
 import torchvision
 
 from elastic.nonfinite import (
+    SENTINEL_ELEMENTS,
     BufferBackup,
     NonFiniteSteps,
     Verdict,
     first_producer,
     gradients_finite,
+    leading_view,
 )
 from elastic.replicas import ReplicaVerdict, checksum, judge
 from elastic.state import TrainState
@@ -68,6 +70,19 @@ def test_a_nan_anywhere_above_the_first_layer_reaches_its_gradient() -> None:
         layers[2].weight[0, 0] = float("nan")  # a corrupt weight in the middle
     model(torch.ones(2, 300)).sum().backward()
     assert not gradients_finite(params)
+
+
+def test_a_gradient_larger_than_the_budget_is_read_in_part_without_a_copy() -> None:
+    """The tensor that crosses SENTINEL_ELEMENTS is read only as far as the budget goes, from its
+    first element in memory, as a view: channels_last too."""
+    flat = torch.zeros(SENTINEL_ELEMENTS * 3)
+    part = leading_view(flat, 10)
+    assert part.numel() == 10 and part.data_ptr() == flat.data_ptr()
+    conv = torch.zeros(64, 32, 3, 3).to(memory_format=torch.channels_last)
+    part = leading_view(conv, 100)
+    assert part.numel() == 100 and part.data_ptr() == conv.data_ptr()
+    small = torch.zeros(5)
+    assert leading_view(small, 10) is small
 
 
 def test_a_skipped_step_puts_the_batch_norm_statistics_back() -> None:
