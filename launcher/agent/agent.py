@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
@@ -90,6 +91,7 @@ class Agent:
         self.stop_signal: int | None = None
         self.rdzv: Rendezvous
         self.workers: WorkerGroup
+        self._pids: Callable[[], dict[str, int]] = dict  # the workers', once they are started
         self.degraded: SelfQuarantine
         self.act: Actions
         self.leave_reason = ""  # why the node leaves the job, when it leaves on its own
@@ -109,10 +111,19 @@ class Agent:
             self.inbox.put,
             stopped=self._stopped,
             worker_pid=lambda i: p.pid if (p := self.workers.slots[i].proc) else 0,
-            metrics=(self.metrics_port, self._worker_pids),
+            metrics=(self.metrics_port, lambda: self._pids()),
         )
         self.rdzv, self.faults, self.peers = parts.rdzv, parts.faults, parts.peers
-        self.admission, metrics = parts.admission, parts.metrics
+        self.admission = parts.admission
+        with contextlib.ExitStack() as metrics_served:
+            if parts.metrics is not None:
+                metrics_served.callback(parts.metrics.close)
+            return self._run(client.close)
+
+    def _run(self, close_client: Callable[[], None]) -> int:
+        """Join, start the workers and follow the job until this node leaves it.
+
+        ``close_client`` closes the etcd client, when the node leaves before it joined."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         code = self._join(in_running_job=False)
@@ -125,13 +136,12 @@ class Agent:
                 signal=self.stop_signal,
                 reason=self.leave_reason,
             )
-            client.close()
-            if metrics is not None:
-                metrics.close()
+            close_client()
             return code
         self.workers, self.leaving = start_workers(
             self.node, self.config_path, self.threads, self.inbox.put, self.rdzv.record.leave_after
         )
+        self._pids = self.workers.pids
         self.degraded = SelfQuarantine(
             self.cfg, self.node_id, self.rdzv, self.admission, self.leaving, self.events
         )
@@ -160,8 +170,6 @@ class Agent:
         finally:
             gpus.close()
             self.progress.close()
-            if metrics is not None:
-                metrics.close()
             self.workers.stop(STOP_GRACE_S)
             self.rdzv.leave()
             self.events.emit(
@@ -170,10 +178,6 @@ class Agent:
             # The client's channel is left to the process's exit: closed, it makes the etcd
             # client's watch thread (etcd3 0.12) die with a traceback in every agent's log.
         return code
-
-    def _worker_pids(self) -> dict[str, int]:
-        """Each running worker's pid, for the metrics; none before the workers start."""
-        return self.workers.pids() if hasattr(self, "workers") else {}
 
     def others_led(self) -> frozenset[str] | None:
         """The other nodes, from its view, if this node led the job as it ended; else None.
