@@ -1,0 +1,284 @@
+"""HSDP (shard within a node, replicate across nodes) with real gloo process groups: a step
+equal to one process's, a lost node re-meshed in place, a joining node synced from a survivor,
+and DCP checkpoints loaded at other nodes x workers shapes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from elastic.jobs.tiny_lm import TinyLM
+from elastic.sharding import (
+    build_mesh,
+    load_checkpoint,
+    remesh,
+    save_checkpoint,
+    shard,
+    sync_shards,
+    take_shards,
+)
+
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("needs torch.distributed with gloo", allow_module_level=True)
+
+VOCAB, CONTEXT, BATCH = 32, 8, 8  # BATCH: the global batch, split evenly over the ranks
+WRAP = (nn.TransformerEncoderLayer,)
+GROUP_TIMEOUT = timedelta(seconds=60)  # bounds every collective and every rendezvous
+RUN_DEADLINE_S = 150.0  # bounds a whole multi-process run
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered, on rank 0 only
+
+
+def make_model() -> nn.Module:
+    return TinyLM(vocab=VOCAB, context=CONTEXT, dim=16, heads=2, layers=2)
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    # eps well above rounding: the attention keys' bias has a zero gradient but for rounding,
+    # which the default eps would turn into a whole step of either sign, unlike in one process.
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4, weight_decay=0.1)
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(
+        VOCAB, (BATCH, CONTEXT + 1), generator=torch.Generator().manual_seed(step)
+    )
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def backward(model: nn.Module, step: int, part: int, parts: int) -> None:
+    """The loss of this rank's ``part`` of the step's global batch, backpropagated."""
+    inputs, targets = (t.chunk(parts)[part] for t in global_batch(step))
+    F.cross_entropy(model(inputs).reshape(-1, VOCAB), targets.reshape(-1)).backward()
+
+
+def train(
+    model: nn.Module, optimizer: torch.optim.Optimizer, step: int, part: int, parts: int
+) -> None:
+    backward(model, step, part, parts)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def sharded(mesh: Any, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)  # every rank builds the same full model, then keeps its shard
+    model = shard(make_model(), mesh, WRAP)
+    return model, make_optimizer(model)
+
+
+def join(tmp: str, name: str, rank: int, world: int) -> None:
+    """Join round ``name``: a fresh default group on a fresh store, as each runtime round."""
+    store = dist.FileStore(str(Path(tmp, name)), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=GROUP_TIMEOUT)
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Every weight and optimizer tensor gathered whole (a collective; empty but on rank 0)."""
+    return {
+        "model": get_model_state_dict(model, options=FULL),
+        "optim": get_optimizer_state_dict(model, optimizer, options=FULL).get("state"),
+    }
+
+
+def local_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Copies of this rank's local shards of the weights and the optimizer state."""
+    out = {}
+    for name, param in model.named_parameters():
+        out[f"model.{name}"] = param.to_local().detach().clone()
+        for key, value in optimizer.state[param].items():
+            local = value.to_local() if isinstance(value, DTensor) else value
+            out[f"optim.{name}.{key}"] = local.clone()
+    return out
+
+
+def reference(steps: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """One process training the whole model on each whole global batch."""
+    torch.manual_seed(0)
+    model = make_model()
+    optimizer = make_optimizer(model)
+    for step in range(steps):
+        train(model, optimizer, step, 0, 1)
+    return model, optimizer
+
+
+def run_ranks(fn: Callable[[int, int, str], None], world: int, tmp: Path) -> None:
+    """Run ``fn(rank, world, tmp)`` in ``world`` fresh processes; fail on error or timeout.
+
+    They are forked from multiprocessing's fork server, a clean process that imports torch, and
+    torch._dynamo (which a DeviceMesh's first sub-mesh imports), once for every test: 4 ranks
+    importing them at once took 11 s of the 2 cores each time."""
+    mp.set_forkserver_preload(["torch._dynamo", __name__])  # only read as the server starts
+    context = mp.start_processes(
+        fn, args=(world, str(tmp)), nprocs=world, join=False, start_method="forkserver"
+    )
+    deadline = time.monotonic() + RUN_DEADLINE_S
+    while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the {world} ranks did not finish within {RUN_DEADLINE_S} s")
+
+
+def _hsdp_step(rank: int, world: int, tmp: str) -> None:
+    torch.set_num_threads(1)
+    join(tmp, "round1", rank, world)
+    model, optimizer = sharded(build_mesh(2, 2, "cpu"), seed=0)
+    backward(model, 0, rank, world)
+    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    optimizer.step()
+    state = full_state(model, optimizer)
+    if rank == 0:
+        torch.save({"grads": grads, **state}, Path(tmp, "hsdp.pt"))
+    dist.destroy_process_group()
+
+
+def test_hsdp_step_equals_one_process_step(tmp_path: Path) -> None:
+    """At 2 nodes x 2 workers, each rank on a quarter of the batch, the gradients are the whole
+    batch's (fully_shard averages over all 4 ranks, the replicate dim included), and the step
+    leaves the weights and AdamW state of one process that trained on the whole batch."""
+    run_ranks(_hsdp_step, 4, tmp_path)
+    got = torch.load(tmp_path / "hsdp.pt", weights_only=True)
+    torch.manual_seed(0)
+    model = make_model()
+    backward(model, 0, 0, 1)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got["grads"][name], p.grad, rtol=1e-5, atol=1e-7)
+    want, optimizer = reference(1)
+    torch.testing.assert_close(got["model"], want.state_dict(), rtol=1e-5, atol=1e-6)
+    want_optim = get_optimizer_state_dict(want, optimizer)["state"]
+    torch.testing.assert_close(got["optim"], want_optim, rtol=1e-4, atol=1e-8)
+
+
+def _lost_node(rank: int, world: int, tmp: str) -> None:
+    torch.set_num_threads(1)
+    join(tmp, "round1", rank, world)
+    mesh = build_mesh(2, 2, "cpu")
+    model, optimizer = sharded(mesh, seed=0)
+    train(model, optimizer, 0, rank, world)
+    dist.destroy_process_group()  # node 1 (ranks 2 and 3) is lost: the round ends
+    if rank >= 2:
+        return
+    before = local_tensors(model, optimizer)
+    shards = take_shards(model, optimizer, mesh)  # with no group left: it is local
+    del model, optimizer
+    join(tmp, "round2", rank, 2)
+    model, optimizer = remesh(shards, build_mesh(1, 2, "cpu"), make_model, make_optimizer, WRAP)
+    after = local_tensors(model, optimizer)
+    train(model, optimizer, 1, rank, 2)
+    state = full_state(model, optimizer)
+    torch.save({"before": before, "after": after}, Path(tmp, f"locals{rank}.pt"))
+    if rank == 0:
+        torch.save(state, Path(tmp, "trained.pt"))
+    dist.destroy_process_group()
+
+
+def test_lost_node_is_remeshed_in_place(tmp_path: Path) -> None:
+    """After one step at 2x2, node 1 is lost; ranks 0 and 1 form a new world of 2, re-mesh at
+    1x2 keeping every local shard bit for bit, and their next step equals one process's."""
+    run_ranks(_lost_node, 4, tmp_path)
+    for rank in (0, 1):
+        found = torch.load(tmp_path / f"locals{rank}.pt", weights_only=True)
+        assert found["before"].keys() == found["after"].keys()
+        assert any(k.endswith(".exp_avg_sq") for k in found["after"])
+        for key, tensor in found["before"].items():
+            assert torch.equal(found["after"][key], tensor), key
+    got = torch.load(tmp_path / "trained.pt", weights_only=True)
+    want, optimizer = reference(2)
+    torch.testing.assert_close(got["model"], want.state_dict(), rtol=1e-5, atol=1e-6)
+    want_optim = get_optimizer_state_dict(want, optimizer)["state"]
+    torch.testing.assert_close(got["optim"], want_optim, rtol=1e-4, atol=1e-8)
+
+
+def _rejoin(rank: int, world: int, tmp: str) -> None:
+    torch.set_num_threads(1)
+    if rank < 2:  # node 0 trains alone for a step, while node 1 is still to come
+        join(tmp, "round1", rank, 2)
+        mesh = build_mesh(1, 2, "cpu")
+        model, optimizer = sharded(mesh, seed=0)
+        train(model, optimizer, 0, rank, 2)
+        shards = take_shards(model, optimizer, mesh)
+        dist.destroy_process_group()
+        join(tmp, "round2", rank, world)
+        mesh = build_mesh(2, 2, "cpu")
+        model, optimizer = remesh(shards, mesh, make_model, make_optimizer, WRAP)
+    else:  # the joining node: other weights, no optimizer state, another LR
+        join(tmp, "round2", rank, world)
+        mesh = build_mesh(2, 2, "cpu")
+        model, optimizer = sharded(mesh, seed=1)
+        optimizer.param_groups[0]["lr"] = 0.5
+    sync_shards(model, optimizer, mesh, source=0)
+    synced = {"tensors": local_tensors(model, optimizer), "lr": optimizer.param_groups[0]["lr"]}
+    for group in optimizer.param_groups:  # the trainer sets the LR each step, from its progress
+        group["lr"] = 1e-2
+    torch.save(synced, Path(tmp, f"synced{rank}.pt"))
+    train(model, optimizer, 1, rank, world)
+    state = full_state(model, optimizer)
+    if rank == 0:
+        torch.save(state, Path(tmp, "trained.pt"))
+    dist.destroy_process_group()
+
+
+def test_joining_node_takes_the_survivors_shards(tmp_path: Path) -> None:
+    """Node 0 trains a step at 1x2; node 1 joins (2x2): node 0 re-meshes in place and
+    sync_shards gives node 1's worker k worker k's weights and AdamW state bit for bit (not its
+    LR, which the trainer sets each step); the four then train a step equal to one process's."""
+    run_ranks(_rejoin, 4, tmp_path)
+    synced = [torch.load(tmp_path / f"synced{rank}.pt", weights_only=True) for rank in range(4)]
+    for source, joiner in ((0, 2), (1, 3)):
+        assert (synced[source]["lr"], synced[joiner]["lr"]) == (1e-2, 0.5)  # settings stay
+        assert synced[joiner]["tensors"].keys() == synced[source]["tensors"].keys()
+        for key, tensor in synced[source]["tensors"].items():
+            assert torch.equal(synced[joiner]["tensors"][key], tensor), key
+    got = torch.load(tmp_path / "trained.pt", weights_only=True)
+    want, _ = reference(2)
+    torch.testing.assert_close(got["model"], want.state_dict(), rtol=1e-5, atol=1e-6)
+
+
+def _checkpoint(rank: int, world: int, tmp: str) -> None:
+    torch.set_num_threads(1)
+    checkpoint = str(Path(tmp, "ckpt"))
+    join(tmp, "round1", rank, world)
+    model, optimizer = sharded(build_mesh(2, 2, "cpu"), seed=0)
+    train(model, optimizer, 0, rank, world)
+    save_checkpoint(model, optimizer, checkpoint)
+    state = full_state(model, optimizer)
+    if rank == 0:
+        torch.save(state, Path(tmp, "saved.pt"))
+    dist.destroy_process_group()
+    for nodes, per_node in ((1, 2), (3, 1)):  # then 1 node x 2 workers, then 3 x 1
+        if rank >= nodes * per_node:
+            continue
+        join(tmp, f"{nodes}x{per_node}", rank, nodes * per_node)
+        model, optimizer = sharded(build_mesh(nodes, per_node, "cpu"), seed=1)
+        load_checkpoint(model, optimizer, checkpoint)
+        state = full_state(model, optimizer)
+        if rank == 0:
+            torch.save(state, Path(tmp, f"loaded{nodes}x{per_node}.pt"))
+        dist.destroy_process_group()
+
+
+def test_checkpoint_loads_at_other_shapes(tmp_path: Path) -> None:
+    """A DCP checkpoint saved at 2 nodes x 2 workers loads at 1x2 and at 3x1 into models built
+    from other weights: every weight and AdamW tensor equals the saved one exactly."""
+    run_ranks(_checkpoint, 4, tmp_path)
+    saved = torch.load(tmp_path / "saved.pt", weights_only=True)
+    torch.manual_seed(1)  # the weights the loading ranks built, which the load replaces
+    assert not torch.equal(make_model().state_dict()["head.weight"], saved["model"]["head.weight"])
+    for shape in ("1x2", "3x1"):
+        loaded = torch.load(tmp_path / f"loaded{shape}.pt", weights_only=True)
+        torch.testing.assert_close(loaded, saved, rtol=0, atol=0)
