@@ -116,6 +116,14 @@ def reference(steps: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
+def assert_like_reference(got: dict[str, Any], steps: int) -> None:
+    """``got`` (:func:`full_state`) holds the weights and AdamW state of :func:`reference`."""
+    want, optimizer = reference(steps)
+    torch.testing.assert_close(got["model"], want.state_dict(), rtol=1e-5, atol=1e-6)
+    want_optim = get_optimizer_state_dict(want, optimizer)["state"]
+    torch.testing.assert_close(got["optim"], want_optim, rtol=1e-4, atol=1e-8)
+
+
 def run_ranks(fn: Callable[[int, int, str], None], world: int, tmp: Path) -> None:
     """Run ``fn(rank, world, tmp)`` in ``world`` fresh processes; fail on error or timeout.
 
@@ -158,10 +166,7 @@ def test_hsdp_step_equals_one_process_step(tmp_path: Path) -> None:
     backward(model, 0, 0, 1)
     for name, p in model.named_parameters():
         torch.testing.assert_close(got["grads"][name], p.grad, rtol=1e-5, atol=1e-7)
-    want, optimizer = reference(1)
-    torch.testing.assert_close(got["model"], want.state_dict(), rtol=1e-5, atol=1e-6)
-    want_optim = get_optimizer_state_dict(want, optimizer)["state"]
-    torch.testing.assert_close(got["optim"], want_optim, rtol=1e-4, atol=1e-8)
+    assert_like_reference(got, 1)
 
 
 def _lost_node(rank: int, world: int, tmp: str) -> None:
@@ -197,11 +202,7 @@ def test_lost_node_is_remeshed_in_place(tmp_path: Path) -> None:
         assert any(k.endswith(".exp_avg_sq") for k in found["after"])
         for key, tensor in found["before"].items():
             assert torch.equal(found["after"][key], tensor), key
-    got = torch.load(tmp_path / "trained.pt", weights_only=True)
-    want, optimizer = reference(2)
-    torch.testing.assert_close(got["model"], want.state_dict(), rtol=1e-5, atol=1e-6)
-    want_optim = get_optimizer_state_dict(want, optimizer)["state"]
-    torch.testing.assert_close(got["optim"], want_optim, rtol=1e-4, atol=1e-8)
+    assert_like_reference(torch.load(tmp_path / "trained.pt", weights_only=True), 2)
 
 
 def _rejoin(rank: int, world: int, tmp: str) -> None:
