@@ -1,0 +1,261 @@
+"""Process groups whose collectives a thread can abandon at once, for FSDP2 on gloo.
+
+FSDP2 issues its own collectives (all-gather in forward, reduce-scatter and the HSDP all-reduce
+in backward) and waits on them on the training thread. On gloo nothing ends such a wait early:
+neither ``ProcessGroup.abort()`` nor ``.shutdown()`` from another thread unblocks a collective
+that a frozen peer never joins (torch 2.14), so the step would hang until the group's timeout.
+
+An :class:`AbortableGroup` is a Python ``ProcessGroup`` over a real gloo backend. Each collective
+runs on the backend, asynchronously; the caller gets an :class:`AbortableWork` whose wait ends
+when the backend's work does, or raises :class:`elastic.round_end.RoundAborted` as soon as
+:meth:`AbortableGroup.abort` is called from any thread. The backend's work is left to end on its
+own: :meth:`AbortableGroup.in_flight` is what a reaper waits for before it shuts the group down
+(:mod:`elastic.group_reaper`).
+
+The groups are made by torch itself, as a backend registered under :data:`BACKEND`, so that they
+are in torch's tables (group ranks, names) that DeviceMesh, DTensor and FSDP2 resolve them from:
+``init_device_mesh(..., backend_override=...)`` (:func:`build_abortable_mesh`) makes every dim of
+a mesh abortable, and :func:`abort_mesh` abandons every collective on it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from elastic.round_end import RoundAborted
+
+BACKEND = "abortable_gloo"  # the name torch knows the backend by (dist.Backend.register_backend)
+
+# Every collective a ProcessGroup offers that returns a Work, under the names torch's Python
+# collectives (dist.all_reduce, dist.all_gather_single, ...) and its C++ trampoline call them.
+COLLECTIVES = (
+    "allreduce",
+    "allreduce_coalesced",
+    "allgather",
+    "_allgather_base",
+    "all_gather_single",
+    "allgather_into_tensor_coalesced",
+    "all_gather_single_coalesced",
+    "reduce_scatter",
+    "_reduce_scatter_base",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor_coalesced",
+    "reduce_scatter_single_coalesced",
+    "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+    "alltoall",
+    "alltoall_base",
+    "all_to_all_single",
+    "barrier",
+    "send",
+    "recv",
+)
+
+
+class AbortableWork(dist.Work):
+    """A collective in flight on an :class:`AbortableGroup`.
+
+    It ends with the backend's work, or fails with :class:`RoundAborted` when the group is
+    aborted, whichever comes first."""
+
+    def __init__(self, future: torch.futures.Future[Any]) -> None:
+        super().__init__()
+        self._future = future
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Wait for the collective, raising its error or the abort's.
+
+        ``timeout`` is not applied here: the backend's work fails at the group's own timeout,
+        and this wait with it."""
+        self._future.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        """A future that completes (with None) or fails as :meth:`wait` returns or raises."""
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+
+@dataclass
+class _Launched:
+    """A collective begun on the backend, as the group's waiter thread sees it."""
+
+    work: dist.Work  # the backend's
+    ours: torch.futures.Future[Any]  # what the caller's AbortableWork waits for
+    end: torch.futures.Future[None]  # done when ``work`` ends, however (in_flight)
+
+
+class AbortableGroup(dist.ProcessGroup):
+    """A gloo process group whose collectives fail at once on :meth:`abort`, from any thread.
+
+    The backend's works are waited for on a thread of the group's, in launch order: gloo's
+    ``reduce_scatter_single`` work, which FSDP2's backward uses, has no future to be told by
+    (``Work::getFuture not implemented``, torch 2.14). Every rank enters a group's collectives
+    in launch order, so none can end before those begun ahead of it could: waiting in that
+    order tells a work late only by what gloo's worker threads reorder."""
+
+    def __init__(self, backend: dist.ProcessGroupGloo, rank: int, size: int) -> None:
+        super().__init__(rank, size)
+        self._backend = backend
+        self._lock = threading.Lock()
+        self._reason: str | None = None  # set by abort()
+        self._pending: list[torch.futures.Future[Any]] = []  # ours, not yet completed
+        # One per backend work the waiter has not seen end: done once it has (in_flight).
+        self._ends: list[torch.futures.Future[None]] = []
+        self._queue: queue.SimpleQueue[_Launched | None] = queue.SimpleQueue()
+        self._waiter: threading.Thread | None = None  # started with the first collective
+        self._name: str | None = None  # torch's name for the group (_set_group_name)
+
+    # torch keeps a group's name on its backends, and this group has none of torch's (a
+    # backend registered on it would be what torch's C++ collectives use, not abortable):
+    # the name is kept here, as torch names the group in new_group.
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    @property
+    def group_name(self) -> str:
+        if self._name is None:
+            raise RuntimeError("the AbortableGroup was not made by torch's new_group")
+        return self._name
+
+    def abort(self, reason: str = "the process group was aborted") -> None:
+        """Fail every collective in flight, and every later one, with :class:`RoundAborted`.
+
+        Callable from any thread. The backend's works keep running until they end (a frozen
+        peer's: at the group's timeout); :meth:`in_flight` lists them."""
+        with self._lock:
+            if self._reason is not None:
+                return
+            self._reason = reason
+            pending, self._pending = self._pending, []
+            self._queue.put(None)  # the waiter ends after the works in flight: no more come
+        for future in pending:
+            if not future.done():
+                future.set_exception(RoundAborted(f"collective abandoned: {reason}"))
+
+    def in_flight(self) -> list[dist.Work]:
+        """A work per backend work not yet ended: shut the group down only once they have.
+
+        Each completes (never fails) as the backend's work ends, and says so in
+        ``is_completed()``, which gloo's own ``reduce_scatter_single`` work never does: a reaper
+        polling the backend's works would wait for it forever (:mod:`elastic.group_reaper`)."""
+        with self._lock:
+            return [AbortableWork(end) for end in self._ends]
+
+    def shutdown(self) -> None:
+        """Shut the backend down (torch's ``destroy_process_group`` does); aborts first.
+
+        With works still in flight (:meth:`in_flight`) a gloo shutdown may crash the process:
+        wait for them first, as :mod:`elastic.group_reaper` does."""
+        self.abort("the process group was shut down")
+        self._backend.shutdown()
+
+    def _launch(self, name: str, *args: Any, **kwargs: Any) -> AbortableWork:
+        """Start collective ``name`` on the backend and hand back its abortable work.
+
+        Under the lock: :meth:`abort` sees every collective begun before it, and none begins
+        after it (one begun on a group its peers left would only wait for the timeout)."""
+        with self._lock:
+            if self._reason is not None:
+                raise RoundAborted(f"{name} on an aborted group: {self._reason}")
+            work = getattr(self._backend, name)(*args, **kwargs)
+            launched = _Launched(work, torch.futures.Future(), torch.futures.Future())
+            self._pending = [f for f in self._pending if not f.done()]
+            self._pending.append(launched.ours)
+            self._ends.append(launched.end)
+            if self._waiter is None:
+                self._waiter = threading.Thread(
+                    target=self._wait_all, name=f"abortable-{self._name}", daemon=True
+                )
+                self._waiter.start()
+            self._queue.put(launched)
+        return AbortableWork(launched.ours)
+
+    def _wait_all(self) -> None:
+        """Complete each of our futures as the backend's work ends, unless aborted first."""
+        while (launched := self._queue.get()) is not None:
+            ours = launched.ours
+            try:
+                launched.work.wait()  # releases the GIL
+            except Exception as exc:  # the backend's own failure: a peer died, a timeout
+                # Without its traceback, whose frames would hold this thread's last work.
+                error: Exception | None = exc.with_traceback(None)
+            else:
+                error = None
+            with self._lock:
+                self._ends.remove(launched.end)
+                launched.end.set_result(None)
+                if ours.done():
+                    continue  # abort() failed it: it took it from _pending under this lock
+                if error is None:
+                    ours.set_result(None)
+                else:
+                    ours.set_exception(error)
+
+
+def _forward(name: str) -> Callable[..., AbortableWork]:
+    def collective(self: AbortableGroup, *args: Any, **kwargs: Any) -> AbortableWork:
+        return self._launch(name, *args, **kwargs)
+
+    collective.__name__ = name
+    collective.__doc__ = f"``{name}`` on the gloo backend, abortable (:meth:`_launch`)."
+    return collective
+
+
+for _name in COLLECTIVES:
+    setattr(AbortableGroup, _name, _forward(_name))
+
+
+def _create(store: dist.Store, rank: int, size: int, timeout: timedelta) -> AbortableGroup:
+    """torch's backend creator: a fresh gloo backend on the group's own prefixed store."""
+    return AbortableGroup(dist.ProcessGroupGloo(store, rank, size, timeout), rank, size)
+
+
+def register() -> None:
+    """Make :data:`BACKEND` a backend name torch can create groups of; again is harmless."""
+    dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
+
+
+def build_abortable_mesh(shape: tuple[int, ...], mesh_dim_names: tuple[str, ...]) -> DeviceMesh:
+    """A CPU mesh over the default group whose every dim is an :class:`AbortableGroup`.
+
+    A collective of every rank, as ``init_device_mesh`` is; the default group itself stays
+    plain gloo."""
+    register()
+    return init_device_mesh(
+        "cpu",
+        shape,
+        mesh_dim_names=mesh_dim_names,
+        backend_override=dict.fromkeys(mesh_dim_names, BACKEND),
+    )
+
+
+def mesh_groups(mesh: DeviceMesh) -> list[AbortableGroup]:
+    """This rank's group of each dim of ``mesh``; an error names a dim that is not abortable."""
+    groups = [mesh.get_group(dim) for dim in range(mesh.ndim)]
+    for dim, group in enumerate(groups):
+        if not isinstance(group, AbortableGroup):
+            raise TypeError(
+                f"mesh dim {dim} is a {type(group).__name__}, not an AbortableGroup: build the "
+                f"mesh with build_abortable_mesh"
+            )
+    return groups  # type: ignore[return-value]
+
+
+def abort_mesh(mesh: DeviceMesh, reason: str) -> None:
+    """Fail every collective in flight on ``mesh``, and every later one; from any thread."""
+    for group in mesh_groups(mesh):
+        group.abort(reason)
