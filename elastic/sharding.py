@@ -19,6 +19,7 @@ loads the kept local tensors into it.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -172,16 +173,34 @@ def sync_shards(
         "optimizer": get_optimizer_state_dict(model, optimizer),
     }
     with torch.no_grad():  # to_local: the local tensor itself, received into in place
-        for value in _leaves(state):
-            local = value.to_local() if isinstance(value, DTensor) else value
-            if not isinstance(local, torch.Tensor):
-                continue
+        leaves = [v.to_local() if isinstance(v, DTensor) else v for v in _leaves(state)]
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        _check_layouts(tensors, group, replicas, device)
+        for local in tensors:
             wire = local if local.device == device else local.to(device)
             dist.broadcast(wire, group=group, group_src=source)
             if wire is not local:
                 local.copy_(wire)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def _check_layouts(
+    tensors: list[torch.Tensor], group: dist.ProcessGroup, replicas: int, device: torch.device
+) -> None:
+    """Raise on every replica alike unless all hold tensors of the same shapes and dtypes.
+
+    A replica built with another model or optimizer would otherwise receive tensors of other
+    sizes, or wait in a broadcast its peers never make."""
+    layout = ";".join(f"{tuple(t.shape)}:{t.dtype}" for t in tensors)
+    mine = torch.tensor([zlib.crc32(layout.encode())], dtype=torch.int64, device=device)
+    seen = [torch.empty_like(mine) for _ in range(replicas)]
+    dist.all_gather(seen, mine, group=group)
+    if len({int(t.item()) for t in seen}) > 1:
+        raise ValueError(
+            f"sync_shards: the replicas' states differ in layout ({len(tensors)} tensors here): "
+            f"every node must build the same model and optimizer (the same job.* and optim.*)"
+        )
 
 
 def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint_id: str) -> None:

@@ -283,3 +283,30 @@ def test_checkpoint_loads_at_other_shapes(tmp_path: Path) -> None:
     for shape in ("1x2", "3x1"):
         loaded = torch.load(tmp_path / f"loaded{shape}.pt", weights_only=True)
         torch.testing.assert_close(loaded, saved, rtol=0, atol=0)
+
+
+def _mismatched(rank: int, world: int, tmp: str) -> None:
+    torch.set_num_threads(1)
+    join(tmp, "round1", rank, world)
+    mesh = build_mesh(2, 1, "cpu")
+    torch.manual_seed(0)
+    model = shard(make_model(), mesh, WRAP)
+    optimizer = (
+        make_optimizer(model) if rank == 0 else torch.optim.SGD(model.parameters(), momentum=0.9)
+    )
+    try:
+        sync_shards(model, optimizer, mesh, source=0)
+    except ValueError as exc:
+        Path(tmp, f"refused{rank}").write_text(str(exc))
+    dist.destroy_process_group()
+
+
+def test_a_replica_of_another_layout_is_refused_on_every_rank(tmp_path: Path) -> None:
+    """A joiner built with another optimizer (SGD's momentum against AdamW's two moments) is
+    refused by every replica alike, instead of receiving tensors of other sizes or hanging."""
+    run_ranks(_mismatched, 2, tmp_path)
+    for rank in (0, 1):
+        assert (
+            "every node must build the same model and optimizer"
+            in (tmp_path / f"refused{rank}").read_text()
+        )
