@@ -86,7 +86,9 @@ pairs the runs of one repeat, a minute or two apart rather than back to back: ex
 interval there. An interval wider than the goal resolves nothing: the goal counts as met only
 where the whole interval lies at or below 2 %, missed only where it lies above. Each line also
 says how many pairs an interval of +-``--target-ci-pct`` (default 2) would take at the spread
-these pairs showed; rerun with that many ``--repeats``.
+these pairs showed; rerun with that many ``--repeats``. Or let one sitting settle it:
+``--repeats 40 --max-minutes 20`` stops once the no-saves goal is resolved, met or not, on 3 or
+more pairs, or when the next pair would pass 20 minutes (:func:`settled`).
 
 An earlier version also ran the peer beside an idle etcd, to separate the embedded etcd's share
 on saturated cores. Its runs could not resolve that share against the run-to-run spread (the
@@ -159,6 +161,7 @@ import step_profile  # noqa: E402
 from pyspy_window import RATE_HZ, PyspyWindow  # noqa: E402
 
 GOAL_PCT = 2.0
+MIN_PAIRS = 3  # --max-minutes judges the goal on no fewer pairs
 REPLICA_GOAL_PCT = 1.0  # the replica check's share of the step time, at its default interval
 TIMEOUT_S = 1800.0  # one run of either runtime, start to exit
 CPU_SAMPLE_S = 0.25  # how often the process trees' CPU times are read
@@ -778,6 +781,7 @@ def reproduce(args: argparse.Namespace, setup: Setup) -> str:
         f"--steps={setup.steps}",
         f"--warmup-steps={setup.warmup}",
         f"--repeats={args.repeats}",
+        *([f"--max-minutes={args.max_minutes:g}"] if args.max_minutes is not None else []),
         f"--aggressive-every={args.aggressive_every}",
         f"--target-ci-pct={args.target_ci_pct:g}",
         f"--model={cfg.model.name}",
@@ -806,10 +810,12 @@ class Runs:
     decoded: list[Window]  # ours, data.decode=device, no saves (--device-decode)
 
 
-def measure(setup: Setup, repeats: int, work: Path) -> Runs:
-    """Run every row's pair of runs, ``repeats`` times.
+def measure(setup: Setup, repeats: int, work: Path, max_s: float | None = None) -> Runs:
+    """Run every row's pair of runs, ``repeats`` times at most.
 
-    Within a pair the runtime that goes first alternates from one repeat to the next."""
+    Within a pair the runtime that goes first alternates from one repeat to the next. With
+    ``max_s`` (``--max-minutes``) it stops sooner, once :func:`settled` says the goal is
+    resolved or the next repeat would not fit in ``max_s``."""
     runs = Runs({e: [] for e in setup.intervals}, {e: [] for e in setup.intervals}, [])
     runtimes = (("ours", run_ours, runs.ours), ("plain", run_plain, runs.plain))
     began = time.monotonic()
@@ -834,10 +840,34 @@ def measure(setup: Setup, repeats: int, work: Path) -> Runs:
             on_device = ("data.decode=device",)
             runs.decoded.append(timed(i, DECODED, run_ours, setup, work, 0, on_device))
         done = time.monotonic() - began
+        if max_s is not None:
+            why = settled(no_saves_overhead(runs), i + 1, done, max_s)
+            if why:
+                print(f"stopping after {i + 1} pairs: {why}", flush=True)
+                return runs
         if i + 1 < repeats:
             left = done / (i + 1) * (repeats - i - 1)
             print(f"{done / 60:.1f} min so far, about {left / 60:.0f} min left", flush=True)
     return runs
+
+
+def no_saves_overhead(runs: Runs) -> Interval:
+    """Ours against plain DDP without saves, in samples/s: the row the goal is judged on."""
+    pairs = zip(runs.ours[0], runs.plain[0], strict=True)
+    return paired([(1 - o.samples_per_s / p.samples_per_s) * 100 for o, p in pairs], GOAL_PCT)
+
+
+def settled(overhead: Interval, pairs: int, spent_s: float, max_s: float) -> str:
+    """Why ``--max-minutes`` stops after ``pairs`` pairs ('' to go on); pure.
+
+    It stops once the goal is resolved, met or not, by at least :data:`MIN_PAIRS` pairs, or
+    when another repeat, as long as the mean one so far, would pass ``max_s``. (A sequential
+    stop makes the 95 % interval a little optimistic; the pairs it took are printed.)"""
+    if pairs >= MIN_PAIRS and not overhead.verdict(GOAL_PCT).startswith("unresolved"):
+        return f"the goal is {overhead.verdict(GOAL_PCT)} ({overhead})"
+    if spent_s / pairs * (pairs + 1) > max_s:
+        return f"another pair would pass {max_s / 60:g} minutes ({overhead} so far)"
+    return ""
 
 
 def replica_check_s(setup: Setup, calls: int = 20) -> tuple[float, int]:
@@ -875,7 +905,7 @@ def report(args: argparse.Namespace, setup: Setup, runs: Runs) -> None:
         f"{cfg.data.crop_size} px crops of {setup.dataset_size} images, {setup.precision}, "
         f"channels_last {'on' if setup.channels_last else 'off'}, {setup.device}, "
         f"{setup.loader_workers} loader processes and {setup.threads} threads per process; "
-        f"medians of {args.repeats} runs"
+        f"medians of {len(runs.ours[0])} runs"
     )
     print(f"{'row':44}{'samples/s':>10}{'ms/step':>9}{'CPU ms/sample':>15}   runs (samples/s)")
     rows = [
@@ -910,7 +940,8 @@ def report(args: argparse.Namespace, setup: Setup, runs: Runs) -> None:
 
     target = args.target_ci_pct
     print(
-        f"\noverhead of ours: mean of the {args.repeats} per-pair overheads [95 % t interval]; "
+        f"\noverhead of ours: mean of the {len(runs.ours[0])} per-pair overheads [95 % t "
+        "interval]; "
         f"pairs a +-{target:g} % interval needs at this spread; goal <= {GOAL_PCT:g} % in "
         "samples/s"
     )
@@ -996,6 +1027,12 @@ def main() -> int:
         "checkpoint.every_steps; 0: no aggressive row (default: 5)",
     )
     parser.add_argument(
+        "--max-minutes",
+        type=float,
+        help="stop sooner than --repeats once the no-saves goal is resolved (met or not, on 3 "
+        "or more pairs) or the next pair would pass this many minutes",
+    )
+    parser.add_argument(
         "--target-ci-pct",
         type=float,
         default=GOAL_PCT,
@@ -1053,11 +1090,14 @@ def main() -> int:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.target_ci_pct <= 0:
         parser.error("--target-ci-pct must be above 0, e.g. --target-ci-pct 2")
+    if args.max_minutes is not None and args.max_minutes <= 0:
+        parser.error("--max-minutes must be above 0, e.g. --max-minutes 20")
     setup = resolve(args, parser)
     if setup.profile is not None:
         setup.profile.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-throughput-") as tmp:
-        runs = measure(setup, args.repeats, Path(tmp))
+        max_s = None if args.max_minutes is None else args.max_minutes * 60
+        runs = measure(setup, args.repeats, Path(tmp), max_s)
     report(args, setup, runs)
     if setup.profile is not None:
         for every in setup.intervals:
@@ -1069,7 +1109,7 @@ def main() -> int:
                 )
                 for who in ("ours", "plain")
             )
-            print(f"\nprofile, {row_name(every)} (means of {args.repeats} runs' windows):")
+            print(f"\nprofile, {row_name(every)} (means of {len(runs.ours[0])} runs' windows):")
             print(step_profile.compare(ours, plain))
     return 0
 

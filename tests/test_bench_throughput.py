@@ -48,6 +48,17 @@ def test_the_goal_is_judged_by_the_whole_interval(mean: float, half: float, verd
     assert bench.Interval(mean, half, 2).verdict(2.0).startswith(verdict)
 
 
+def test_max_minutes_stops_once_the_goal_is_resolved_or_the_budget_would_be_passed() -> None:
+    met, straddles = bench.Interval(0.5, 1.0, 4), bench.Interval(1.5, 2.0, 9)
+    assert bench.settled(met, 3, 60.0, 1200.0).startswith("the goal is met")
+    assert bench.settled(bench.Interval(4.0, 1.0, 4), 3, 60.0, 1200.0).startswith(
+        "the goal is NOT met"
+    )
+    assert bench.settled(met, 2, 60.0, 1200.0) == ""  # resolved, on too few pairs
+    assert bench.settled(straddles, 5, 500.0, 1200.0) == ""  # a 6th pair ends at 600 s
+    assert "pass 20 minutes" in bench.settled(straddles, 5, 1050.0, 1200.0)  # at 1,260 s
+
+
 def test_cpu_is_interpolated_between_samples() -> None:
     samples = [(10.0, {"workers": 0.0}), (11.0, {"workers": 2.0, "etcd": 0.5})]
     assert bench.cpu_at(samples, 10.25) == {"workers": 0.5, "etcd": 0.125}
