@@ -30,7 +30,8 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError, Rend
 
 from launcher.rendezvous.embedded_etcd import EmbeddedEtcd
 from launcher.rendezvous.etcd import connect
-from launcher.torchrun.backend import create_backend, create_rdzv_handler, keep_alive_problem
+from launcher.torchrun.backend import create_backend, create_rdzv_handler
+from launcher.torchrun.liveness import keep_alive_problem
 
 from .conftest import AnswerLost
 
