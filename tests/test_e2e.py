@@ -584,6 +584,9 @@ def test_node_added_mid_run_enters_at_next_round_with_lr_ramped_and_its_clock_ma
         "cluster.max_nodes=3",
         "trainer.epochs=6",
         "rendezvous.first_round_wait_s=1",
+        # A clock stepped by an hour would pass any watchdog measured on it; a step that loaded
+        # shared cores stall for 10.7 s passed the default 10 s (flake hunt, 2026-11-29).
+        "rendezvous.watchdog_s=60",
         f"cluster.etcd_endpoints=[{etcd_endpoint}]",
         RECORD,
         job_id=job_id,
