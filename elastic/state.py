@@ -24,6 +24,7 @@ from elastic.optim import create_state
 from elastic.sampler import SamplerState, StepPlan
 
 PROGRESS_BYTES = 4096  # room for the progress JSON in the sync broadcast
+BUCKET_BYTES = 64 * 1024 * 1024  # DDP's bucket for its own broadcast of the model
 
 
 @dataclass(frozen=True)
@@ -200,9 +201,21 @@ def sync_state(
         raw = json.dumps(progress.to_dict()).encode()
         payload[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     dist.broadcast(payload, src=source)
-    ordered = [tensors[name] for name in sorted(tensors)]
-    dist._broadcast_coalesced(  # DDP's own bucketed broadcast
-        dist.distributed_c10d._get_default_group(), ordered, 64 * 1024 * 1024, source
-    )
+    broadcast_tensors([tensors[name] for name in sorted(tensors)], source, device)
     raw = bytes(payload.cpu().numpy()).rstrip(b"\0")
     return Progress.from_dict(json.loads(raw)), source
+
+
+def broadcast_tensors(tensors: list[torch.Tensor], source: int, device: torch.device) -> None:
+    """Give every rank rank ``source``'s ``tensors``, copied into its own in place; a collective.
+
+    They go in DDP's own bucketed broadcast, over the round's default group. A tensor held off
+    ``device`` (AdamW's step count stays on the CPU of a GPU worker) travels through a copy on
+    it, since NCCL sends device memory only."""
+    away = [t for t in tensors if t.device != device]
+    wires = [t.to(device) for t in away]
+    here = [t for t in tensors if t.device == device]
+    group = dist.distributed_c10d._get_default_group()
+    dist._broadcast_coalesced(group, here + wires, BUCKET_BYTES, source)
+    for tensor, wire in zip(away, wires, strict=True):
+        tensor.copy_(wire)

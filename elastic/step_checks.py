@@ -22,7 +22,6 @@ from dataclasses import dataclass, field, replace
 from enum import Enum, auto
 
 import torch
-import torch.distributed as dist
 
 from elastic import config
 from elastic import event_types as ev
@@ -35,7 +34,7 @@ from elastic.replicas import checksum, judge
 from elastic.round_entry import RoundStart, fit_world, report_recovery
 from elastic.sampler import StepPlan
 from elastic.saving import checkpoint_every, save
-from elastic.state import Progress
+from elastic.state import Progress, broadcast_tensors
 from elastic.stragglers import StragglerWatch
 from elastic.worker import Worker
 
@@ -114,12 +113,7 @@ def check_replicas(w: Worker, a: Assignment) -> bool:
     if verdict.roll_back:
         return False
     with w.comm.collective("replica repair"):
-        dist._broadcast_coalesced(  # DDP's own bucketed broadcast, as a state sync
-            dist.distributed_c10d._get_default_group(),
-            [replicated[n] for n in names],
-            64 * 1024 * 1024,
-            verdict.source,
-        )
+        broadcast_tensors([replicated[n] for n in names], verdict.source, w.device)
     if a.rank in verdict.corrupt:
         w.events.emit(
             ev.REPLICA_REPAIRED,
