@@ -43,12 +43,19 @@ def accuracy(e: Event) -> str:
     )
 
 
+def lr_text(lr: float) -> str:
+    """An LR as the lines show it: five decimals (SGD's range), or three digits of a smaller one.
+
+    AdamW's LRs (3e-4, less while warming up) would show as 0.00030 or 0.00000."""
+    return f"{lr:.5f}" if lr == 0 or lr >= 1e-3 else f"{lr:.3g}"
+
+
 def _step(e: Event) -> str:
     metrics = "".join(f"{name} {v:.4g} | " for name, v in e.get("metrics", {}).items())
     return (
         f"step {e['step']:>6} | epoch {e['epoch']} | loss {e['loss']:.4f} | {metrics}"
         f"{e['samples_per_s']:7.1f} samples/s | world {e['world_size']} | "
-        f"lr {e['lr']:.5f}"
+        f"lr {lr_text(e['lr'])}"
     )
 
 
@@ -95,7 +102,7 @@ def _worker_frozen(e: Event) -> str:
 
 def _lr_changed(e: Event) -> str:
     return (
-        f"{e['optimizer']} LR {e['old_lr']:.5f} -> {e['lr']:.5f} for world size "
+        f"{e['optimizer']} LR {lr_text(e['old_lr'])} -> {lr_text(e['lr'])} for world size "
         f"{e['old_world_size']} -> {e['world_size']} ({e['policy']})"
     )
 

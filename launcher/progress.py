@@ -19,7 +19,7 @@ from tqdm import tqdm
 from elastic import event_types as ev
 from elastic.curves import TENSORBOARD_DIR
 from elastic.eta import Pace, as_text
-from elastic.event_lines import accuracy, crashed, describe
+from elastic.event_lines import accuracy, crashed, describe, lr_text
 from elastic.events import read_events
 from elastic.final_save import unsaved_steps
 from launcher.curves_png import CURVES_PNG
@@ -133,7 +133,8 @@ def summary(run_dir: Path, checkpoint_url: str, job_id: str, since: float = 0.0)
             lines.append(lost)
     if steps:
         lines.append(
-            f"last step {steps[-1]['step']}: loss {steps[-1]['loss']:.4f}, lr {steps[-1]['lr']:.5f}"
+            f"last step {steps[-1]['step']}: loss {steps[-1]['loss']:.4f}, "
+            f"lr {lr_text(steps[-1]['lr'])}"
         )
     evaluated = ev.EVALUATED.of(events)
     if evaluated:

@@ -15,6 +15,7 @@ import pytest
 
 from chaos.invariants import contract_violations
 from elastic import event_types as ev
+from elastic.event_lines import lr_text
 from elastic.events import EventLog, read_events
 
 REPO = Path(__file__).resolve().parent.parent
@@ -112,4 +113,15 @@ def test_the_contract_check_names_an_undeclared_event_and_field() -> None:
     assert contract_violations(events) == [
         "fenced carries 'why', which its declaration lacks",
         "event 'nope' is not declared",
+    ]
+
+
+def test_an_lr_shows_five_decimals_in_sgds_range_and_three_digits_below_it() -> None:
+    """AdamW's 3e-4 would read 0.00030, and its warm-up's first LRs 0.00000."""
+    assert [lr_text(x) for x in (0.0, 0.1, 0.01875, 3e-4, 3.75e-6)] == [
+        "0.00000",
+        "0.10000",
+        "0.01875",
+        "0.0003",
+        "3.75e-06",
     ]
