@@ -10,9 +10,17 @@ does to the LR is the policy's choice (:class:`LRPolicy`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from elastic.config import ConfigError, OptimConfig, Policy, Schedule, poly_warmup_problem
+from elastic.config import (
+    ConfigError,
+    OptimConfig,
+    Policy,
+    Schedule,
+    WarmupStart,
+    decay_warmup_problem,
+)
 
 
 @dataclass(frozen=True)
@@ -22,20 +30,23 @@ class LRSchedule:
     After warm-up, ``step`` multiplies it by ``gamma`` at each milestone (Goyal et al.: /10 at
     epochs 30, 60, 80). ``poly`` is ``end + (peak - end) * (1 - progress) ** poly_power`` from
     the end of warm-up to the end of training, ``end = end_lr_factor * peak`` (the MLPerf
-    ResNet-50 LARS schedule). Akiba et al.'s slow start (arXiv:1711.04325) multiplies the LR by
-    ``slow_start_factor`` for the first ``slow_start_epochs``, whatever the shape."""
+    ResNet-50 LARS schedule). ``cosine`` is ``end + (peak - end) * (1 + cos(pi * progress)) / 2``
+    over the same span, as language models train. Akiba et al.'s slow start (arXiv:1711.04325)
+    multiplies the LR by ``slow_start_factor`` for the first ``slow_start_epochs``, whatever the
+    shape."""
 
     base_lr: float  # the LR for reference_batch samples
     reference_batch: int
     warmup_samples: int
+    warmup_start: WarmupStart  # warm-up from base_lr (Goyal et al.) or from 0
     schedule: Schedule
     milestones: tuple[int, ...]  # step: samples seen at which the LR is multiplied by gamma
     gamma: float
     slow_start_samples: int  # the LR is slow_start_factor of itself before this many samples
     slow_start_factor: float
-    total_samples: int  # poly: the samples the job trains (0 with step, which needs none)
+    total_samples: int  # poly, cosine: the samples the job trains (0 with step: none needed)
     poly_power: float
-    end_lr_factor: float  # poly: the LR at the end, as a fraction of the peak
+    end_lr_factor: float  # poly, cosine: the LR at the end, as a fraction of the peak
 
     @classmethod
     def from_config(
@@ -43,25 +54,26 @@ class LRSchedule:
     ) -> LRSchedule:
         """The schedule of ``optim`` settings ``cfg``, its epochs turned into samples.
 
-        ``total_samples`` (the job's, ``trainer.epochs`` of samples) is needed by ``poly``, which
-        decays to the end of training; ``step`` does without. Warm-up must end before the job
-        does (:func:`elastic.config.poly_warmup_problem`, which ``validate`` checks in epochs),
-        here in the samples this schedule rounds both to."""
+        ``total_samples`` (the job's, ``trainer.epochs`` of samples) is needed by ``poly`` and
+        ``cosine``, which decay to the end of training; ``step`` does without. Warm-up must end
+        before the job does (:func:`elastic.config.decay_warmup_problem`, which ``validate``
+        checks in epochs), here in the samples this schedule rounds both to."""
         warmup_samples = round(cfg.warmup_epochs * samples_per_epoch)
-        if cfg.schedule == Schedule.poly:
+        if cfg.schedule in (Schedule.poly, Schedule.cosine):
             if total_samples is None:
                 raise ValueError(
-                    "optim.schedule=poly decays until the end of training. Fix: pass "
+                    f"optim.schedule={cfg.schedule} decays until the end of training. Fix: pass "
                     "total_samples (trainer.epochs of samples) to LRSchedule.from_config / "
                     "LRPolicy.from_config."
                 )
             epochs = total_samples / samples_per_epoch
-            if refused := poly_warmup_problem(cfg, warmup_samples, total_samples, epochs):
+            if refused := decay_warmup_problem(cfg, warmup_samples, total_samples, epochs):
                 raise ConfigError(refused)
         return cls(
             base_lr=cfg.lr,
             reference_batch=cfg.reference_batch,
             warmup_samples=warmup_samples,
+            warmup_start=WarmupStart(cfg.warmup_start),
             schedule=Schedule(cfg.schedule),
             milestones=tuple(round(m * samples_per_epoch) for m in cfg.milestones_epochs),
             gamma=cfg.gamma,
@@ -87,25 +99,29 @@ class LRSchedule:
         return lr
 
     def _warmed(self, samples_seen: int, peak: float) -> float:
-        """Linear from the reference LR (or the peak, if lower) to the peak over warm-up."""
+        """Linear over warm-up to the peak, from 0 or the reference LR (the peak, if lower)."""
         if samples_seen >= self.warmup_samples:
             return peak
-        start = min(self.base_lr, peak)
+        start = 0.0 if self.warmup_start is WarmupStart.zero else min(self.base_lr, peak)
         return start + (peak - start) * samples_seen / self.warmup_samples
 
     def _decay(self, samples_seen: int) -> float:
         """The shape's factor on the peak.
 
         With ``step`` it is gamma per milestone passed (a milestone inside warm-up counts too).
-        With ``poly`` it is the poly curve from 1 at the end of warm-up to ``end_lr_factor`` at
-        the end of training."""
+        With ``poly`` and ``cosine`` it is their curve from 1 at the end of warm-up to
+        ``end_lr_factor`` at the end of training."""
         if self.schedule == Schedule.step:
             return self.gamma ** sum(samples_seen >= m for m in self.milestones)
         if samples_seen < self.warmup_samples:
             return 1.0
         decay_samples = self.total_samples - self.warmup_samples
         left = max(0.0, 1 - (samples_seen - self.warmup_samples) / decay_samples)
-        return self.end_lr_factor + (1 - self.end_lr_factor) * left**self.poly_power
+        if self.schedule == Schedule.cosine:
+            shape = (1 - math.cos(math.pi * left)) / 2  # 1 at the start of the decay, 0 at its end
+        else:
+            shape = left**self.poly_power
+        return self.end_lr_factor + (1 - self.end_lr_factor) * shape
 
 
 @dataclass(frozen=True)
@@ -142,7 +158,7 @@ class LRPolicy:
     ) -> LRPolicy:
         """The policy of ``optim`` settings ``cfg`` for a per-worker batch of ``batch_size``.
 
-        ``total_samples``: the job's, needed by ``optim.schedule=poly`` (see
+        ``total_samples``: the job's, needed by ``optim.schedule=poly`` and ``cosine`` (see
         :meth:`LRSchedule.from_config`)."""
         return cls(
             schedule=LRSchedule.from_config(cfg, samples_per_epoch, total_samples),

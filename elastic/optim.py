@@ -2,18 +2,20 @@
 
 ``sgd`` is torch's momentum SGD, as Goyal et al. (arXiv:1706.02677) train ResNets; ``akiba`` is
 the RMSprop warm-up of Akiba et al. (:class:`Akiba`); ``lars`` is :class:`LARS` as the MLPerf
-ResNet-50 reference applies it. Every optimizer built here holds all of its per-parameter state
-from the moment it is built, as zeros: a checkpoint restore and the in-place recovery copy a
-state into the tensors that :meth:`elastic.state.TrainState.tensors` returns, so those tensors
-must exist before the first step (:func:`create_state`). The LR itself is not set here: the
-trainer sets ``lr`` from :mod:`elastic.lr_policy` before every step, and the other per-step
-settings from :func:`step_settings`.
+ResNet-50 reference applies it; ``adamw`` is torch's AdamW, as language models train. Every
+optimizer built here holds all of its per-parameter state from the moment it is built, as
+zeros: a checkpoint restore and the in-place recovery copy a state into the tensors that
+:meth:`elastic.state.TrainState.tensors` returns, so those tensors must exist before the first
+step (:func:`create_state`). The LR itself is not set here: the trainer sets ``lr`` from
+:mod:`elastic.lr_policy` before every step, and the other per-step settings from
+:func:`step_settings`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -53,9 +55,15 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Opt
             trust_coefficient=cfg.lars.trust_coefficient,
             eps=cfg.lars.eps,
         )
-    sgd = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
-    create_state(sgd)
-    return sgd
+    if cfg.name == OptimizerName.adamw:
+        w = cfg.adamw
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(
+            groups, lr=cfg.lr, betas=(w.beta1, w.beta2), eps=w.eps
+        )
+    else:
+        optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
+    create_state(optimizer)
+    return optimizer
 
 
 def _param_groups(model: torch.nn.Module, cfg: OptimConfig) -> list[dict[str, Any]]:
@@ -77,12 +85,20 @@ def _param_groups(model: torch.nn.Module, cfg: OptimConfig) -> list[dict[str, An
 
 
 def create_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the momentum buffers torch's SGD would only create at its first step, as zeros.
+    """Create the state torch's SGD and AdamW would only create at their first step.
 
-    With dampening 0 (all we use) a zero buffer gives the same first step as torch's lazy one
-    (``buf = momentum * 0 + g``). Buffers that exist are kept; other optimizers are left alone
-    (:class:`Akiba` and :class:`LARS` create their state when built).
+    SGD's momentum buffers are zeros: with dampening 0 (all we use) a zero buffer gives the same
+    first step as torch's lazy one (``buf = momentum * 0 + g``). AdamW's are what its first step
+    makes (a step count of 0 as a float32 scalar on the CPU, zero averages), which it then takes
+    as its own. State that exists is kept; other optimizers are left alone (:class:`Akiba` and
+    :class:`LARS` create their state when built).
     """
+    if isinstance(optimizer, torch.optim.AdamW):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if not optimizer.state[p]:
+                    optimizer.state[p].update(_adamw_state(p, group["amsgrad"]))
+        return
     if not isinstance(optimizer, torch.optim.SGD):
         return
     for group in optimizer.param_groups:
@@ -94,6 +110,18 @@ def create_state(optimizer: torch.optim.Optimizer) -> None:
                 state["momentum_buffer"] = _zeros(p)
 
 
+def _adamw_state(p: torch.Tensor, amsgrad: bool) -> dict[str, torch.Tensor]:
+    """The state torch's AdamW (neither fused nor capturable) makes for ``p`` at its first step."""
+    state = {
+        "step": torch.tensor(0.0, dtype=torch.float32),
+        "exp_avg": _zeros(p),
+        "exp_avg_sq": _zeros(p),
+    }
+    if amsgrad:
+        state["max_exp_avg_sq"] = _zeros(p)
+    return state
+
+
 def step_settings(cfg: OptimConfig, samples_seen: int, samples_per_epoch: int) -> dict[str, float]:
     """The param-group settings besides the LR for the step after ``samples_seen`` samples.
 
@@ -103,6 +131,17 @@ def step_settings(cfg: OptimConfig, samples_seen: int, samples_per_epoch: int) -
         epoch = samples_seen / samples_per_epoch
         return {"sgd_share": sgd_share(epoch, cfg.akiba.center_epochs, cfg.akiba.period_epochs)}
     return {}
+
+
+def gradient_clip(
+    params: list[torch.nn.Parameter], max_norm: float
+) -> Callable[[], torch.Tensor] | None:
+    """What clips ``params``' gradients to a 2-norm of ``max_norm`` over all of them; None for 0.
+
+    The gradients are the all-reduced ones, equal on every rank, so each rank clips alike."""
+    if max_norm == 0:
+        return None
+    return partial(torch.nn.utils.clip_grad_norm_, params, max_norm)
 
 
 def sgd_share(epoch: float, center: float, period: float) -> float:

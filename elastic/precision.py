@@ -13,6 +13,7 @@ each bucket to it (:class:`elastic.ddp_hook.DDPHook`).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 import torch
@@ -110,18 +111,26 @@ class MixedPrecision:
         """Backward from ``loss``, multiplied by the scale under fp16 (unchanged otherwise)."""
         self.scaler.scale(loss).backward()
 
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+    def step(
+        self, optimizer: torch.optim.Optimizer, clip: Callable[[], object] | None = None
+    ) -> bool:
         """Unscale the gradients, step ``optimizer`` if they are finite, and update the scale.
 
-        Returns whether the step was taken: it is not when they hold an inf or nan.
+        Returns whether the step was taken: it is not when they hold an inf or nan. ``clip``
+        (``optim.clip_grad_norm``) runs on the unscaled gradients, just before the step.
 
         Whether it was taken is read from the scaler's own inf/nan findings for ``optimizer``,
         the values its ``step`` just decided with, before ``update`` clears them. (The scale
         alone cannot tell: once it has shrunk to zero, or grown to inf, it no longer changes.)
         """
         if not self.scaler.is_enabled():
+            if clip is not None:
+                clip()
             optimizer.step()
             return True
+        if clip is not None:
+            self.scaler.unscale_(optimizer)  # a norm of the true gradients, not the scaled ones
+            clip()
         self.scaler.step(optimizer)
         found = self.scaler._found_inf_per_device(optimizer)
         taken = not any(bool(v.item()) for v in found.values())

@@ -66,7 +66,7 @@ from elastic.job import Batch, Loss
 from elastic.job_target import build_job
 from elastic.lr_policy import LRPolicy
 from elastic.nonfinite import BufferBackup, NonFiniteSteps, gradients_finite
-from elastic.optim import step_settings
+from elastic.optim import gradient_clip, step_settings
 from elastic.pipeline import Prefetcher, loader_workers, make_loader
 from elastic.precision import MixedPrecision, dtype_of, resolve_precision
 from elastic.round_end import RoundAborted, RoundEnd, release, round_end
@@ -352,7 +352,8 @@ def train_step(
             sums[name] = sums.get(name, 0) + (values.detach().float() * real).sum()
     scaled = w.precision.scaler.is_enabled()  # then the scaler judges the gradients
     finite = scaled or gradients_finite(w.params)
-    taken = finite and w.precision.step(w.state.optimizer)
+    clip = gradient_clip(w.params, w.cfg.optim.clip_grad_norm)
+    taken = finite and w.precision.step(w.state.optimizer, clip)
     if taken:
         w.job.after_step(w.state.model)
     else:

@@ -3,11 +3,12 @@ on samples."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
 
-from elastic.config import ConfigError, OptimConfig, Policy, Schedule
+from elastic.config import ConfigError, OptimConfig, Policy, Schedule, WarmupStart
 from elastic.lr_policy import LRPolicy, LRSchedule, Ramp
 
 GOYAL = LRSchedule.from_config(
@@ -196,3 +197,28 @@ def test_poly_needs_the_total_and_room_after_warmup() -> None:
         LRSchedule.from_config(POLY, samples_per_epoch=1000, total_samples=10_000)
     # the step schedule needs no total: the three-argument call still works
     assert LRPolicy.from_config(RESIZE, 32, 1000).schedule.total_samples == 0
+
+
+def test_cosine_decay_by_hand() -> None:
+    """Half a cosine from the peak at the end of warm-up to end_lr_factor of it at the end."""
+    cfg = replace(POLY, schedule=Schedule.cosine)
+    s = LRPolicy.from_config(cfg, batch_size=32, samples_per_epoch=1000, total_samples=50_000)
+    sched = s.schedule
+    assert sched.lr(10_000, 1024) == pytest.approx(0.4)  # the peak, after 10 epochs of warm-up
+    # end + (peak - end) * (1 + cos(pi * done / 40_000)) / 2 with end = 0.1:
+    assert sched.lr(20_000, 1024) == pytest.approx(0.1 + 0.3 * (1 + math.cos(math.pi / 4)) / 2)
+    assert sched.lr(30_000, 1024) == pytest.approx(0.1 + 0.3 * 0.5)  # halfway
+    assert sched.lr(50_000, 1024) == pytest.approx(0.1)
+    assert sched.lr(60_000, 1024) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="optim.schedule=cosine.*Fix: pass total_samples"):
+        LRPolicy.from_config(cfg, batch_size=32, samples_per_epoch=1000)
+    with pytest.raises(ConfigError, match="the cosine schedule decays after warm-up"):
+        LRSchedule.from_config(cfg, samples_per_epoch=1000, total_samples=10_000)
+
+
+def test_warmup_from_zero_rises_linearly_to_the_peak() -> None:
+    cfg = replace(POLY, schedule=Schedule.cosine, warmup_start=WarmupStart.zero)
+    s = LRSchedule.from_config(cfg, samples_per_epoch=1000, total_samples=50_000)
+    assert s.lr(0, 1024) == 0.0
+    assert s.lr(2_500, 1024) == pytest.approx(0.1)  # a quarter of the way to 0.4
+    assert s.lr(10_000, 1024) == pytest.approx(0.4)

@@ -14,6 +14,7 @@ from elastic.optim import (
     LARS_EXCLUDE,
     Akiba,
     build_optimizer,
+    gradient_clip,
     sgd_share,
     step_settings,
     trust_ratio,
@@ -163,26 +164,54 @@ def test_lars_excluded_groups_get_neither_trust_ratio_nor_weight_decay() -> None
     assert torch.allclose(opt.state[w]["momentum_buffer"], 2.0 * tr * (g + 0.01 * w_before))
 
 
-@pytest.mark.parametrize("name", ["sgd", "akiba", "lars"])
+STATE_KEYS = {
+    "sgd": ["momentum_buffer"],
+    "lars": ["momentum_buffer"],
+    "akiba": ["momentum_buffer", "square_avg"],
+    "adamw": ["exp_avg", "exp_avg_sq", "step"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(STATE_KEYS))
 def test_state_is_created_when_built(name: str) -> None:
     model = small_model()
     opt = build_optimizer(model, config(name))
-    keys = {"sgd": ["momentum_buffer"], "lars": ["momentum_buffer"]}.get(
-        name, ["square_avg", "momentum_buffer"]
-    )
     for p in model.parameters():
-        assert sorted(opt.state[p]) == sorted(keys)
-        assert all(torch.equal(opt.state[p][k], torch.zeros_like(p)) for k in keys)
+        assert sorted(opt.state[p]) == STATE_KEYS[name]
+        for key, t in opt.state[p].items():
+            zeros = torch.zeros(()) if key == "step" else torch.zeros_like(p)
+            assert torch.equal(t, zeros), key
 
 
-@pytest.mark.parametrize("name", ["sgd", "akiba", "lars"])
+def test_adamw_with_its_state_made_up_front_steps_as_torchs_own() -> None:
+    """create_state makes what AdamW's first step would (a CPU float32 step count, zero
+    averages), so the steps are torch's, bit for bit."""
+    ours, theirs = small_model(), small_model()
+    made = build_optimizer(ours, config("adamw"))
+    lazy = torch.optim.AdamW(
+        [
+            {"params": [p for p in theirs.parameters() if p.ndim > 1], "weight_decay": 0.01},
+            {"params": [p for p in theirs.parameters() if p.ndim <= 1], "weight_decay": 0.0},
+        ],
+        lr=0.1,
+        betas=(0.9, 0.95),
+    )
+    for seed in (1, 2, 3):
+        for model, opt in ((ours, made), (theirs, lazy)):
+            seeded_grads(model, seed)
+            opt.step()
+    for mine, torchs in zip(ours.parameters(), theirs.parameters(), strict=True):
+        assert torch.equal(mine, torchs)
+    assert made.state[ours[0].weight]["step"].item() == 3.0
+
+
+@pytest.mark.parametrize("name", sorted(STATE_KEYS))
 def test_train_state_names_every_state_tensor(name: str) -> None:
     model = small_model()
     state = TrainState(model, build_optimizer(model, config(name)))
     optim_names = sorted(k for k in state.tensors() if k.startswith("optim."))
-    keys = ["momentum_buffer", "square_avg"] if name == "akiba" else ["momentum_buffer"]
     params = ["0.bias", "0.weight", "1.bias", "1.weight", "3.bias", "3.weight"]
-    assert optim_names == sorted(f"optim.{p}.{k}" for p in params for k in keys)
+    assert optim_names == sorted(f"optim.{p}.{k}" for p in params for k in STATE_KEYS[name])
 
 
 def test_train_state_gives_a_plain_torch_sgd_its_momentum_buffers() -> None:
@@ -197,7 +226,7 @@ def seeded_grads(model: torch.nn.Module, seed: int) -> None:
         p.grad = torch.randn(p.shape, generator=gen)
 
 
-@pytest.mark.parametrize("name", ["sgd", "akiba", "lars"])
+@pytest.mark.parametrize("name", sorted(STATE_KEYS))
 def test_state_round_trip_into_a_fresh_optimizer(name: str) -> None:
     """Copying the named tensors into a fresh model and optimizer (what the checkpoint restore
     and the in-place recovery do) makes both take the same next step, bit for bit."""
@@ -223,6 +252,19 @@ def test_state_round_trip_into_a_fresh_optimizer(name: str) -> None:
     assert fresh.digest() == source.digest()
     for key, t in source.tensors().items():
         assert torch.equal(fresh.tensors()[key], t), key
+
+
+def test_gradient_clip_scales_the_gradients_to_the_norm_or_is_none() -> None:
+    model = small_model()
+    params = list(model.parameters())
+    assert gradient_clip(params, 0.0) is None
+    seeded_grads(model, 1)
+    before = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in params]))
+    clip = gradient_clip(params, 0.5)
+    assert clip is not None and before > 0.5
+    assert clip().item() == pytest.approx(before.item())  # it returns the norm before
+    after = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in params]))
+    assert after.item() == pytest.approx(0.5, rel=1e-4)
 
 
 def test_apply_sets_every_group() -> None:

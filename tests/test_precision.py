@@ -167,6 +167,35 @@ def test_the_scaler_state_copied_into_a_fresh_one_is_the_state_it_scales_with() 
     assert b.scaler.scale(torch.tensor(1.0)).item() == 2.0**15  # the live tensors, not copies
 
 
+@pytest.mark.parametrize("precision", [Precision.fp32, Precision.fp16])
+def test_clipping_sees_the_unscaled_gradients_just_before_the_step(precision: Precision) -> None:
+    """optim.clip_grad_norm runs on the true gradients: under fp16 the scaler unscales them
+    first, so the same loss clips to the same norm in either precision."""
+    model = tiny_model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # a step that moves nothing
+    mixed = MixedPrecision(precision, CPU)
+    x, y = batch(0)
+    with mixed.autocast():
+        out = model(x)
+    mixed.backward(F.mse_loss(out.float(), y))
+    norms: list[float] = []
+
+    def clip() -> None:
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3).item())
+
+    assert mixed.step(opt, clip)
+    assert len(norms) == 1 and norms[0] > 1e-3
+    after = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert after.item() == pytest.approx(1e-3, rel=1e-3)
+    if precision is Precision.fp32:
+        return
+    plain = MixedPrecision(Precision.fp32, CPU)  # the same loss without a scaler
+    model.zero_grad()
+    plain.backward(F.mse_loss(model(x).float(), y))
+    true_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+    assert norms[0] == pytest.approx(true_norm, rel=1e-2)  # fp16's forward, within its precision
+
+
 # --- across a resize -----------------------------------------------------------------------------
 
 

@@ -31,12 +31,14 @@ from elastic.config.model_data import (
 )
 from elastic.config.notify import NotifyConfig
 from elastic.config.optim import (
+    AdamWConfig,
     AkibaConfig,
     LarsConfig,
     OptimConfig,
     OptimizerName,
     Policy,
     Schedule,
+    WarmupStart,
 )
 from elastic.config.resilience import (
     ChaosConfig,
@@ -66,9 +68,9 @@ from elastic.config.trainer import (
 from elastic.config.training_rules import (
     NO_SCIKIT_LEARN,
     REDUCIBLE,
+    decay_warmup_problem,
     digits_problems,
     grad_dtype_problem,
-    poly_warmup_problem,
     torchvision_models,
 )
 from elastic.config.validation import RULES, Rule, validate
@@ -81,6 +83,7 @@ __all__ = [
     "REDUCIBLE",
     "RULES",
     "SECONDS",
+    "AdamWConfig",
     "AkibaConfig",
     "BNStats",
     "Bound",
@@ -114,6 +117,7 @@ __all__ = [
     "Schedule",
     "SyntheticDataConfig",
     "TrainerConfig",
+    "WarmupStart",
     "bound_problems",
     "bounded",
     "checked_when",
@@ -121,7 +125,7 @@ __all__ = [
     "grad_dtype_problem",
     "load",
     "max_nodes",
-    "poly_warmup_problem",
+    "decay_warmup_problem",
     "problem",
     "save",
     "torchvision_models",

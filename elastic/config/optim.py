@@ -17,6 +17,7 @@ class OptimizerName(Choice):
     sgd = "sgd"  # momentum SGD (Goyal et al.)
     akiba = "akiba"  # RMSprop warm-up turning into momentum SGD (Akiba et al.)
     lars = "lars"  # layer-wise adaptive rate scaling (You et al.; MLPerf ResNet-50)
+    adamw = "adamw"  # torch's AdamW: Adam with decoupled weight decay (language models)
 
 
 class Schedule(Choice):
@@ -24,6 +25,7 @@ class Schedule(Choice):
 
     step = "step"  # multiplied by gamma at each milestone
     poly = "poly"  # polynomial decay to end_lr_factor of the peak at the end of training
+    cosine = "cosine"  # half a cosine down to end_lr_factor of the peak at the end of training
 
 
 class Policy(Choice):
@@ -48,6 +50,22 @@ class AkibaConfig:
     rms_eps: float = bounded(1e-8, gt=0, fix="set optim.akiba.rms_eps=1e-8")
     # The RMSprop step's LR as a fraction of the SGD LR (RMSprop steps are per element).
     rms_lr_ratio: float = bounded(1e-3, gt=0, fix="set optim.akiba.rms_lr_ratio=1e-3")
+
+
+class WarmupStart(Choice):
+    """Where the warm-up starts (:mod:`elastic.lr_policy`); it always ends at the peak LR."""
+
+    reference = "reference"  # optim.lr, the LR of reference_batch samples (Goyal et al.)
+    zero = "zero"  # 0, as language models warm up
+
+
+@dataclass
+class AdamWConfig:
+    """torch's AdamW; its weight decay is ``optim.weight_decay``, decoupled from the gradient."""
+
+    beta1: float = bounded(0.9, ge=0, lt=1, fix="set optim.adamw.beta1=0.9")
+    beta2: float = bounded(0.95, ge=0, lt=1, fix="set optim.adamw.beta2=0.95")
+    eps: float = bounded(1e-8, gt=0, fix="set optim.adamw.eps=1e-8")
 
 
 @dataclass
@@ -77,6 +95,7 @@ class OptimConfig:
     # Goyal et al. apply no weight decay to batch-norm parameters and biases.
     decay_bn_and_bias: bool = False
     warmup_epochs: float = bounded(5.0, ge=0, fix="set optim.warmup_epochs=0 to switch warm-up off")
+    warmup_start: WarmupStart = WarmupStart.reference
     schedule: Schedule = Schedule.step
     # step: the LR is multiplied by gamma at each milestone.
     milestones_epochs: list[float] = field(default_factory=lambda: [30.0, 60.0, 80.0])
@@ -86,12 +105,17 @@ class OptimConfig:
     slow_start_factor: float = bounded(
         1.0, gt=0, le=1, fix="set optim.slow_start_factor to a fraction in (0, 1]"
     )
-    # poly: (1 - progress)^power from the peak after warm-up down to end_lr_factor of it.
+    # poly: (1 - progress)^power from the peak after warm-up down to end_lr_factor of it; cosine
+    # ends at end_lr_factor of the peak too.
     poly_power: float = bounded(2.0, gt=0, fix="set optim.poly_power=2 (MLPerf)")
     end_lr_factor: float = bounded(0.0, ge=0, lt=1, fix="set optim.end_lr_factor=0")
     label_smoothing: float = bounded(0.0, ge=0, lt=1, fix="set optim.label_smoothing=0.1")
     akiba: AkibaConfig = field(default_factory=AkibaConfig)
     lars: LarsConfig = field(default_factory=LarsConfig)
+    adamw: AdamWConfig = field(default_factory=AdamWConfig)
+    # The gradients' global norm (over every rank's shard) is clipped to this before each step;
+    # 0: no clipping.
+    clip_grad_norm: float = bounded(0.0, ge=0, fix="set optim.clip_grad_norm=1.0, or 0 for none")
     # What a change of world size does: ``rescale_lr`` keeps the per-worker batch, so the global
     # batch and the LR follow the world size; ``keep_global_batch`` keeps the global batch (and
     # the LR) with gradient accumulation.

@@ -4,7 +4,7 @@ The gradients' rules are about their travel. One rule function per section, each
 :func:`~elastic.config.schema.problem` strings for :func:`elastic.config.validate`. The rules
 that the runtime also applies to a configuration it may be handed unvalidated are functions of
 their own, called there too, so that each is written once: :func:`grad_dtype_problem`
-(:mod:`elastic.precision`), :func:`poly_warmup_problem` (:mod:`elastic.lr_policy`) and
+(:mod:`elastic.precision`), :func:`decay_warmup_problem` (:mod:`elastic.lr_policy`) and
 :data:`NO_SCIKIT_LEARN` (:mod:`elastic.synthetic`).
 """
 
@@ -111,7 +111,7 @@ def optim_problems(cfg: Config) -> Iterator[str]:
             "sort the milestones",
         )
     epochs = cfg.trainer.epochs
-    if warmup := poly_warmup_problem(o, o.warmup_epochs, epochs, epochs):
+    if warmup := decay_warmup_problem(o, o.warmup_epochs, epochs, epochs):
         yield warmup
     if o.nesterov and o.name != "sgd":
         yield problem(
@@ -122,18 +122,18 @@ def optim_problems(cfg: Config) -> Iterator[str]:
         )
 
 
-def poly_warmup_problem(o: OptimConfig, warmup: float, total: float, epochs: float) -> str | None:
-    """The refusal when the poly schedule's warm-up lasts until the end of the job.
+def decay_warmup_problem(o: OptimConfig, warmup: float, total: float, epochs: float) -> str | None:
+    """The refusal when a decay to the end's (poly, cosine) warm-up lasts until the end of the job.
 
     The warm-up (``warmup``) lasting until the end (``total``) leaves the decay nothing;
     ``epochs`` is ``trainer.epochs``. Both in one unit: epochs here, samples as
     :class:`elastic.lr_policy.LRSchedule` rounds them."""
-    if o.schedule != Schedule.poly or warmup < total:
+    if o.schedule not in (Schedule.poly, Schedule.cosine) or warmup < total:
         return None
     return problem(
         "optim.warmup_epochs",
         o.warmup_epochs,
-        f"the poly schedule decays after warm-up, and trainer.epochs={epochs:g}",
+        f"the {o.schedule} schedule decays after warm-up, and trainer.epochs={epochs:g}",
         "lower optim.warmup_epochs below trainer.epochs, or train longer",
     )
 
