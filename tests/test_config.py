@@ -70,6 +70,20 @@ def test_recipes_compose_over_the_defaults(
     )
 
 
+def test_the_language_model_recipe_composes_adamw_with_its_cosine_and_clipping() -> None:
+    cfg = composed("recipe=lm_1b_adamw")
+    validate(cfg)
+    o = cfg.optim
+    assert (o.name, o.schedule, o.warmup_start, o.policy) == (
+        "adamw",
+        "cosine",
+        "zero",
+        "keep_global_batch",
+    )
+    assert (o.clip_grad_norm, o.adamw.beta2, cfg.trainer.precision) == (1.0, 0.95, "bf16")
+    assert [cfg.job[k] for k in ("layers", "dim", "heads")] == [24, 2048, 16]
+
+
 def test_health_presets_compose() -> None:
     assert composed().health.min_open_files == 4096
     strict = composed("health=strict").health

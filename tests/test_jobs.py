@@ -128,8 +128,9 @@ def test_the_language_model_gives_one_loss_and_accuracy_per_sequence_and_learns(
 def test_the_language_model_trains_through_a_killed_node_with_every_invariant(
     tmp_path: Path,
 ) -> None:
-    """job=lm, 3 nodes; the node of rank 0 SIGKILLed mid-epoch: the survivors recover in place
-    with the LR rescaled, and every sequence is trained exactly once, replicas alike."""
+    """job=lm with AdamW (a warm-up from 0, a cosine decay, clipping), 3 nodes; the node of rank
+    0 SIGKILLed mid-epoch: the survivors recover in place with the LR rescaled, and every
+    sequence is trained exactly once, replicas alike (AdamW's state included)."""
     run_dir = tmp_path / "run"
     sequences = 720  # 30 steps an epoch at 3 x 8
     proc = launch(
@@ -138,6 +139,11 @@ def test_the_language_model_trains_through_a_killed_node_with_every_invariant(
         f"job.sequences={sequences}",
         "job.val_sequences=48",
         "job.dim=128",
+        "optim.name=adamw",
+        "optim.lr=0.01",
+        "optim.schedule=cosine",
+        "optim.warmup_start=zero",
+        "optim.clip_grad_norm=1.0",
         "cluster.nodes=3",
         "trainer.epochs=2",
         "trainer.eval_every_epochs=1",
