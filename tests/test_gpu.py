@@ -46,7 +46,14 @@ from torch.utils.data import TensorDataset
 from elastic.async_checkpoint import BackgroundSaver
 from elastic.checkpoint import CheckpointManager
 from elastic.communicator import Communicator, pick_device
-from elastic.config import Config, ConfigError, ModelConfig, OptimConfig, Precision
+from elastic.config import (
+    Config,
+    ConfigError,
+    ModelConfig,
+    OptimConfig,
+    OptimizerName,
+    Precision,
+)
 from elastic.control import Assignment
 from elastic.ddp_hook import DDPHook
 from elastic.evaluate import evaluate
@@ -58,7 +65,7 @@ from elastic.optim import build_optimizer
 from elastic.pipeline import Prefetcher, image_mover, make_loader
 from elastic.precision import MixedPrecision, resolve_channels_last, resolve_precision
 from elastic.round_end import round_end
-from elastic.state import TrainState, sync_state
+from elastic.state import TrainState, broadcast_tensors, sync_state
 from launcher.agent.slots import local_slots
 from tests.conftest import served_store
 from tests.test_evaluate import LOSS, TOP1, TOP5, Logits, Recorder, identity_model
@@ -570,6 +577,7 @@ def _nccl_main(tmp: Path, found: Findings) -> None:
             "failed": [e["reason"] for e in read_events(tmp) if e["event"] == "checkpoint_failed"],
         }
 
+        found["adamw_sync"] = adamw_sync(comm, device)
         found["stream_order"] = stream_order(comm, device)
         found["grad_dtypes"] = {
             str(dtype): grads_through(hook, device, dtype)
@@ -628,6 +636,23 @@ def _nccl_main(tmp: Path, found: Findings) -> None:
         found["closed"] = not dist.is_initialized()
 
 
+def adamw_sync(comm: Communicator, device: torch.device) -> dict[str, Any]:
+    """An AdamW state sent as the state sync sends it (its step count stays on the CPU)."""
+    model = nn.Linear(4, 2).to(device)
+    state = TrainState(model, build_optimizer(model, OptimConfig(name=OptimizerName.adamw)))
+    tensors = state.tensors()
+    before = snapshot(tensors)
+    try:
+        with comm.collective("state sync"):
+            broadcast_tensors(list(tensors.values()), 0, device)
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    return {
+        "devices": sorted({str(t.device.type) for t in tensors.values()}),
+        "mismatched": mismatched(tensors, before),
+    }
+
+
 @pytest.fixture(scope="module")
 def nccl(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return run_child(tmp_path_factory.mktemp("nccl"), _nccl_main)
@@ -653,6 +678,13 @@ def test_a_round_on_nccl_trains_from_the_pinned_loader_in_channels_last(
     assert 0 < trained["compute_s"] < 10, trained  # the stragglers' compute time, on the GPU
     assert trained["off_layout"] == []  # DDP hands back gradients in the parameters' layout
     assert trained["pending"] <= trained["buckets"]  # the last step's; none kept from before
+
+
+def test_an_adamw_state_with_its_step_count_on_the_cpu_is_sent_over_nccl(
+    nccl: dict[str, Any],
+) -> None:
+    """NCCL sends device memory only: the CPU step count goes through a copy on the GPU."""
+    assert need(nccl, "adamw_sync") == {"devices": ["cpu", "cuda"], "mismatched": []}
 
 
 def test_a_save_on_the_rounds_save_group_restores_over_nccl(nccl: dict[str, Any]) -> None:
