@@ -22,17 +22,19 @@ from dataclasses import dataclass
 
 import torch
 
+from elastic.state import local
+
 WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def checksum(tensors: Mapping[str, torch.Tensor], names: Sequence[str]) -> torch.Tensor:
-    """An int64 checksum of the named tensors' bytes, a scalar on the tensors' device.
+    """An int64 checksum of the named tensors' bytes (a DTensor's local shard), a scalar.
 
     It covers ``tensors[n]`` for ``n`` in ``names``, in that order. It is equal for equal bytes,
     and changed by any single flipped bit."""
     total = None
     for place, name in enumerate(names, 1):
-        t = tensors[name].detach()
+        t = local(tensors[name]).detach()
         words = t.contiguous().view(WORD[t.element_size()]).reshape(-1)
         part = words.sum(dtype=torch.int64) * (2 * place + 1)  # wraps, alike on every rank
         total = part if total is None else total + part

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from elastic.lr_policy import Ramp
 from elastic.optim import create_state
@@ -116,16 +117,19 @@ class TrainState:
         }
 
     def digest(self) -> str:
-        """sha256 of :meth:`replicated`: the ``state_digest`` events' replica check."""
+        """sha256 of :meth:`replicated`: the ``state_digest`` events' replica check.
+
+        Of a sharded state, this rank's shards: equal on every replica of the same shard."""
         h = hashlib.sha256()
         for t in self.replicated().values():
             # reshape: a contiguous 1x1 convolution in channels_last keeps a last stride of C,
             # and a dtype view of another element size needs 1 (it failed on the first GPU)
-            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            own = local(t).detach().cpu().contiguous().reshape(-1)
+            h.update(own.view(torch.uint8).numpy().tobytes())
         return h.hexdigest()[:16]
 
     def fingerprint(self) -> str:
-        """A CRC-32 of every parameter's bytes (hex).
+        """A CRC-32 of every parameter's bytes (hex); of a sharded model, this rank's shards.
 
         It is cheap enough to log before every step (``trainer.record_samples``; about 10 ms for
         ResNet-18 on a CPU core). It is equal on every replica of one history, so two worlds that
@@ -134,7 +138,7 @@ class TrainState:
         equal replicas could differ."""
         crc = 0
         for p in self.model.parameters():
-            crc = zlib.crc32(p.detach().reshape(-1).cpu().view(torch.uint8).numpy(), crc)
+            crc = zlib.crc32(local(p).detach().reshape(-1).cpu().view(torch.uint8).numpy(), crc)
         return f"{crc:08x}"
 
     def flip_bit(self, bit: int) -> str:
@@ -144,13 +148,20 @@ class TrainState:
         first in the layout the parameter has: channels_last too."""
         name, param = max(self.model.named_parameters(), key=lambda np: np[1].numel())
         with torch.no_grad():
-            words = param.data.view(torch.int32)  # fp32 parameters: same element size
+            words = local(param.data).view(torch.int32)  # fp32 parameters: same element size
             words[(0,) * words.dim()] ^= 1 << bit
         return name
 
     @property
     def _param_names(self) -> set[str]:
         return set(self._names.values())
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The bytes this rank holds of ``t``: a DTensor's local shard (``parallel.shard=node``).
+
+    Reading a DTensor as a whole would gather it from the other ranks, a collective."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def sync_key(progress: Progress | None, trained_round: int) -> list[int]:

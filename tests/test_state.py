@@ -1,5 +1,6 @@
 """The state sync at a round's start: every rank of the round ends with the same progress record
-and tensors, also when the ranks differ only in what a broken round let each of them finish."""
+and tensors, also when the ranks differ only in what a broken round let each of them finish; and
+the replica checks of a sharded state."""
 
 from __future__ import annotations
 
@@ -11,8 +12,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
-from elastic.state import Progress, sync_key, sync_state
+from elastic.config import OptimConfig, OptimizerName
+from elastic.optim import build_optimizer
+from elastic.replicas import checksum
+from elastic.state import Progress, TrainState, sync_key, sync_state
 from tests.conftest import served_store
 
 AT_STEP_11 = Progress(step=11, samples_seen=240, evaluated=0, checkpoint_every=5)
@@ -59,3 +66,30 @@ def test_ranks_at_the_same_step_that_differ_in_an_evaluation_all_take_the_one_th
     for rank in (0, 1):
         seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert seen == {"source": 1, "evaluated": 1, "running_mean": [2.0] * 4}, (rank, seen)
+
+
+def test_a_sharded_states_digest_fingerprint_and_checksum_read_this_ranks_shards() -> None:
+    """Under parallel.shard=node the parameters and AdamW's state are DTensors: the replica
+    checks read each one's local shard (here, on a mesh of one rank, the whole tensor), never
+    the DTensor as a whole, which would gather it from the other ranks."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        states = []
+        for sharded in (False, True):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+            if sharded:
+                fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+            optimizer = build_optimizer(model, OptimConfig(name=OptimizerName.adamw))
+            states.append(TrainState(model, optimizer))
+        plain, shards = states
+        assert isinstance(shards.tensors()["model.0.weight"], DTensor)
+        assert isinstance(shards.tensors()["optim.0.weight.exp_avg"], DTensor)
+        assert shards.digest() == plain.digest()
+        assert shards.fingerprint() == plain.fingerprint()
+        names = sorted(plain.replicated())
+        assert checksum(shards.replicated(), names) == checksum(plain.replicated(), names)
+        shards.flip_bit(3)
+        assert shards.digest() != plain.digest()
+    finally:
+        dist.destroy_process_group()
