@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from elastic import event_types as ev
 from elastic.checkpoint import CheckpointManager
@@ -33,6 +34,7 @@ from elastic.checkpoint_save import Plan, SaveAbandoned, SaveFailed
 from elastic.events import EventLog
 from elastic.round_end import RoundAborted
 from elastic.sched_policy import helper_thread
+from elastic.state import local
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,23 @@ class Started:
 def _memmove_all(copies: list[tuple[int, int, int]]) -> None:
     for destination, source, size in copies:
         ctypes.memmove(destination, source, size)
+
+
+def _staged_as(staged: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """``staged``, the staged copy of ``tensor``'s local shard, as the DTensor ``tensor`` is.
+
+    DCP then saves it as the shard of the whole tensor it is (``parallel.shard=node``), and a
+    load at another shape reads each shard's slice. A plain tensor is staged as itself."""
+    if not isinstance(tensor, DTensor):
+        return staged
+    return DTensor.from_local(
+        staged,
+        tensor.device_mesh,
+        tensor.placements,
+        run_check=False,  # no collective: the shard's bounds are those of the tensor staged
+        shape=tensor.shape,
+        stride=tensor.stride(),
+    )
 
 
 def copy_host(
@@ -171,7 +190,8 @@ class BackgroundSaver:
         # round: after the first, a rank stages only its share.
         share = previous.wrote if previous is not None else None
         with self._staging:  # an abandoned save still reading its copy finishes first
-            fresh, replaced, copied = self._stage(tensors, share)
+            fresh, replaced, copied = self._stage({k: local(t) for k, t in tensors.items()}, share)
+        staged = {k: _staged_as(self._staged[k], t) for k, t in tensors.items()}
         # And it writes what DCP planned then, into the same staged tensors.
         replay = previous.plan if previous is not None and not replaced else None
         save = _Save(step, round_, self._staging, fresh)
@@ -179,10 +199,11 @@ class BackgroundSaver:
         rank = dist.get_rank(group)
         stall = time.perf_counter() - t0  # and the start of the thread, below
         go = threading.Event()
+        figures = {**(shared or {}), "stall_s": stall}
         helper_thread(
             self._run,
             f"checkpoint-step{step}",
-            (manager, save, replay, meta, group, rank, {**(shared or {}), "stall_s": stall}, go),
+            (manager, save, staged, replay, meta, group, rank, figures, go),
         ).start()
         go.set()
         return Started(stall, copied, previous.gathered if previous is not None else None)
@@ -224,6 +245,7 @@ class BackgroundSaver:
         self,
         manager: CheckpointManager,
         save: _Save,
+        staged: dict[str, torch.Tensor],
         replay: Plan | None,
         meta: dict[str, Any],
         group: dist.ProcessGroup,
@@ -231,7 +253,7 @@ class BackgroundSaver:
         shared: dict[str, Any],
         go: threading.Event,
     ) -> None:
-        """The save's thread: write, commit, report. Nothing here is the round's failure.
+        """The save's thread: write ``staged``, commit, report. Nothing here is the round's failure.
 
         It waits for :meth:`start` to let it go (``go``), the last thing before returning: begun
         at once, its planning would hold the GIL that the caller needs to return, for up to a
@@ -239,7 +261,7 @@ class BackgroundSaver:
         go.wait()
         step = save.step
         try:
-            written = manager.writer.write(step, self._staged, group, save, shared, replay)
+            written = manager.writer.write(step, staged, group, save, shared, replay)
             save.gathered, save.wrote = written.gathered, frozenset(written.wrote)
             save.plan = written.plan
             saved = manager.writer.commit(written, meta, save) if rank == 0 else None

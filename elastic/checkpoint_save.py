@@ -33,6 +33,7 @@ from elastic.checkpoint_retention import Retention
 from elastic.checkpoint_store import CheckpointStore
 from elastic.manifest import FORMAT, file_record, folder
 from elastic.shard_io import METADATA, ShardWriter
+from elastic.state import local
 
 log = logging.getLogger("elastic.checkpoint")  # one logger for the saves and the loads
 
@@ -275,7 +276,7 @@ class CheckpointWriter:
             )
         assert replay is not None
         ptrs = {t.data_ptr() for t in writer.wrote}
-        wrote = [name for name, t in tensors.items() if t.data_ptr() in ptrs]
+        wrote = [name for name, t in tensors.items() if local(t).data_ptr() in ptrs]
         return Written(step, path, sorted(tensors), wrote, gathered, t0, replay)
 
     @staticmethod

@@ -6,13 +6,13 @@ are replicas of each other over the ``replicate`` dim. The unit of failure is a 
 node takes whole replicas with it and each survivor still holds a complete shard k. Recovery
 therefore keeps the survivors' local tensors and only rebuilds the mesh (:func:`take_shards`,
 then :func:`remesh` once the round's new default group exists); a joining node's worker k
-copies shard k from worker k of a survivor (:func:`sync_shards`). Checkpoints are DCP of the
-DTensors, which reshard on load, so they load at another nodes x workers shape.
+copies shard k from worker k of a survivor (:func:`sync_shards`). Checkpoints are the runtime's
+own (:mod:`elastic.checkpoint`): :class:`elastic.state.TrainState` names the DTensors, DCP saves
+each shard once and reshards on load, so they load at another nodes x workers shape.
 
 Everything goes through torch's public APIs: ``init_device_mesh``, ``fully_shard``, DTensor, and
-``torch.distributed.checkpoint`` with its ``state_dict`` helpers (which, unlike a module's own
-``state_dict``, key the optimizer's state by parameter name and can create it in a fresh
-optimizer). FSDP2 cannot move a sharded module to another mesh, so :func:`remesh` builds the
+DCP's ``state_dict`` helpers (which, unlike a module's own ``state_dict``, key the optimizer's
+state by parameter name and can create it in a fresh optimizer). FSDP2 cannot move a sharded module to another mesh, so :func:`remesh` builds the
 model again on the new mesh (on the meta device: no full copy of the weights is ever made) and
 loads the kept local tensors into it.
 """
@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -201,34 +200,6 @@ def _check_layouts(
             f"sync_shards: the replicas' states differ in layout ({len(tensors)} tensors here): "
             f"every node must build the same model and optimizer (the same job.* and optim.*)"
         )
-
-
-def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint_id: str) -> None:
-    """Save the sharded weights and optimizer state with DCP; a collective.
-
-    Only tensors are saved, as everywhere in the runtime (:class:`elastic.state.TrainState`):
-    the LR and other settings are progress, not state. DCP flattens the names to
-    ``model.<param>`` and ``optim.<param>.<key>``, the names of the replicated runtime's
-    checkpoints, and writes each replicated shard once.
-    """
-    state = {
-        "model": get_model_state_dict(model),
-        "optim": get_optimizer_state_dict(model, optimizer)["state"],
-    }
-    dcp.save(state, checkpoint_id=checkpoint_id)
-
-
-def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint_id: str) -> None:
-    """Load :func:`save_checkpoint`'s files into a model sharded on any mesh; a collective.
-
-    DCP reads each local shard's slice of the saved tensors, so the saving and the loading
-    shapes (nodes x workers) need not match. The optimizer keeps its own settings.
-    """
-    osd = get_optimizer_state_dict(model, optimizer)  # creates a fresh optimizer's state
-    state = {"model": get_model_state_dict(model), "optim": osd["state"]}
-    dcp.load(state, checkpoint_id=checkpoint_id)  # in place: osd["state"] is loaded too
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, osd)
 
 
 def _device(mesh: DeviceMesh) -> torch.device:

@@ -1,6 +1,6 @@
 """HSDP (shard within a node, replicate across nodes) with real gloo process groups: a step
 equal to one process's, a lost node re-meshed in place, a joining node synced from a survivor,
-and DCP checkpoints loaded at other nodes x workers shapes."""
+and the runtime's checkpoints of the sharded state loaded at other nodes x workers shapes."""
 
 from __future__ import annotations
 
@@ -23,16 +23,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from elastic.async_checkpoint import BackgroundSaver
+from elastic.checkpoint import CheckpointManager
+from elastic.events import EventLog
 from elastic.jobs.tiny_lm import TinyLM
-from elastic.sharding import (
-    build_mesh,
-    load_checkpoint,
-    remesh,
-    save_checkpoint,
-    shard,
-    sync_shards,
-    take_shards,
-)
+from elastic.sharding import build_mesh, remesh, shard, sync_shards, take_shards
+from elastic.state import TrainState
 
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("needs torch.distributed with gloo", allow_module_level=True)
@@ -252,13 +248,19 @@ def test_joining_node_takes_the_survivors_shards(tmp_path: Path) -> None:
 
 def _checkpoint(rank: int, world: int, tmp: str) -> None:
     torch.set_num_threads(1)
-    checkpoint = str(Path(tmp, "ckpt"))
+    url = f"file://{tmp}/ckpt"
     join(tmp, "round1", rank, world)
     model, optimizer = sharded(build_mesh(2, 2, "cpu"), seed=0)
     train(model, optimizer, 0, rank, world)
-    save_checkpoint(model, optimizer, checkpoint)
+    # As the trainer saves: the state's tensors (DTensors here), staged and written in the
+    # background on a group beside the training group, then committed by rank 0.
+    tensors = TrainState(model, optimizer).tensors()
+    saver = BackgroundSaver(EventLog(Path(tmp), f"rank{rank}"))
+    saver.start(CheckpointManager(url, keep=2), 1, tensors, {}, dist.new_group(), 1, lambda: False)
+    committed = saver.wait(lambda: False)
     state = full_state(model, optimizer)
     if rank == 0:
+        assert committed == 1, "rank 0 commits the save"
         torch.save(state, Path(tmp, "saved.pt"))
     dist.destroy_process_group()
     for nodes, per_node in ((1, 2), (3, 1)):  # then 1 node x 2 workers, then 3 x 1
@@ -266,7 +268,8 @@ def _checkpoint(rank: int, world: int, tmp: str) -> None:
             continue
         join(tmp, f"{nodes}x{per_node}", rank, nodes * per_node)
         model, optimizer = sharded(build_mesh(nodes, per_node, "cpu"), seed=1)
-        load_checkpoint(model, optimizer, checkpoint)
+        info = CheckpointManager(url, keep=2).restore(TrainState(model, optimizer).tensors())
+        assert info is not None and info.step == 1
         state = full_state(model, optimizer)
         if rank == 0:
             torch.save(state, Path(tmp, f"loaded{nodes}x{per_node}.pt"))
@@ -274,8 +277,9 @@ def _checkpoint(rank: int, world: int, tmp: str) -> None:
 
 
 def test_checkpoint_loads_at_other_shapes(tmp_path: Path) -> None:
-    """A DCP checkpoint saved at 2 nodes x 2 workers loads at 1x2 and at 3x1 into models built
-    from other weights: every weight and AdamW tensor equals the saved one exactly."""
+    """The runtime's checkpoint of a sharded state (the background save, verified and committed
+    as always) saved at 2 nodes x 2 workers loads at 1x2 and at 3x1 into models built from
+    other weights: every weight and AdamW tensor equals the saved one exactly."""
     run_ranks(_checkpoint, 4, tmp_path)
     saved = torch.load(tmp_path / "saved.pt", weights_only=True)
     torch.manual_seed(1)  # the weights the loading ranks built, which the load replaces
