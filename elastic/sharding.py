@@ -12,9 +12,9 @@ each shard once and reshards on load, so they load at another nodes x workers sh
 
 Everything goes through torch's public APIs: ``init_device_mesh``, ``fully_shard``, DTensor, and
 DCP's ``state_dict`` helpers (which, unlike a module's own ``state_dict``, key the optimizer's
-state by parameter name and can create it in a fresh optimizer). FSDP2 cannot move a sharded module to another mesh, so :func:`remesh` builds the
-model again on the new mesh (on the meta device: no full copy of the weights is ever made) and
-loads the kept local tensors into it.
+state by parameter name and can create it in a fresh optimizer). FSDP2 cannot move a sharded
+module to another mesh, so :func:`remesh` builds the model again on the new mesh (on the meta
+device: no full copy of the weights is ever made) and loads the kept local tensors into it.
 """
 
 from __future__ import annotations
