@@ -37,6 +37,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Placement
 
+from elastic.state import broadcast_tensors, local
+
 MESH_DIMS = ("replicate", "shard")  # dim 0: one entry per node; dim 1: a node's workers
 
 
@@ -158,9 +160,9 @@ def sync_shards(
     Worker k of each node receives the parameters, buffers and optimizer state of worker k of
     node ``source`` over its ``replicate`` group, which is how a joining node gets a survivor's
     state with no checkpoint. A fresh optimizer gets its state created first. Only tensors
-    travel, as in :func:`elastic.state.sync_state`: a tensor off the mesh's device (AdamW's CPU
-    step count) through a copy on it, which NCCL needs. The param groups' LR and other settings
-    are the trainer's to set each step from its progress record, and are not sent.
+    travel, as in :func:`elastic.state.sync_state` and by its broadcast. The param groups' LR
+    and other settings are the trainer's to set each step from its progress record, and are not
+    sent.
     """
     replicas = mesh.size(0)
     if not 0 <= source < replicas:
@@ -171,15 +173,10 @@ def sync_shards(
         "model": get_model_state_dict(model),
         "optimizer": get_optimizer_state_dict(model, optimizer),
     }
-    with torch.no_grad():  # to_local: the local tensor itself, received into in place
-        leaves = [v.to_local() if isinstance(v, DTensor) else v for v in _leaves(state)]
-        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+    with torch.no_grad():  # local: the local tensor itself, received into in place
+        tensors = [local(v) for v in _leaves(state) if isinstance(v, torch.Tensor)]
         _check_layouts(tensors, group, replicas, device)
-        for local in tensors:
-            wire = local if local.device == device else local.to(device)
-            dist.broadcast(wire, group=group, group_src=source)
-            if wire is not local:
-                local.copy_(wire)
+        broadcast_tensors(tensors, source, device, group)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
 

@@ -217,16 +217,22 @@ def sync_state(
     return Progress.from_dict(json.loads(raw)), source
 
 
-def broadcast_tensors(tensors: list[torch.Tensor], source: int, device: torch.device) -> None:
+def broadcast_tensors(
+    tensors: list[torch.Tensor],
+    source: int,
+    device: torch.device,
+    group: dist.ProcessGroup | None = None,
+) -> None:
     """Give every rank rank ``source``'s ``tensors``, copied into its own in place; a collective.
 
-    They go in DDP's own bucketed broadcast, over the round's default group. A tensor held off
-    ``device`` (AdamW's step count stays on the CPU of a GPU worker) travels through a copy on
-    it, since NCCL sends device memory only."""
+    They go in DDP's own bucketed broadcast, over ``group`` (the round's default group when
+    None; ``source`` is a rank of ``group``). A tensor held off ``device`` (AdamW's step count
+    stays on the CPU of a GPU worker) travels through a copy on it, since NCCL sends device
+    memory only."""
     away = [t for t in tensors if t.device != device]
     wires = [t.to(device) for t in away]
     here = [t for t in tensors if t.device == device]
-    group = dist.distributed_c10d._get_default_group()
+    group = group or dist.distributed_c10d._get_default_group()
     dist._broadcast_coalesced(group, here + wires, BUCKET_BYTES, source)
     for tensor, wire in zip(away, wires, strict=True):
         tensor.copy_(wire)
