@@ -19,7 +19,7 @@ from tqdm import tqdm
 from elastic import event_types as ev
 from elastic.curves import TENSORBOARD_DIR
 from elastic.eta import Pace, as_text
-from elastic.event_lines import accuracy, crashed, describe, lr_text
+from elastic.event_types import accuracy, crashed, describe, lr_text
 from elastic.events import read_events
 from elastic.final_save import unsaved_steps
 from launcher.curves_png import CURVES_PNG

@@ -9,13 +9,14 @@ contract_violations`).
 from __future__ import annotations
 
 import ast
+import string
 from pathlib import Path
 
 import pytest
 
 from chaos.invariants import contract_violations
 from elastic import event_types as ev
-from elastic.event_lines import lr_text
+from elastic.event_types import lr_text
 from elastic.events import EventLog, read_events
 
 REPO = Path(__file__).resolve().parent.parent
@@ -125,3 +126,19 @@ def test_an_lr_shows_five_decimals_in_sgds_range_and_three_digits_below_it() -> 
         "0.0003",
         "3.75e-06",
     ]
+
+
+def test_each_line_is_declared_with_its_event_and_names_only_its_fields() -> None:
+    """A format-string line that names a field its event lacks would fail while a job runs."""
+    named = {
+        kind.name: {field for _, field, _, _ in string.Formatter().parse(kind.line) if field}
+        for kind in ev.DECLARED.values()
+        if isinstance(kind.line, str)
+    }
+    assert len(named) >= 15
+    wrong = {n: f - ev.DECLARED[n].fields - ev.COMMON for n, f in named.items()}
+    assert {n: f for n, f in wrong.items() if f} == {}
+    peer_evicted = {"event": "peer_evicted", "node": "n0", "peer": "n1", "reason": "lease expired"}
+    assert ev.describe(peer_evicted) == "n0: evicted n1 (lease expired)"
+    assert ev.describe({"event": "node_registered", "node": "n0"}) is None  # declared, no line
+    assert ev.describe({"event": "nope"}) is None

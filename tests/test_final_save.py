@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from elastic import event_types as ev
-from elastic.event_lines import describe
+from elastic.event_types import describe
 from elastic.final_save import backoff, retry_in, unsaved_steps
 from launcher.progress import not_saved
 
