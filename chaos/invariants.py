@@ -147,24 +147,34 @@ def sample_violations(
 
 
 def replica_violations(events: list[dict[str, Any]]) -> list[str]:
-    """Replicas whose parameters differ: after each state sync, and at the end of training."""
+    """Replicas whose parameters differ: after each state sync, and at the end of training.
+
+    Under ``parallel.shard=node`` the replicas of each shard are compared (the events' ``shard``;
+    older runs have none: one shard)."""
     bad = []
-    synced: dict[int, set[str]] = defaultdict(set)
-    final: dict[int, set[str]] = defaultdict(set)
+    synced: dict[tuple[int, int], set[str]] = defaultdict(set)
+    final: dict[tuple[int, int], set[str]] = defaultdict(set)
     for e in events:
         if ev.STATE_SYNCED.matches(e):
-            synced[e["round"]].add(e["digest"])
+            synced[e["round"], e.get("shard", 0)].add(e["digest"])
         elif ev.STATE_DIGEST.matches(e):
-            final[e["step"]].add(e["digest"])
-    for rnd, digests in sorted(synced.items()):
+            final[e["step"], e.get("shard", 0)].add(e["digest"])
+    for (rnd, k), digests in sorted(synced.items()):
         if len(digests) > 1:
-            bad.append(f"round {rnd}: replicas differ after the state sync ({sorted(digests)})")
+            bad.append(
+                f"round {rnd}: replicas{_of_shard(k)} differ after the state sync "
+                f"({sorted(digests)})"
+            )
     if not final:
         bad.append("no replica reported its final parameters")
-    for step, digests in sorted(final.items()):
+    for (step, k), digests in sorted(final.items()):
         if len(digests) > 1:
-            bad.append(f"step {step}: replicas finished with different parameters")
+            bad.append(f"step {step}: replicas{_of_shard(k)} finished with different parameters")
     return bad
+
+
+def _of_shard(k: int) -> str:
+    return f" of shard {k}" if k else ""
 
 
 def history_violations(events: list[dict[str, Any]]) -> list[str]:
@@ -189,7 +199,8 @@ def history_violations(events: list[dict[str, Any]]) -> list[str]:
     corrupt = corrupt_windows(events)
     bad = []
     for step, by_attempt in sorted(attempts_of(events).items()):
-        by_round: dict[tuple[int, int], set[str]] = defaultdict(set)
+        # (shard, fingerprint): each shard's replicas agree (parallel.shard=node; else one shard)
+        by_round: dict[tuple[int, int], set[tuple[int, str]]] = defaultdict(set)
         ranks: dict[tuple[int, int], set[int]] = defaultdict(set)
         world: dict[tuple[int, int], int] = {}
         first_ts: dict[tuple[int, int], float] = {}
@@ -197,15 +208,14 @@ def history_violations(events: list[dict[str, Any]]) -> list[str]:
             for r in records:
                 windows = corrupt.get((r.get("node", ""), r.get("pid", 0)), [])
                 if not any(a < r["ts"] <= b for a, b in windows):  # a bit flipped on purpose
-                    by_round[attempt].add(r["before"])
+                    by_round[attempt].add((r.get("shard", 0), r["before"]))
                 ranks[attempt].add(r["rank"])
                 world[attempt] = r["world_size"]
                 first_ts.setdefault(attempt, r["ts"])
         for (rnd, _), states in sorted(by_round.items()):
-            if len(states) > 1:
-                bad.append(
-                    f"step {step}: the ranks of round {rnd} trained it from {len(states)} states"
-                )
+            most = max(Counter(shard for shard, _ in states).values(), default=1)
+            if most > 1:
+                bad.append(f"step {step}: the ranks of round {rnd} trained it from {most} states")
         whole = sorted(rnd for rnd in by_round if len(ranks[rnd]) == world[rnd])
         for earlier, later in zip(whole, whole[1:], strict=False):
             rolled_back = any(first_ts[earlier] < ts < first_ts[later] for ts in loads)

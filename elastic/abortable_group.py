@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from elastic.round_end import RoundAborted
+from elastic.round_end import CollectiveFailure, RoundAborted
 
 BACKEND = "abortable_gloo"  # the name torch knows the backend by (dist.Backend.register_backend)
 
@@ -118,6 +118,7 @@ class AbortableGroup(dist.ProcessGroup):
         self._queue: queue.SimpleQueue[_Launched | None] = queue.SimpleQueue()
         self._waiter: threading.Thread | None = None  # started with the first collective
         self._name: str | None = None  # torch's name for the group (_set_group_name)
+        self.failure: Exception | None = None  # the first of the backend's works to fail
 
     # torch keeps a group's name on its backends, and this group has none of torch's (a
     # backend registered on it would be what torch's C++ collectives use, not abortable):
@@ -198,6 +199,7 @@ class AbortableGroup(dist.ProcessGroup):
             with self._lock:
                 self._ends.remove(launched.end)
                 launched.end.set_result(None)
+                self.failure = self.failure or error
                 if ours.done():
                     continue  # abort() failed it: it took it from _pending under this lock
                 if error is None:
@@ -259,3 +261,33 @@ def abort_mesh(mesh: DeviceMesh, reason: str) -> None:
     """Fail every collective in flight on ``mesh``, and every later one; from any thread."""
     for group in mesh_groups(mesh):
         group.abort(reason)
+
+
+class RoundMesh:
+    """The abortable groups of a round's mesh, as the round's communicator keeps them.
+
+    They are aborted with the round, the first failure of their collectives is the round's, and
+    they are retired with its group (:meth:`elastic.communicator.Communicator.close`)."""
+
+    def __init__(self) -> None:
+        self._groups: list[AbortableGroup] = []
+
+    def adopt(self, mesh: DeviceMesh) -> None:
+        """Make ``mesh``'s groups this round's; an error names a dim that is not abortable."""
+        self._groups = mesh_groups(mesh)
+
+    def abort(self, reason: str) -> None:
+        for group in self._groups:
+            group.abort(reason)
+
+    def failure(self) -> CollectiveFailure | None:
+        """The first collective on the mesh that failed (a peer died), if one did."""
+        error = next((g.failure for g in self._groups if g.failure is not None), None)
+        if error is None:
+            return None
+        return CollectiveFailure("sharded collective", f"{type(error).__name__}: {error}"[:300])
+
+    def retire(self) -> list[dist.Work]:
+        """Let go of the groups; what of theirs is still in flight, for the group reaper."""
+        groups, self._groups = self._groups, []
+        return [work for group in groups for work in group.in_flight()]

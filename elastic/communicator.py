@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from elastic import nccl_settings
+from elastic.abortable_group import RoundMesh
 from elastic.control import Assignment
 from elastic.group_reaper import GroupReaper, forget_groups
 from elastic.group_setup import init_group, meet, shrink
@@ -73,6 +74,7 @@ class Communicator:
         self._pending: list[torch.futures.Future[torch.Tensor]] = []
         self._works: list[dist.Work] = []  # this round's tracked all-reduces
         self.reaper = GroupReaper(device, timeout_s)  # shuts the old rounds' groups down
+        self.mesh = RoundMesh()  # parallel.shard=node: the round's mesh groups (sharding.py)
         self.retired_busy = 0  # groups retired with collectives in flight (close), ever
         self._announced = 0  # the newest round the agent has announced
         self._failure: CollectiveFailure | None = None
@@ -149,6 +151,7 @@ class Communicator:
         for fut in pending:
             if not fut.done():
                 fut.set_exception(RoundAborted(reason))
+        self.mesh.abort(reason)
         self._abort_group_if_needed()
 
     def _abort_group_if_needed(self) -> None:
@@ -189,7 +192,7 @@ class Communicator:
         or a block the trainer runs under :meth:`collective` (the state sync and the checkpoint
         collectives)."""
         with self._lock:
-            return self._failure
+            return self._failure or self.mesh.failure()
 
     @contextlib.contextmanager
     def collective(self, what: str) -> Iterator[None]:
@@ -261,7 +264,7 @@ class Communicator:
             with self._lock:
                 works, self._works = self._works, []
                 self._block_mark = None
-            in_flight = [w for w in works if not w.is_completed()]
+            in_flight = [w for w in works if not w.is_completed()] + self.mesh.retire()
             if in_flight:
                 log.info("retiring the old group with %d collective(s) in flight", len(in_flight))
                 self.retired_busy += 1  # they may still write into what they were given

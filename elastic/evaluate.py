@@ -127,6 +127,7 @@ def evaluate(
     move: Callable[[Any], tuple[torch.Tensor, ...]] | None = None,
     loader_workers: int = 0,
     stop: Callable[[], bool] = lambda: False,
+    equal_batches: bool = False,
 ) -> EvalResult:
     """Evaluate ``model`` (the module itself, not its DDP wrapper) on ``dataset``; a collective.
 
@@ -137,7 +138,9 @@ def evaluate(
     ImageNet's size). Call :func:`average_bn_stats` first. ``stop`` is asked before every batch:
     when the agent has moved this rank to another round, the evaluation ends at once with
     :class:`~elastic.round_end.RoundAborted` (the next round redoes it). The model is back in
-    training mode afterwards, whatever happened.
+    training mode afterwards, whatever happened. ``equal_batches``: every rank runs as many
+    forward passes as the largest share needs (a sharded model's forward is a collective of its
+    node), the extra ones on the set's first sample, counted nowhere.
     """
     num_samples = len(dataset)  # type: ignore[arg-type]
     if num_samples == 0:
@@ -169,12 +172,50 @@ def evaluate(
                         torch.tensor(len(targets), dtype=torch.float64, device=device),
                     ]
                 )
+            if equal_batches:
+                _pad_forwards(
+                    model,
+                    dataset,
+                    len(loader),
+                    -(-num_samples // world_size),
+                    batch_size,
+                    device,
+                    move,
+                    predict,
+                    autocast,
+                )
     finally:
         model.train(was_training)
     if world_size > 1:
         all_reduce(totals, "evaluation all-reduce")
     loss, top1, top5, count = totals.tolist()
     return EvalResult(loss / count, top1 / count, top5 / count, round(count))
+
+
+def _pad_forwards(
+    model: torch.nn.Module,
+    dataset: Dataset[Any],
+    done: int,
+    largest: int,
+    batch_size: int,
+    device: torch.device,
+    move: Callable[[Any], tuple[torch.Tensor, ...]] | None,
+    predict: Predict,
+    autocast: Callable[[], AbstractContextManager[Any]],
+) -> None:
+    """Forward the set's first sample until this rank has run as many passes as the largest share.
+
+    ``done`` passes ran; the largest share (``largest`` samples) runs its ``ceil(largest /
+    batch_size)``. Their outputs are dropped."""
+    missing = -(-largest // batch_size) - done
+    if missing <= 0:
+        return
+    filler = next(
+        iter(Prefetcher(DataLoader(Subset(dataset, range(1)), batch_size=1), device, move))
+    )
+    for _ in range(missing):
+        with autocast():
+            predict(model, filler)
 
 
 def _evaluations_reached(

@@ -81,6 +81,8 @@ class EvalContext:
     all_reduce: AllReduce
     autocast: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
     stop: Callable[[], bool] = lambda: False
+    # Every rank runs as many forward passes (parallel.shard=node: each gathers shards).
+    equal_batches: bool = False
 
     def evaluate(
         self,
@@ -108,6 +110,7 @@ class EvalContext:
             move=move,
             loader_workers=self.loader_workers,
             stop=self.stop,
+            equal_batches=self.equal_batches,
         )
 
 
@@ -153,6 +156,15 @@ class Job(ABC, Generic[S]):
         """The model, on :attr:`device`.
 
         The runtime seeds torch with ``trainer.seed`` first, so every rank builds the same one."""
+
+    def shard_units(self) -> tuple[type[torch.nn.Module], ...]:
+        """The module types ``parallel.shard=node`` shards one by one (FSDP2's units).
+
+        Each instance gathers its parameters for its own forward and backward only, so a
+        worker holds one unit's whole weights at a time; what no unit takes is sharded as one
+        unit with the model. By default none: the model is one unit. A transformer names its
+        block type."""
+        return ()
 
     def build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         """The optimizer; by default the ``optim`` group's (SGD, LARS, Akiba's RMSprop warm-up).

@@ -70,3 +70,17 @@ def judge(sums: Sequence[int]) -> ReplicaVerdict:
         return ReplicaVerdict(roll_back=True)
     corrupt = tuple(rank for rank, s in enumerate(sums) if s != value)
     return ReplicaVerdict(corrupt=corrupt, source=sums.index(value))
+
+
+def judge_shards(sums: Sequence[int], per_node: int = 1) -> list[ReplicaVerdict]:
+    """The verdict on each shard's replicas, its ranks named as in ``sums`` (every rank's).
+
+    Under ``parallel.shard=node`` rank ``r`` holds shard ``r % per_node``, and only the workers
+    of one shard hold equal state; with whole replicas (``per_node`` 1) this is :func:`judge`."""
+    verdicts = []
+    for k in range(per_node):
+        v = judge(sums[k::per_node])
+        ranks = tuple(i * per_node + k for i in v.corrupt)
+        source = v.source * per_node + k if v.source >= 0 else -1
+        verdicts.append(ReplicaVerdict(ranks, source, v.roll_back))
+    return verdicts

@@ -14,8 +14,10 @@ import torch
 
 from elastic import event_types as ev
 from elastic.checkpoint import CheckpointManager
+from elastic.config import Shard
 from elastic.control import Assignment
-from elastic.state import Progress, sync_state
+from elastic.sharded_entry import enter_mesh
+from elastic.state import Progress, local, sync_state
 from elastic.worker import Worker
 
 MIB = 1 << 20
@@ -57,10 +59,11 @@ def enter_round(w: Worker, a: Assignment, ckpt: CheckpointManager) -> RoundStart
     assigned_at = time.time()
     w.link.status.update(phase="joining", round=a.round)
     w.comm.enter(a)
+    replicas = enter_mesh(w, a) if w.cfg.parallel.shard is Shard.node else None
     pg_ready_at = time.time()
 
     with w.comm.collective("state sync"):
-        progress, source = sync_state(w.tensors, w.progress, w.trained_round, w.device)
+        progress, source = sync_state(w.tensors, w.progress, w.trained_round, w.device, replicas)
     resumed_from = None
     if progress is None:
         info = ckpt.restore(w.tensors)
@@ -74,6 +77,8 @@ def enter_round(w: Worker, a: Assignment, ckpt: CheckpointManager) -> RoundStart
         step=progress.step,
         source=source,
         digest=w.state.digest(),
+        shard=w.shard_index,
+        state_mib=sum(local(t).nbytes for t in w.tensors.values()) / MIB,
         **memory_in_use(w.device),
     )
 

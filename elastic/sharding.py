@@ -6,7 +6,8 @@ are replicas of each other over the ``replicate`` dim. The unit of failure is a 
 node takes whole replicas with it and each survivor still holds a complete shard k. Recovery
 therefore keeps the survivors' local tensors and only rebuilds the mesh (:func:`take_shards`,
 then :func:`remesh` once the round's new default group exists); a joining node's worker k
-copies shard k from worker k of a survivor (:func:`sync_shards`). Checkpoints are the runtime's
+copies shard k from worker k of a survivor (:func:`elastic.state.sync_state` over the replicate
+groups, once :func:`check_layouts` found them alike). Checkpoints are the runtime's
 own (:mod:`elastic.checkpoint`): :class:`elastic.state.TrainState` names the DTensors, DCP saves
 each shard once and reshards on load, so they load at another nodes x workers shape.
 
@@ -19,9 +20,11 @@ device: no full copy of the weights is ever made) and loads the kept local tenso
 
 from __future__ import annotations
 
+import contextlib
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -36,8 +39,12 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Placement
+from torch.nn.utils import clip_grads_with_norm_
 
-from elastic.state import broadcast_tensors, local
+from elastic.abortable_group import build_abortable_mesh
+from elastic.nonfinite import gradients_finite
+from elastic.optim import gradient_clip
+from elastic.state import local
 
 MESH_DIMS = ("replicate", "shard")  # dim 0: one entry per node; dim 1: a node's workers
 
@@ -57,6 +64,8 @@ def build_mesh(nodes: int, per_node: int, device_type: str) -> DeviceMesh:
             f"has {world} ranks for {nodes} node(s) x {per_node}: start the same number of "
             f"workers on every node"
         )
+    if device_type == "cpu":  # groups a round's abort ends at once (FSDP2 waits on them)
+        return build_abortable_mesh((nodes, per_node), MESH_DIMS)
     return init_device_mesh(device_type, (nodes, per_node), mesh_dim_names=MESH_DIMS)
 
 
@@ -77,6 +86,73 @@ def shard(model: nn.Module, mesh: DeviceMesh, wrap: tuple[type[nn.Module], ...])
         if module is not model and isinstance(module, wrap):
             fully_shard(module, mesh=mesh)
     return fully_shard(model, mesh=mesh)
+
+
+def sum_gradients(model: nn.Module) -> None:
+    """Make every FSDP2 unit of ``model`` sum the gradients over the ranks instead of averaging.
+
+    The trainer weighs each sample by its share of the global batch, so the sum is the mean
+    (as its DDP hook sums)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+
+
+def gradient_norm(params: list[nn.Parameter], mesh: DeviceMesh) -> torch.Tensor:
+    """The 2-norm of all of ``params``' gradients, equal on every rank; a collective of a node.
+
+    Every gradient is sharded over the ``shard`` dim and replicated over ``replicate``, so the
+    squares of a rank's shards, summed over its node, are the whole. It judges a step's
+    gradients finite and clips them (``optim.clip_grad_norm``): one rank's shards alone could
+    be finite where another's are not."""
+    total = torch.zeros((), dtype=torch.float64, device=_device(mesh))
+    for p in params:
+        if p.grad is not None:
+            total += local(p.grad).double().square().sum()
+    dist.all_reduce(total, group=mesh.get_group("shard"))
+    return total.sqrt().float()
+
+
+def judge_gradients(
+    params: list[nn.Parameter], mesh: DeviceMesh | None, max_norm: float, scaled: bool
+) -> tuple[bool, Callable[[], torch.Tensor] | None]:
+    """Whether a step's gradients are finite, and what clips them to ``max_norm`` (0: nothing).
+
+    Under fp16 (``scaled``) the loss scaler judges them and skips the step itself. Whole
+    gradients (``mesh`` None) are judged by :func:`elastic.nonfinite.gradients_finite`; sharded
+    ones by their :func:`gradient_norm`, which the clip then reuses."""
+    if mesh is None:
+        return scaled or gradients_finite(params), gradient_clip(params, max_norm)
+    norm = gradient_norm(params, mesh)
+    clip = partial(clip_grads_with_norm_, params, max_norm, norm) if max_norm else None
+    return bool(torch.isfinite(norm)), clip
+
+
+def reshard(model: nn.Module) -> None:
+    """Free the gathered weights a forward without backward leaves (an evaluation); local.
+
+    FSDP2 keeps the root unit's weights whole after its forward, for the backward that follows
+    in training. Left so, the state would be read whole (digests, checkpoints) and torch refuses
+    to free them once another reader has pinned their storage. A whole model is left alone."""
+    if isinstance(model, FSDPModule):
+        model.reshard()
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulate gradients without reducing them, for every micro-batch but a step's last.
+
+    DDP's own ``no_sync``, or FSDP2's gradient sync turned off meanwhile."""
+    if not isinstance(model, FSDPModule):
+        with model.no_sync():  # type: ignore[operator]
+            yield
+        return
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 @dataclass(frozen=True)
@@ -152,50 +228,24 @@ def remesh(
     return model, optimizer
 
 
-def sync_shards(
-    model: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh, source: int
-) -> None:
-    """Make every replica's shards those of replica ``source``; a collective of the whole mesh.
-
-    Worker k of each node receives the parameters, buffers and optimizer state of worker k of
-    node ``source`` over its ``replicate`` group, which is how a joining node gets a survivor's
-    state with no checkpoint. A fresh optimizer gets its state created first. Only tensors
-    travel, as in :func:`elastic.state.sync_state` and by its broadcast. The param groups' LR
-    and other settings are the trainer's to set each step from its progress record, and are not
-    sent.
-    """
-    replicas = mesh.size(0)
-    if not 0 <= source < replicas:
-        raise ValueError(f"sync_shards source replica {source} is not in 0..{replicas - 1}")
-    group = mesh.get_group("replicate")
-    device = _device(mesh)
-    state = {
-        "model": get_model_state_dict(model),
-        "optimizer": get_optimizer_state_dict(model, optimizer),
-    }
-    with torch.no_grad():  # local: the local tensor itself, received into in place
-        tensors = [local(v) for v in _leaves(state) if isinstance(v, torch.Tensor)]
-        _check_layouts(tensors, group, replicas, device)
-        broadcast_tensors(tensors, source, device, group)
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optimizer"])
-
-
-def _check_layouts(
-    tensors: list[torch.Tensor], group: dist.ProcessGroup, replicas: int, device: torch.device
+def check_layouts(
+    tensors: dict[str, torch.Tensor], group: dist.ProcessGroup, device: torch.device
 ) -> None:
     """Raise on every replica alike unless all hold tensors of the same shapes and dtypes.
 
-    A replica built with another model or optimizer would otherwise receive tensors of other
-    sizes, or wait in a broadcast its peers never make."""
-    layout = ";".join(f"{tuple(t.shape)}:{t.dtype}" for t in tensors)
+    ``tensors`` are a worker's state, ``group`` its shard's replicate group: the group a joining
+    node's worker receives its shards over. A replica built with another model or optimizer
+    would otherwise receive tensors of other sizes, or wait in a broadcast its peers never
+    make. One small all-gather."""
+    shown = [local(tensors[name]) for name in sorted(tensors)]
+    layout = ";".join(f"{tuple(t.shape)}:{t.dtype}" for t in shown)
     mine = torch.tensor([zlib.crc32(layout.encode())], dtype=torch.int64, device=device)
-    seen = [torch.empty_like(mine) for _ in range(replicas)]
+    seen = [torch.empty_like(mine) for _ in range(group.size())]
     dist.all_gather(seen, mine, group=group)
     if len({int(t.item()) for t in seen}) > 1:
         raise ValueError(
-            f"sync_shards: the replicas' states differ in layout ({len(tensors)} tensors here): "
-            f"every node must build the same model and optimizer (the same job.* and optim.*)"
+            f"the replicas' states differ in layout ({len(shown)} tensors here): every node "
+            f"must build the same model and optimizer (the same job.* and optim.*)"
         )
 
 
@@ -242,12 +292,3 @@ def _map(tree: Any, fn: Callable[[Any], Any]) -> Any:
     if isinstance(tree, list):
         return [_map(v, fn) for v in tree]
     return fn(tree)
-
-
-def _leaves(tree: Any) -> list[Any]:
-    """Every leaf of ``tree``, in an order equal on every rank (sorted keys)."""
-    if isinstance(tree, dict):
-        return [leaf for k in sorted(tree, key=str) for leaf in _leaves(tree[k])]
-    if isinstance(tree, list):
-        return [leaf for v in tree for leaf in _leaves(v)]
-    return [tree]

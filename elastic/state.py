@@ -188,23 +188,29 @@ def sync_state(
     progress: Progress | None,
     trained_round: int,
     device: torch.device,
+    replicas: dist.ProcessGroup | None = None,
 ) -> tuple[Progress | None, int]:
     """Make every rank hold the newest state any rank of this round holds; a collective.
 
-    States are ordered by :func:`sync_key`. Returns the progress and the rank it came from, or
-    ``(None, -1)`` when no rank holds a state (a fresh job or a whole restart: the caller then
-    loads the newest checkpoint). When every rank already holds the same state, nothing is sent:
-    that is the common case of survivors after a shrink.
+    States are ordered by :func:`sync_key`, and the source picked by :func:`pick_source`.
+    Returns the progress and the rank it came from, or ``(None, -1)`` when no rank holds a state
+    (a fresh job or a whole restart: the caller then loads the newest checkpoint). When every
+    rank already holds the same state, nothing is sent: that is the common case of survivors
+    after a shrink.
+
+    ``replicas``: under ``parallel.shard=node``, this rank's group of the same shard on every
+    node (:mod:`elastic.sharding`). A state is then a node's: its shards travel from the source
+    node, each over its own group, and only a node whose every worker holds the state can be it.
     """
     key = torch.tensor(sync_key(progress, trained_round), dtype=torch.int64, device=device)
     keys = [torch.empty_like(key) for _ in range(dist.get_world_size())]
     dist.all_gather(keys, key)
     ranked = [tuple(k.tolist()) for k in keys]
-    best = max(ranked)
-    if best[0] < 0:
+    per_node = 1 if replicas is None else len(ranked) // replicas.size()
+    source = pick_source(ranked, per_node)
+    if source < 0:
         return None, -1
-    source = ranked.index(best)
-    if all(k == best for k in ranked):
+    if all(k == ranked[source] for k in ranked):
         return progress, source
     payload = torch.zeros(PROGRESS_BYTES, dtype=torch.uint8, device=device)
     if dist.get_rank() == source:
@@ -212,9 +218,28 @@ def sync_state(
         raw = json.dumps(progress.to_dict()).encode()
         payload[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     dist.broadcast(payload, src=source)
-    broadcast_tensors([tensors[name] for name in sorted(tensors)], source, device)
+    ordered = [local(tensors[name]) for name in sorted(tensors)]
+    if replicas is None:
+        broadcast_tensors(ordered, source, device)
+    else:  # the source node's worker k to worker k of every node
+        broadcast_tensors(ordered, source // per_node, device, replicas)
     raw = bytes(payload.cpu().numpy()).rstrip(b"\0")
     return Progress.from_dict(json.loads(raw)), source
+
+
+def pick_source(keys: list[tuple[int, ...]], per_node: int = 1) -> int:
+    """The rank whose state every rank takes (:func:`sync_key` ranks them), or -1 if none has one.
+
+    ``keys`` are every rank's, a node's ``per_node`` workers next to each other. A state is whole
+    only on a node whose every worker holds it (each holds a shard under ``parallel.shard=node``;
+    with one worker a node, any rank): the newest whole one wins, at its node's first rank."""
+    best: tuple[int, ...] | None = None
+    source = -1
+    for first in range(0, len(keys), per_node):
+        node = keys[first : first + per_node]
+        if node[0][0] >= 0 and all(k == node[0] for k in node) and (best is None or node[0] > best):
+            best, source = node[0], first
+    return source
 
 
 def broadcast_tensors(

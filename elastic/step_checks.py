@@ -30,11 +30,12 @@ from elastic.control import Assignment
 from elastic.evaluate import due_evaluation
 from elastic.job import EvalContext
 from elastic.nonfinite import Verdict, first_producer
-from elastic.replicas import checksum, judge
+from elastic.replicas import checksum, judge_shards
 from elastic.round_entry import RoundStart, fit_world, report_recovery
 from elastic.sampler import StepPlan
 from elastic.saving import checkpoint_every, save
-from elastic.state import Progress, broadcast_tensors
+from elastic.sharding import reshard
+from elastic.state import Progress, broadcast_tensors, local
 from elastic.stragglers import StragglerWatch
 from elastic.worker import Worker
 
@@ -99,21 +100,26 @@ def roll_back(
 def check_replicas(w: Worker, a: Assignment) -> bool:
     """Compare every rank's checksum of its parameters and optimizer state, and repair a minority.
 
-    The comparison is one all-reduce of one integer per rank (:mod:`elastic.replicas`). A
-    minority takes the state of a majority rank (a broadcast) and its node gets a strike. False
-    when no majority agrees: the caller rolls back."""
+    The comparison is one all-reduce of one integer per rank (:mod:`elastic.replicas`), judged
+    for each shard's replicas under ``parallel.shard=node``. A minority takes the state of a
+    majority rank (a broadcast, over its shard's replicate group) and its node gets a strike.
+    False when some shard has no majority: every rank rolls back."""
     replicated = w.state.replicated()
     names = sorted(replicated)
     sums = torch.zeros(a.world_size, dtype=torch.int64, device=w.device)
     sums[a.rank] = checksum(replicated, names)
     w.comm.all_reduce(sums, "replica check")
-    verdict = judge(sums.tolist())
-    if verdict.agree:
-        return True
-    if verdict.roll_back:
+    per_node = w.env.local_world_size if w.mesh is not None else 1
+    verdicts = judge_shards(sums.tolist(), per_node)
+    if any(v.roll_back for v in verdicts):
         return False
+    verdict = verdicts[a.rank % per_node]
+    if verdict.agree:
+        return True  # another shard's replicas, if any, repair among themselves
+    group = w.mesh.get_group("replicate") if w.mesh is not None else None
     with w.comm.collective("replica repair"):
-        broadcast_tensors([replicated[n] for n in names], verdict.source, w.device)
+        tensors = [local(replicated[n]) for n in names]
+        broadcast_tensors(tensors, verdict.source // per_node, w.device, group)
     if a.rank in verdict.corrupt:
         w.events.emit(
             ev.REPLICA_REPAIRED,
@@ -222,8 +228,10 @@ def nonfinite(w: Worker, s: Steps, done: StepDone) -> Action:
 
 
 def stragglers(w: Worker, s: Steps, done: StepDone) -> Action:
-    """Keep this step's compute time; compare every ``health.straggler_every`` steps."""
-    if s.watch is not None:
+    """Keep this step's compute time; compare every ``health.straggler_every`` steps.
+
+    Not under ``parallel.shard=node``: the compute time ends at DDP's last gradient bucket."""
+    if s.watch is not None and w.mesh is None:
         s.computed.append(w.hook.timing.last_compute_s)
         if s.progress.step % w.cfg.health.straggler_every == 0:
             compare_compute(w, s.a, s.watch, s.computed, s.progress.step)
@@ -364,8 +372,12 @@ def evaluate_if_due(w: Worker, a: Assignment, progress: Progress) -> Progress:
         all_reduce=w.comm.all_reduce,
         autocast=w.precision.autocast,
         stop=lambda: w.comm.aborted,
+        equal_batches=w.mesh is not None,
     )
-    result = w.job.evaluate(w.state.model, ctx)
+    try:
+        result = w.job.evaluate(w.state.model, ctx)
+    finally:
+        reshard(w.state.model)  # a sharded model's root keeps its gathered weights after forward
     if a.rank == 0:
         w.events.emit(
             ev.EVALUATED,

@@ -41,7 +41,6 @@ import traceback
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.nn.parallel import DistributedDataParallel
 
 from elastic import config
 from elastic import event_types as ev
@@ -65,8 +64,8 @@ from elastic.group_reaper import LAST_WAIT_S
 from elastic.job import Batch, Loss
 from elastic.job_target import build_job
 from elastic.lr_policy import LRPolicy
-from elastic.nonfinite import BufferBackup, NonFiniteSteps, gradients_finite
-from elastic.optim import gradient_clip, step_settings
+from elastic.nonfinite import NonFiniteSteps
+from elastic.optim import step_settings
 from elastic.pipeline import Prefetcher, loader_workers, make_loader
 from elastic.precision import MixedPrecision, dtype_of, resolve_precision
 from elastic.round_end import RoundAborted, RoundEnd, release, round_end
@@ -74,6 +73,7 @@ from elastic.round_entry import enter_round
 from elastic.sampler import ElasticSampler, StepPlan
 from elastic.saving import final_save, save
 from elastic.sched_policy import train_in_foreground
+from elastic.sharding import judge_gradients, no_sync
 from elastic.state import TrainState
 from elastic.step_checks import AFTER_STEP, Action, StepDone, Steps, evaluate_if_due
 from elastic.worker import Worker
@@ -154,7 +154,7 @@ def build_worker(cfg: config.Config, env: WorkerEnv, events: EventLog) -> Worker
     model = job.build_model()
     state = TrainState(model, job.build_optimizer(model))
     total = round(cfg.trainer.epochs * len(dataset))
-    return Worker(
+    w = Worker(
         cfg=cfg,
         env=env,
         events=events,
@@ -175,13 +175,10 @@ def build_worker(cfg: config.Config, env: WorkerEnv, events: EventLog) -> Worker
         ),
         saver=BackgroundSaver(events),
         chaos=ChaosHooks.install(cfg.chaos),
-        tensors=state.tensors()
-        | precision.tensors()
-        | {f"job.{name}": t for name, t in job.state().items()},
         nonfinite=NonFiniteSteps(cfg.health.nonfinite_rollback),
-        buffers=BufferBackup(model),
-        params=list(model.parameters()),
     )
+    w.hold(state)
+    return w
 
 
 def report_local_fault(w: Worker, a: Assignment, exc: BaseException) -> None:
@@ -234,8 +231,9 @@ def train_round(w: Worker, a: Assignment) -> bool:
     # An evaluation the previous round broke off, or the end's when nothing is left to train.
     progress = evaluate_if_due(w, a, start.progress)
     steps = Steps(a, ckpt, start, progress=progress, saved=progress)
-    ddp = w.hook.wrap(w.state.model)
-    while train_steps(w, steps, ddp) is Action.ROLL_BACK:
+    # DDP, or the sharded model itself: FSDP2 reduces its gradients (parallel.shard=node).
+    model = w.hook.wrap(w.state.model) if w.mesh is None else w.state.model
+    while train_steps(w, steps, model) is Action.ROLL_BACK:
         pass
     progress = steps.progress
 
@@ -249,7 +247,7 @@ def train_round(w: Worker, a: Assignment) -> bool:
     w.link.status["phase"] = "finishing"  # waits for the last save and the peers: not frozen
     # The replica as trained, before the final save's collectives: a peer held in them (rank 0
     # still committing) has recorded its end, and saving changes nothing of it.
-    events.emit(ev.STATE_DIGEST, step=progress.step, digest=w.state.digest())
+    events.emit(ev.STATE_DIGEST, step=progress.step, digest=w.state.digest(), shard=w.shard_index)
     saved = final_save(w, a, ckpt, progress)
     if rank == 0 and saved:
         events.emit(
@@ -266,7 +264,7 @@ def train_round(w: Worker, a: Assignment) -> bool:
     return saved
 
 
-def train_steps(w: Worker, s: Steps, ddp: DistributedDataParallel) -> Action:
+def train_steps(w: Worker, s: Steps, model: torch.nn.Module) -> Action:
     """Train from ``s.progress`` to the end of the job, running the checks after each step.
 
     The checks are :data:`~elastic.step_checks.AFTER_STEP`. Returns ``ROLL_BACK`` if one rolled
@@ -293,11 +291,12 @@ def train_steps(w: Worker, s: Steps, ddp: DistributedDataParallel) -> Action:
                 world_size=world,
                 indices=list(plan.indices[: plan.real]),
                 before=w.state.fingerprint(),
+                shard=w.shard_index,
             )
         lr = w.policy.lr(progress.samples_seen, global_batch, progress.ramp)
         w.state.apply({"lr": lr, **step_settings(cfg.optim, progress.samples_seen, len(w.dataset))})
         poison = w.chaos.poison(rank, progress.step + 1)
-        loss, metrics, taken, finite = train_step(w, ddp, batch, plan, poison)
+        loss, metrics, taken, finite = train_step(w, model, batch, plan, poison)
         sampler = w.sampler.advance(progress.sampler, plan)
         s.progress = w.progress = progress.after(plan, sampler, world, lr)
         done = StepDone(plan, lr, loss, metrics, taken, finite)
@@ -310,14 +309,15 @@ def train_steps(w: Worker, s: Steps, ddp: DistributedDataParallel) -> Action:
 
 def train_step(
     w: Worker,
-    ddp: DistributedDataParallel,
+    model: torch.nn.Module,
     batch: Batch,
     plan: StepPlan,
     poison: bool = False,
 ) -> tuple[float, dict[str, float], bool, bool]:
     """One optimizer step on this rank's share of the global batch.
 
-    The job's loss of each sample (:meth:`elastic.job.Job.loss`) is weighted and
+    ``model`` is DDP's wrapper, or the sharded model (``parallel.shard=node``). The job's loss
+    of each sample (:meth:`elastic.job.Job.loss`) is weighted and
     back-propagated. Returns its mean loss, the mean of each of the job's metrics over the same
     samples, whether the optimizer stepped, and whether the averaged gradients were finite. A
     step with inf/nan gradients is skipped on every rank alike: by fp16's loss scaler
@@ -340,9 +340,9 @@ def train_step(
     micro = zip(*(t.tensor_split(n) for t in batch), strict=True)  # (part of each tensor)
     parts = zip(micro, weight.tensor_split(n), strict=True)
     for i, (part, wt) in enumerate(parts):
-        with ddp.no_sync() if i < n - 1 else contextlib.nullcontext():
+        with no_sync(model) if i < n - 1 else contextlib.nullcontext():
             with w.precision.autocast():
-                per_sample, metrics = per_sample_loss(w.job.loss(ddp, part))
+                per_sample, metrics = per_sample_loss(w.job.loss(model, part))
             if poison:
                 per_sample = per_sample * float("nan")
             w.precision.backward((per_sample * wt).sum())
@@ -351,8 +351,7 @@ def train_step(
         for name, values in metrics.items():
             sums[name] = sums.get(name, 0) + (values.detach().float() * real).sum()
     scaled = w.precision.scaler.is_enabled()  # then the scaler judges the gradients
-    finite = scaled or gradients_finite(w.params)
-    clip = gradient_clip(w.params, w.cfg.optim.clip_grad_norm)
+    finite, clip = judge_gradients(w.params, w.mesh, w.cfg.optim.clip_grad_norm, scaled)
     taken = finite and w.precision.step(w.state.optimizer, clip)
     if taken:
         w.job.after_step(w.state.model)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import Dataset
 
 from elastic import config
@@ -57,3 +58,22 @@ class Worker:
     nonfinite: NonFiniteSteps = field(default_factory=lambda: NonFiniteSteps(3))
     buffers: BufferBackup | None = None  # the model's buffers before the step in flight
     params: list[torch.nn.Parameter] = field(default_factory=list)  # the model's, in order
+    mesh: DeviceMesh | None = None  # parallel.shard=node: the mesh the state is sharded on
+
+    @property
+    def shard_index(self) -> int:
+        """Which shard of the state this worker holds: its local rank when sharded, else 0.
+
+        The state's digest is equal on the workers of the same shard index (the replicas)."""
+        return self.env.local_rank if self.mesh is not None else 0
+
+    def hold(self, state: TrainState) -> None:
+        """Train ``state`` from now on: the tensors synced and saved, the buffers kept, the params.
+
+        Called once the worker is built, and when ``parallel.shard=node`` puts the state on a
+        round's mesh (:mod:`elastic.sharded_entry`)."""
+        self.state = state
+        job = {f"job.{name}": t for name, t in self.job.state().items()}
+        self.tensors = state.tensors() | self.precision.tensors() | job
+        self.buffers = BufferBackup(state.model)
+        self.params = list(state.model.parameters())

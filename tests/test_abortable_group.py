@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from elastic.abortable_group import abort_mesh, build_abortable_mesh, mesh_groups
 from elastic.round_end import RoundAborted
-from elastic.sharding import MESH_DIMS, build_mesh, shard
+from elastic.sharding import MESH_DIMS, shard
 from tests.test_sharding import WRAP, join, local_tensors, make_model, make_optimizer, train
 
 if not dist.is_available() or not dist.is_gloo_available():
@@ -45,7 +45,7 @@ def _sharded(mesh: DeviceMesh) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 def _freeze(rank: int, world: int, tmp: str) -> None:
     torch.set_num_threads(1)
     join(tmp, "round1", rank, world)
-    plain_mesh = build_mesh(2, 2, "cpu")
+    plain_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=MESH_DIMS)  # gloo's own groups
     plain = _sharded(plain_mesh)
     mesh = build_abortable_mesh((2, 2), MESH_DIMS)
     with pytest.raises(TypeError, match="mesh dim 0 is a ProcessGroup"):

@@ -363,3 +363,25 @@ def test_the_imagenet_jobs_data_and_model_rules_do_not_stop_another_job() -> Non
     with pytest.raises(ConfigError, match=r"(?s)data.root=.*model.name="):
         validate_launch(composed(*imagenet))
     validate_launch(composed(*imagenet, "job=lm"))
+
+
+def test_sharding_is_refused_where_it_cannot_recover_or_reduce() -> None:
+    """parallel.shard=node: not yet on CUDA (its NCCL path has not run on a GPU), not with
+    fp16's scaler (it reads whole gradients), not with the DDP hook's wire dtype."""
+    validate(composed("job=lm", "parallel.shard=node", "trainer.precision=bf16"))
+    with pytest.raises(ConfigError) as refused:
+        validate(
+            composed(
+                "parallel.shard=node",
+                "cluster.device=cuda",
+                "trainer.precision=fp16",
+                "comm.grad_dtype=bf16",
+            )
+        )
+    lines = str(refused.value).splitlines()[1:]
+    assert [line.split("=")[0].strip() for line in lines] == [
+        "parallel.shard",
+        "trainer.precision",
+        "comm.grad_dtype",
+    ]
+    assert all("Fix: " in line and "parallel.shard=none" in line for line in lines), lines

@@ -97,6 +97,30 @@ def test_evaluate_on_one_process_matches_the_hand_computed_values() -> None:
     assert guard.seen == []  # one rank: nothing to all-reduce
 
 
+def test_equal_batches_run_as_many_forwards_as_the_largest_share_and_count_only_its_own() -> None:
+    """parallel.shard=node: a sharded forward gathers shards from the node's ranks, so every
+    rank runs the same number. 7 samples over 3 ranks at 2 a batch: rank 0 has 3 (2 batches),
+    rank 2 has 2 (1 batch), and pads with one forward it does not count."""
+    forwards = []
+    model = identity_model()
+    model.register_forward_hook(lambda *_: forwards.append(1))
+    summed = []
+    for equal in (False, True):
+        forwards.clear()
+        result = evaluate(
+            model,
+            Logits(),
+            2,
+            3,
+            torch.device("cpu"),
+            batch_size=2,
+            all_reduce=lambda t, _: summed.append(t.tolist()),
+            equal_batches=equal,
+        )
+        assert (len(forwards), result.count) == (2 if equal else 1, 2)
+    assert summed[0] == summed[1]  # the padding is counted nowhere
+
+
 def test_top5_with_fewer_than_five_classes_counts_every_sample() -> None:
     class Two(Dataset[tuple[torch.Tensor, int]]):
         def __len__(self) -> int:

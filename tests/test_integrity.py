@@ -14,7 +14,7 @@ from elastic.nonfinite import (
     gradients_finite,
     leading_view,
 )
-from elastic.replicas import ReplicaVerdict, checksum, judge
+from elastic.replicas import ReplicaVerdict, checksum, judge, judge_shards
 from elastic.state import TrainState
 
 
@@ -118,6 +118,16 @@ def test_a_minority_is_repaired_from_the_majority_and_no_majority_rolls_back() -
     assert judge([9, 5, 5]) == ReplicaVerdict(corrupt=(0,), source=1)
     assert judge([5, 9]).roll_back  # two replicas: no telling which is right
     assert judge([5, 5, 9, 9]).roll_back
+
+
+def test_each_shards_replicas_are_judged_apart_and_named_by_rank() -> None:
+    """parallel.shard=node, 3 nodes x 2 workers: ranks 0, 2, 4 hold shard 0 and 1, 3, 5 shard 1.
+    Shards differ from each other by nature; only a shard's replicas are compared."""
+    assert all(v.agree for v in judge_shards([5, 7, 5, 7, 5, 7], per_node=2))
+    shard0, shard1 = judge_shards([5, 7, 5, 8, 5, 7], per_node=2)
+    assert shard0.agree and shard1 == ReplicaVerdict(corrupt=(3,), source=1)
+    assert judge_shards([5, 7, 6, 7], per_node=2)[0].roll_back  # two replicas of shard 0
+    assert judge_shards([5, 9, 5, 5]) == [judge([5, 9, 5, 5])]  # whole replicas: judge's
 
 
 def test_a_channels_last_replica_has_a_digest_a_fingerprint_and_a_bit_to_flip() -> None:

@@ -1,11 +1,12 @@
 """Jobs other than the ImageNet classifier: the contract's checks (a wrong ``job._target_`` or
 ``job.*`` refused, naming what is missing), the language model job's data and loss, the
-language model trained through a SIGKILLed node with every invariant checked, and a user's job
-(the example in docs/your-own-job.md) launched from a package of its own, through a kill and a
-resume."""
+language model sharded over each node (``parallel.shard=node``) through a campaign of faults with
+every invariant checked, and a user's job (the example in docs/your-own-job.md) launched from a
+package of its own, through a kill and a resume."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -19,15 +20,16 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.utils.data import default_collate
 
 from chaos.injectors import kill_node, node_with_rank
-from chaos.recovery_figures import recovery
 from elastic.config import ConfigError
+from elastic.events import read_events
 from elastic.job import Job
 from elastic.job_target import build_job, job_class, job_problems, job_settings
 from elastic.jobs.lm import LanguageModelJob
 from elastic.jobs.tokens import TokenSequences
 from launcher.compose import compose
 
-from .conftest import REPO, launch, output
+from .conftest import REPO, Gate, back_after_restart, launch, output
+from .test_chaos_campaign import chaos
 from .test_e2e import RECORD, assert_job_invariants, wait_event, wait_exit
 
 CPU = torch.device("cpu")
@@ -125,17 +127,29 @@ def test_the_language_model_gives_one_loss_and_accuracy_per_sequence_and_learns(
     assert learned.metrics["accuracy"].mean() > first.metrics["accuracy"].mean() + 0.1
 
 
-def test_the_language_model_trains_through_a_killed_node_with_every_invariant(
-    tmp_path: Path,
+def test_the_language_model_sharded_over_each_node_trains_through_a_node_lost_and_rejoined(
+    tmp_path: Path, gate: Gate
 ) -> None:
-    """job=lm with AdamW (a warm-up from 0, a cosine decay, clipping), 3 nodes; the node of rank
-    0 SIGKILLed mid-epoch: the survivors recover in place with the LR rescaled, and every
-    sequence is trained exactly once, replicas alike (AdamW's state included)."""
+    """job=lm with parallel.shard=node on 3 nodes x 2 workers (HSDP), AdamW with a warm-up from
+    0, a cosine decay and clipping over the shards, through conf/campaign/hsdp.yaml: a bit
+    flipped in a shard of rank 0, a node SIGKILLed and started again, and a worker of rank 0's
+    node killed. The flipped shard is repaired by its replicas; the survivors keep their shards
+    and recover in place at 2 x 2 with the LR rescaled; the node that comes back takes the
+    survivors' shards from memory; with one worker restarted, rank 0's node holds half a state
+    and takes another node's. Every sequence is trained exactly once, and each shard's
+    replicas stay alike (the invariants, per shard). Its last 3 steps wait at the gate for the
+    restarted node to be back."""
     run_dir = tmp_path / "run"
-    sequences = 720  # 30 steps an epoch at 3 x 8
-    proc = launch(
-        run_dir,
+    sequences = 1440  # 30 steps an epoch at 3 x 2 x 8
+    gate.hold_end(3)
+    gate.open_on(run_dir, back_after_restart(1))
+    code, out = chaos(
+        tmp_path,
+        "campaign=hsdp",
         "job=lm",
+        "parallel.shard=node",
+        "cluster.nodes=3",
+        "cluster.cpu_workers=2",
         f"job.sequences={sequences}",
         "job.val_sequences=48",
         "job.dim=128",
@@ -144,31 +158,43 @@ def test_the_language_model_trains_through_a_killed_node_with_every_invariant(
         "optim.schedule=cosine",
         "optim.warmup_start=zero",
         "optim.clip_grad_norm=1.0",
-        "cluster.nodes=3",
         "trainer.epochs=2",
         "trainer.eval_every_epochs=1",
+        "health.replica_check_every=5",
         RECORD,
+        env=gate.env(),
     )
-    wait_event(run_dir, proc, lambda e: e["event"] == "checkpoint_saved" and e["step"] >= 10)
-    assert proc.poll() is None, output(run_dir)
-    fault = kill_node(run_dir, node_with_rank(run_dir, 0))
-    assert wait_exit(proc, run_dir) == 0, output(run_dir)[-3000:]
+    assert code == 0, out[-4000:]
+    report = json.loads((run_dir / "chaos" / "report.json").read_text())
+    assert report["ok"] and all(v == [] for v in report["violations"].values()), report
+    assert [f["kind"] for f in report["faults"]] == [
+        "replica SIGUSR1",
+        "node SIGKILL",
+        "worker SIGKILL",
+    ], report
+    assert "repaired" in report["faults"][0]["breakdown"], report["faults"][0]
 
-    events = assert_job_invariants(run_dir, sequences, epochs=2)
-    after = [e for e in events if e["ts"] > fault]
-    recovered = next(e for e in after if e["event"] == "recovered")
-    assert recovered["in_place"] and recovered["world_size"] == 2
-    assert next(e for e in after if e["event"] == "lr_changed")["world_size"] == 2
-    done = next(e for e in after if e["event"] == "training_done")
+    events = read_events(run_dir)
+    synced = [e for e in events if e["event"] == "state_synced"]
+    assert {e["shard"] for e in synced} == {0, 1}  # each worker holds one of 2 shards
+    first, *_ = [e for e in events if e["event"] == "recovered"]
+    assert first["in_place"] and first["world_size"] == 4
+    assert next(e for e in events if e["event"] == "lr_changed")["world_size"] == 4
+    restarted = next(e for e in events if e["event"] == "fault_cleared" and e["kind"] == "restart")
+    back = next(
+        e
+        for e in events
+        if e["event"] == "state_synced"
+        and e["node"] == restarted["target"]
+        and e["ts"] > restarted["ts"]
+    )
+    assert back["source"] >= 0  # from a survivor's memory, not a checkpoint
+    assert not any(e["event"] == "checkpoint_loaded" for e in events)
+    done = next(e for e in events if e["event"] == "training_done")
     assert done["samples_seen"] == 2 * sequences
-    steps = [e for e in events if e["event"] == "step"]
-    assert all(0 <= e["metrics"]["accuracy"] <= 1 for e in steps)  # the job's metric, each step
     evaluated = [e for e in events if e["event"] == "evaluated"]
     assert [e["evaluation"] for e in evaluated] == [1, 2]
     assert all(e["count"] == 48 * 32 for e in evaluated)  # every held-out token, once
-    rec = recovery(events, fault)
-    assert rec.stall_s is not None and rec.redone_steps <= 1
-    print(f"lm: stall {rec.stall_s:.2f} s, {rec.redone_steps} step(s) redone")
 
 
 def test_the_readme_shows_the_example_job_as_it_is() -> None:

@@ -27,14 +27,15 @@ from elastic.async_checkpoint import BackgroundSaver
 from elastic.checkpoint import CheckpointManager
 from elastic.events import EventLog
 from elastic.jobs.tiny_lm import TinyLM
-from elastic.sharding import build_mesh, remesh, shard, sync_shards, take_shards
-from elastic.state import TrainState
+from elastic.sharding import build_mesh, check_layouts, remesh, shard, take_shards
+from elastic.state import Progress, TrainState, sync_state
 
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("needs torch.distributed with gloo", allow_module_level=True)
 
 VOCAB, CONTEXT, BATCH = 32, 8, 8  # BATCH: the global batch, split evenly over the ranks
 WRAP = (nn.TransformerEncoderLayer,)
+CPU = torch.device("cpu")
 GROUP_TIMEOUT = timedelta(seconds=60)  # bounds every collective and every rendezvous
 RUN_DEADLINE_S = 150.0  # bounds a whole multi-process run
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered, on rank 0 only
@@ -218,7 +219,13 @@ def _rejoin(rank: int, world: int, tmp: str) -> None:
         mesh = build_mesh(2, 2, "cpu")
         model, optimizer = sharded(mesh, seed=1)
         optimizer.param_groups[0]["lr"] = 0.5
-    sync_shards(model, optimizer, mesh, source=0)
+    # As a round's entry syncs: node 0 holds the newest state, node 1 none; over the replicas.
+    held = (Progress(step=1), 1) if rank < 2 else (None, -1)
+    replicas = mesh.get_group("replicate")
+    tensors = TrainState(model, optimizer).tensors()
+    check_layouts(tensors, replicas, CPU)
+    progress, source = sync_state(tensors, *held, CPU, replicas)
+    assert progress is not None and progress.step == 1 and source == 0
     synced = {"tensors": local_tensors(model, optimizer), "lr": optimizer.param_groups[0]["lr"]}
     for group in optimizer.param_groups:  # the trainer sets the LR each step, from its progress
         group["lr"] = 1e-2
@@ -231,8 +238,8 @@ def _rejoin(rank: int, world: int, tmp: str) -> None:
 
 
 def test_joining_node_takes_the_survivors_shards(tmp_path: Path) -> None:
-    """Node 0 trains a step at 1x2; node 1 joins (2x2): node 0 re-meshes in place and
-    sync_shards gives node 1's worker k worker k's weights and AdamW state bit for bit (not its
+    """Node 0 trains a step at 1x2; node 1 joins (2x2): node 0 re-meshes in place and the
+    state sync gives node 1's worker k worker k's weights and AdamW state bit for bit (not its
     LR, which the trainer sets each step); the four then train a step equal to one process's."""
     run_ranks(_rejoin, 4, tmp_path)
     synced = [torch.load(tmp_path / f"synced{rank}.pt", weights_only=True) for rank in range(4)]
@@ -299,7 +306,7 @@ def _mismatched(rank: int, world: int, tmp: str) -> None:
         make_optimizer(model) if rank == 0 else torch.optim.SGD(model.parameters(), momentum=0.9)
     )
     try:
-        sync_shards(model, optimizer, mesh, source=0)
+        check_layouts(TrainState(model, optimizer).tensors(), mesh.get_group("replicate"), CPU)
     except ValueError as exc:
         Path(tmp, f"refused{rank}").write_text(str(exc))
     dist.destroy_process_group()

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from elastic.config import OptimConfig, OptimizerName
 from elastic.optim import build_optimizer
 from elastic.replicas import checksum
-from elastic.state import Progress, TrainState, sync_key, sync_state
+from elastic.state import Progress, TrainState, pick_source, sync_key, sync_state
 from tests.conftest import served_store
 
 AT_STEP_11 = Progress(step=11, samples_seen=240, evaluated=0, checkpoint_every=5)
@@ -33,6 +33,17 @@ def test_a_rank_that_completed_the_cut_evaluation_holds_the_newer_state() -> Non
     # A record that differs elsewhere (a save the break cut) is no longer "the same state".
     assert sync_key(replace(AT_STEP_11, checkpoint_every=7), 3) != sync_key(AT_STEP_11, 3)
     assert sync_key(None, -1) < sync_key(AT_STEP_11, 0)
+
+
+def test_the_source_is_the_newest_state_a_whole_node_holds() -> None:
+    """Whole replicas: the first rank of the newest key. Sharded (2 workers a node): a node
+    whose worker restarted holds half a state and cannot be the source, however new."""
+    old, new, none = (3, 11, 0, 7), (4, 12, 0, 9), (-1, -1, -1, -1)
+    assert pick_source([old, new, new]) == 1
+    assert pick_source([none, none]) == -1
+    assert pick_source([new, none, old, old], per_node=2) == 2  # node 0 lost a worker
+    assert pick_source([new, new, old, old], per_node=2) == 0
+    assert pick_source([new, none, none, old], per_node=2) == -1  # no node whole: a checkpoint
 
 
 def _rank_main(rank: int, port: int, out: str) -> None:

@@ -62,7 +62,9 @@ from elastic.config.trainer import (
     CommBackend,
     CommConfig,
     GradDtype,
+    ParallelConfig,
     Precision,
+    Shard,
     TrainerConfig,
 )
 from elastic.config.training_rules import (
@@ -110,11 +112,13 @@ __all__ = [
     "NotifyConfig",
     "OptimConfig",
     "OptimizerName",
+    "ParallelConfig",
     "Policy",
     "Precision",
     "RendezvousConfig",
     "Rule",
     "Schedule",
+    "Shard",
     "SyntheticDataConfig",
     "TrainerConfig",
     "WarmupStart",

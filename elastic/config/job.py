@@ -15,7 +15,7 @@ from elastic.config.model_data import DataConfig, ModelConfig
 from elastic.config.notify import NotifyConfig
 from elastic.config.optim import OptimConfig
 from elastic.config.resilience import ChaosConfig, CheckpointConfig, HealthConfig
-from elastic.config.trainer import CommConfig, TrainerConfig
+from elastic.config.trainer import CommConfig, ParallelConfig, TrainerConfig
 
 # The default job (conf/job/imagenet.yaml): a torchvision classifier on an ImageFolder.
 IMAGENET_JOB = "elastic.jobs.imagenet.ImageNetJob"
@@ -32,6 +32,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)

@@ -1,4 +1,4 @@
-"""The ``trainer`` and ``comm`` sections: how a step computes, and how its gradients travel.
+"""The ``trainer``, ``comm`` and ``parallel`` sections: how a step computes, and what travels.
 
 The dtypes the forward and backward compute in and the all-reduce carries
 (:mod:`elastic.precision`), the collective library, the job's length and its evaluations.
@@ -44,6 +44,21 @@ class CommConfig:
     # The all-reduce casts each bucket to this dtype and back, through the abortable hook.
     grad_dtype: GradDtype = GradDtype.fp32
     backend: CommBackend = CommBackend.auto  # gloo: a test aid on CUDA (see CommBackend)
+
+
+class Shard(Choice):
+    """What each worker holds of the model, its gradients and its optimizer state."""
+
+    none = "none"  # all of them: plain data parallel (DDP)
+    # 1/k of them over a node's k workers (FSDP2), the nodes replicas of each other (HSDP)
+    node = "node"
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is laid out over the workers (docs/configuration.md, "Sharding")."""
+
+    shard: Shard = Shard.none
 
 
 @dataclass

@@ -22,7 +22,7 @@ from elastic.config.job import Config
 from elastic.config.model_data import DIGITS_PER_CLASS, DataSource, SyntheticDataConfig
 from elastic.config.optim import OptimConfig, Schedule
 from elastic.config.schema import problem
-from elastic.config.trainer import CommBackend, GradDtype
+from elastic.config.trainer import CommBackend, GradDtype, Precision, Shard
 
 # Refused by validate and by elastic.data's writer alike (which a caller may reach unvalidated).
 NO_SCIKIT_LEARN = problem(
@@ -173,6 +173,34 @@ def comm_problems(cfg: Config) -> Iterator[str]:
     if comm.backend == CommBackend.gloo:
         backends = ["gloo"]
     yield from (p for b in backends if (p := grad_dtype_problem(b, comm.grad_dtype)))
+
+
+def parallel_problems(cfg: Config) -> Iterator[str]:
+    """What ``parallel.shard=node`` cannot run with: it is recovered in place on the CPU only."""
+    if cfg.parallel.shard is not Shard.node:
+        return
+    if cfg.cluster.device is Device.cuda:
+        yield problem(
+            "parallel.shard",
+            Shard.node,
+            "the sharded path recovers in place through gloo groups it can abort, and has not yet "
+            "run on NCCL (issue 51's GPU part)",
+            "use parallel.shard=none (DDP) on GPUs for now, or cluster.device=cpu",
+        )
+    if cfg.trainer.precision is Precision.fp16:
+        yield problem(
+            "trainer.precision",
+            Precision.fp16,
+            "fp16's loss scaler reads whole gradients, and parallel.shard=node keeps a shard each",
+            "use trainer.precision=bf16, which needs no scaler, or parallel.shard=none",
+        )
+    if cfg.comm.grad_dtype is not GradDtype.fp32:
+        yield problem(
+            "comm.grad_dtype",
+            cfg.comm.grad_dtype,
+            "it is the DDP hook's wire dtype; FSDP2 reduces the gradients in their own dtype",
+            "remove comm.grad_dtype (fp32), or use parallel.shard=none",
+        )
 
 
 def model_problems(cfg: Config) -> Iterator[str]:

@@ -23,7 +23,7 @@ from elastic.config.job_rules import (
     rendezvous_problems,
 )
 from elastic.config.schema import ConfigError, bound_problems
-from elastic.config.training_rules import comm_problems, optim_problems
+from elastic.config.training_rules import comm_problems, optim_problems, parallel_problems
 
 Rule = Callable[[Config], Iterable[str]]
 
@@ -34,6 +34,7 @@ RULES: tuple[Rule, ...] = (
     rendezvous_problems,
     optim_problems,
     comm_problems,
+    parallel_problems,
     checkpoint_problems,
     chaos_problems,
     notify_problems,

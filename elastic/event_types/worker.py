@@ -185,10 +185,16 @@ CURVES_OFF = declare(
 STATE_SYNCED = declare(
     "state_synced",
     "worker",
-    "step source digest rss_mib device_used_mib",
-    "every rank: the state a round starts from, and the memory in use then",
+    "step source digest shard state_mib rss_mib device_used_mib",
+    "every rank: the state a round starts from (of its shard: 0 unless parallel.shard=node), the "
+    "size of what it holds of the weights and optimizer state, and the memory in use then",
 )
-STATE_DIGEST = declare("state_digest", "worker", "step digest", "every rank: a hash of its replica")
+STATE_DIGEST = declare(
+    "state_digest",
+    "worker",
+    "step digest shard",
+    "every rank: a hash of its replica (of its shard: 0 unless parallel.shard=node)",
+)
 WORKER_PEER_LOST = declare(
     "worker_peer_lost", "worker", "what error", "every rank: a collective of the round failed"
 )
@@ -238,6 +244,6 @@ BIT_FLIPPED = declare(
 SAMPLES = declare(
     "samples",
     "worker",
-    "step epoch world_size indices before",
+    "step epoch world_size indices before shard",
     "every rank, with trainer.record_samples: the samples of a step and the state before it",
 )

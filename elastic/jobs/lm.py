@@ -67,6 +67,12 @@ class LanguageModelJob(Job[LanguageModelSettings]):
         s = self.settings
         return TinyLM(s.vocab, s.context, s.dim, s.heads, s.layers).to(self.device)
 
+    def shard_units(self) -> tuple[type[torch.nn.Module], ...]:
+        """Each transformer block is a unit of its own (``parallel.shard=node``)."""
+        from torch import nn
+
+        return (nn.TransformerEncoderLayer,)
+
     def loss(self, model: torch.nn.Module, batch: Batch) -> Loss:
         """Each sequence's mean next-token cross-entropy, and its next-token accuracy."""
         import torch.nn.functional as F
