@@ -12,7 +12,7 @@ From each run's event log (rank 0's ``recovered`` events and every worker's ``st
 - what a worker holds of the weights and the optimizer state (``state_mib``; its gradients are
   the weights' size again, freed between steps under HSDP).
 
-    .venv/bin/python bench/sharding.py                      # about 5 minutes
+    .venv/bin/python bench/sharding.py                      # about 6 minutes
     .venv/bin/python bench/sharding.py --dim 256            # a larger model
 """
 
@@ -38,7 +38,7 @@ JOB = [
     "optim.name=adamw",
     "optim.lr=0.01",
     "optim.clip_grad_norm=1.0",
-    "trainer.epochs=3",  # long enough for the killed node to be back before the end
+    "trainer.epochs=6",  # long enough for the killed node to be back before the end, in both
     "trainer.tensorboard=false",
     "trainer.record_samples=true",  # the invariants' record
     "health.replica_check_every=5",  # finds the corrupted shard

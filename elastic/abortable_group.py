@@ -112,7 +112,7 @@ class AbortableGroup(dist.ProcessGroup):
         self._backend = backend
         self._lock = threading.Lock()
         self._reason: str | None = None  # set by abort()
-        self._pending: list[torch.futures.Future[Any]] = []  # ours, not yet completed
+        self._pending: list[_Launched] = []  # ours not yet completed
         # One per backend work the waiter has not seen end: done once it has (in_flight).
         self._ends: list[torch.futures.Future[None]] = []
         self._queue: queue.SimpleQueue[_Launched | None] = queue.SimpleQueue()
@@ -143,9 +143,11 @@ class AbortableGroup(dist.ProcessGroup):
             self._reason = reason
             pending, self._pending = self._pending, []
             self._queue.put(None)  # the waiter ends after the works in flight: no more come
-        for future in pending:
-            if not future.done():
-                future.set_exception(RoundAborted(f"collective abandoned: {reason}"))
+        for launched in pending:
+            # One the backend has ended is the waiter's to complete: failed here, a worker
+            # whose peer saw it succeed would end its step one short of the peer's.
+            if not launched.ours.done() and not launched.work.is_completed():
+                launched.ours.set_exception(RoundAborted(f"collective abandoned: {reason}"))
 
     def in_flight(self) -> list[dist.Work]:
         """A work per backend work not yet ended: shut the group down only once they have.
@@ -174,8 +176,8 @@ class AbortableGroup(dist.ProcessGroup):
                 raise RoundAborted(f"{name} on an aborted group: {self._reason}")
             work = getattr(self._backend, name)(*args, **kwargs)
             launched = _Launched(work, torch.futures.Future(), torch.futures.Future())
-            self._pending = [f for f in self._pending if not f.done()]
-            self._pending.append(launched.ours)
+            self._pending = [p for p in self._pending if not p.ours.done()]
+            self._pending.append(launched)
             self._ends.append(launched.end)
             if self._waiter is None:
                 self._waiter = threading.Thread(
@@ -201,7 +203,7 @@ class AbortableGroup(dist.ProcessGroup):
                 launched.end.set_result(None)
                 self.failure = self.failure or error
                 if ours.done():
-                    continue  # abort() failed it: it took it from _pending under this lock
+                    continue  # abort() failed it
                 if error is None:
                     ours.set_result(None)
                 else:
