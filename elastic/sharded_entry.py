@@ -25,6 +25,7 @@ from elastic.sharding import (
     build_mesh,
     check_layouts,
     remesh,
+    reshard,
     shard,
     sum_gradients,
     take_shards,
@@ -57,6 +58,7 @@ def enter_mesh(w: Worker, a: Assignment) -> dist.ProcessGroup:
         model = shard(w.state.model, mesh, units)
         optimizer = w.job.build_optimizer(model)
     else:
+        reshard(w.state.model)  # a round left mid-forward may hold a unit's weights gathered
         shards = take_shards(w.state.model, w.state.optimizer, w.mesh)
         model, optimizer = remesh(
             shards, mesh, lambda: model_on_meta(w), w.job.build_optimizer, units

@@ -221,10 +221,10 @@ def train_round(w: Worker, a: Assignment) -> bool:
     """Train in round ``a`` until the job is trained, and save the final state; a collective.
 
     It enters round ``a`` (:func:`enter_round`: its group, the newest state any rank holds, the
-    LR for its world size) and wraps DDP. Then it trains step by step from where the state says
-    until the job is trained, and saves the final state (:func:`final_save`). A rollback starts
-    the steps again from the checkpoint it loaded. Returns whether the final state is saved, the
-    same on every rank."""
+    LR for its world size) and wraps DDP (a sharded model needs no wrapper). Then it trains step by
+    step from where the state says until the job is trained, and saves the final state
+    (:func:`final_save`). A rollback starts the steps again from the checkpoint it loaded.
+    Returns whether the final state is saved, the same on every rank."""
     cfg, events, rank, world = w.cfg, w.events, a.rank, a.world_size
     ckpt = CheckpointManager(cfg.checkpoint.url, cfg.checkpoint.keep, events, w.comm.collective)
     start = enter_round(w, a, ckpt)
@@ -316,13 +316,13 @@ def train_step(
 ) -> tuple[float, dict[str, float], bool, bool]:
     """One optimizer step on this rank's share of the global batch.
 
-    ``model`` is DDP's wrapper, or the sharded model (``parallel.shard=node``). The job's loss
-    of each sample (:meth:`elastic.job.Job.loss`) is weighted and
-    back-propagated. Returns its mean loss, the mean of each of the job's metrics over the same
-    samples, whether the optimizer stepped, and whether the averaged gradients were finite. A
-    step with inf/nan gradients is skipped on every rank alike: by fp16's loss scaler
-    (:class:`elastic.precision.MixedPrecision`), else by :mod:`elastic.nonfinite`. ``poison``
-    (chaos.nan_steps) makes this rank's loss NaN.
+    ``model`` is DDP's wrapper, or the sharded model (``parallel.shard=node``). The job's loss of
+    each sample (:meth:`elastic.job.Job.loss`) is weighted and back-propagated. Returns its mean
+    loss, the mean of each of the job's metrics over the same samples, whether the optimizer
+    stepped, and whether the averaged gradients were finite. A step with inf/nan gradients is
+    skipped on every rank alike: by fp16's loss scaler (:class:`elastic.precision.MixedPrecision`),
+    else by :func:`elastic.sharding.judge_gradients`. ``poison`` (chaos.nan_steps) makes this
+    rank's loss NaN.
 
     The share is split into micro-batches of at most ``data.batch_size`` (more than one only under
     ``keep_global_batch`` on a smaller world); gradients accumulate locally and are all-reduced
