@@ -10,7 +10,8 @@ From each run's event log (rank 0's ``recovered`` events and every worker's ``st
   state sync;
 - the state sync of the round the restarted node rejoins in (it receives a survivor's state);
 - what a worker holds of the weights and the optimizer state (``state_mib``; its gradients are
-  the weights' size again, freed between steps under HSDP).
+  the weights' size again, sharded alike under HSDP);
+- the samples a second at 3 nodes (the median of the progress lines, the first 3 steps left out).
 
     .venv/bin/python bench/sharding.py                      # about 6 minutes
     .venv/bin/python bench/sharding.py --dim 256            # a larger model
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -72,6 +74,9 @@ def run(shard: str, campaign: str, dim: int, work: Path) -> dict[str, Any]:
         "state sync as the node rejoins, s": rejoin["sync_s"] if rejoin else None,
         "weights + optimizer state a worker holds, MiB": max(
             e["state_mib"] for e in ev.STATE_SYNCED.of(events)
+        ),
+        "samples/s at 3 nodes, median": statistics.median(
+            e["samples_per_s"] for e in ev.STEP.of(events) if e["world_size"] == 6 and e["step"] > 3
         ),
     }
 
