@@ -15,7 +15,7 @@ own: :meth:`AbortableGroup.in_flight` is what a reaper waits for before it shuts
 The groups are made by torch itself, as a backend registered under :data:`BACKEND`, so that they
 are in torch's tables (group ranks, names) that DeviceMesh, DTensor and FSDP2 resolve them from:
 ``init_device_mesh(..., backend_override=...)`` (:func:`build_abortable_mesh`) makes every dim of
-a mesh abortable, and :func:`abort_mesh` abandons every collective on it.
+a mesh abortable, and :class:`RoundMesh` abandons every collective on it.
 """
 
 from __future__ import annotations
@@ -259,12 +259,6 @@ def mesh_groups(mesh: DeviceMesh) -> list[AbortableGroup]:
     return groups  # type: ignore[return-value]
 
 
-def abort_mesh(mesh: DeviceMesh, reason: str) -> None:
-    """Fail every collective in flight on ``mesh``, and every later one; from any thread."""
-    for group in mesh_groups(mesh):
-        group.abort(reason)
-
-
 class RoundMesh:
     """The abortable groups of a round's mesh, as the round's communicator keeps them.
 
@@ -279,6 +273,7 @@ class RoundMesh:
         self._groups = mesh_groups(mesh)
 
     def abort(self, reason: str) -> None:
+        """Fail every collective in flight on the mesh, and every later one; from any thread."""
         for group in self._groups:
             group.abort(reason)
 
@@ -287,7 +282,7 @@ class RoundMesh:
         error = next((g.failure for g in self._groups if g.failure is not None), None)
         if error is None:
             return None
-        return CollectiveFailure("sharded collective", f"{type(error).__name__}: {error}"[:300])
+        return CollectiveFailure.of("sharded collective", error)
 
     def retire(self) -> list[dist.Work]:
         """Let go of the groups; what of theirs is still in flight, for the group reaper."""

@@ -249,7 +249,7 @@ class Communicator:
     def _record(self, what: str, exc: BaseException) -> None:
         """Keep the round's first failure; called with ``self._lock`` held."""
         if self._failure is None:
-            self._failure = CollectiveFailure(what, f"{type(exc).__name__}: {exc}"[:300])
+            self._failure = CollectiveFailure.of(what, exc)
 
     def close(self, wait_s: float = 0.0) -> None:
         """Let go of the current group; its shutdown runs on a thread (:mod:`elastic.group_reaper`).

@@ -172,18 +172,12 @@ def evaluate(
                         torch.tensor(len(targets), dtype=torch.float64, device=device),
                     ]
                 )
-            if equal_batches:
-                _pad_forwards(
-                    model,
-                    dataset,
-                    len(loader),
-                    -(-num_samples // world_size),
-                    batch_size,
-                    device,
-                    move,
-                    predict,
-                    autocast,
-                )
+            missing = _padding(num_samples, world_size, batch_size, len(loader))
+            if equal_batches and missing:  # forwards of the first sample, counted nowhere
+                filler = next(iter(Prefetcher(DataLoader(Subset(dataset, range(1))), device, move)))
+                for _ in range(missing):
+                    with autocast():
+                        predict(model, filler)
     finally:
         model.train(was_training)
     if world_size > 1:
@@ -192,30 +186,10 @@ def evaluate(
     return EvalResult(loss / count, top1 / count, top5 / count, round(count))
 
 
-def _pad_forwards(
-    model: torch.nn.Module,
-    dataset: Dataset[Any],
-    done: int,
-    largest: int,
-    batch_size: int,
-    device: torch.device,
-    move: Callable[[Any], tuple[torch.Tensor, ...]] | None,
-    predict: Predict,
-    autocast: Callable[[], AbstractContextManager[Any]],
-) -> None:
-    """Forward the set's first sample until this rank has run as many passes as the largest share.
-
-    ``done`` passes ran; the largest share (``largest`` samples) runs its ``ceil(largest /
-    batch_size)``. Their outputs are dropped."""
-    missing = -(-largest // batch_size) - done
-    if missing <= 0:
-        return
-    filler = next(
-        iter(Prefetcher(DataLoader(Subset(dataset, range(1)), batch_size=1), device, move))
-    )
-    for _ in range(missing):
-        with autocast():
-            predict(model, filler)
+def _padding(num_samples: int, world_size: int, batch_size: int, batches: int) -> int:
+    """The forward passes a rank that ran ``batches`` lacks to match the largest share's."""
+    largest = -(-num_samples // world_size)  # the first shards' size (see shard)
+    return max(0, -(-largest // batch_size) - batches)
 
 
 def _evaluations_reached(

@@ -36,6 +36,11 @@ class CollectiveFailure:
     what: str  # which collective: "gradient all-reduce", "group set-up", "state sync", ...
     error: str  # the exception, as the transport reported it (for people, never parsed)
 
+    @classmethod
+    def of(cls, what: str, exc: BaseException) -> CollectiveFailure:
+        """The failure of collective ``what`` with ``exc``, its text cut to 300 characters."""
+        return cls(what, f"{type(exc).__name__}: {exc}"[:300])
+
     def __str__(self) -> str:
         return f"the {self.what} failed ({self.error})"
 

@@ -106,12 +106,11 @@ def gradient_norm(params: list[nn.Parameter], mesh: DeviceMesh) -> torch.Tensor:
     squares of a rank's shards, summed over its node, are the whole. It judges a step's
     gradients finite and clips them (``optim.clip_grad_norm``): one rank's shards alone could
     be finite where another's are not."""
-    total = torch.zeros((), dtype=torch.float64, device=_device(mesh))
-    for p in params:
-        if p.grad is not None:
-            total += local(p.grad).double().square().sum()
-    dist.all_reduce(total, group=mesh.get_group("shard"))
-    return total.sqrt().float()
+    shards = [local(p.grad) for p in params if p.grad is not None]
+    mine = torch.nn.utils.get_total_norm(shards) if shards else torch.zeros(())
+    squares = mine.to(_device(mesh), torch.float64).square()
+    dist.all_reduce(squares, group=mesh.get_group("shard"))
+    return squares.sqrt().float()
 
 
 def judge_gradients(

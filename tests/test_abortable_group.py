@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from elastic.abortable_group import abort_mesh, build_abortable_mesh, mesh_groups
+from elastic.abortable_group import RoundMesh, build_abortable_mesh, mesh_groups
 from elastic.round_end import RoundAborted
 from elastic.sharding import MESH_DIMS, shard
 from tests.test_sharding import WRAP, join, local_tensors, make_model, make_optimizer, train
@@ -94,11 +94,13 @@ def _aborted_step(
 ) -> None:
     """Train a step that the frozen rank holds, aborted from a thread after :data:`FAULT_S`."""
     abort_at: list[float] = []
+    groups = RoundMesh()  # as the communicator keeps a round's mesh
+    groups.adopt(mesh)
 
     def agent() -> None:
         time.sleep(FAULT_S)  # the fault's duration, not a synchronisation
         abort_at.append(time.monotonic())
-        abort_mesh(mesh, "rank 3 froze")
+        groups.abort("rank 3 froze")
 
     thread = threading.Thread(target=agent)
     started = time.monotonic()

@@ -27,7 +27,14 @@ from elastic.async_checkpoint import BackgroundSaver
 from elastic.checkpoint import CheckpointManager
 from elastic.events import EventLog
 from elastic.jobs.tiny_lm import TinyLM
-from elastic.sharding import build_mesh, check_layouts, remesh, shard, take_shards
+from elastic.sharding import (
+    build_mesh,
+    check_layouts,
+    gradient_norm,
+    remesh,
+    shard,
+    take_shards,
+)
 from elastic.state import Progress, TrainState, sync_state
 
 if not dist.is_available() or not dist.is_gloo_available():
@@ -142,20 +149,23 @@ def run_ranks(fn: Callable[[int, int, str], None], world: int, tmp: Path) -> Non
 def _hsdp_step(rank: int, world: int, tmp: str) -> None:
     torch.set_num_threads(1)
     join(tmp, "round1", rank, world)
-    model, optimizer = sharded(build_mesh(2, 2, "cpu"), seed=0)
+    mesh = build_mesh(2, 2, "cpu")
+    model, optimizer = sharded(mesh, seed=0)
     backward(model, 0, rank, world)
     grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    norm = gradient_norm(list(model.parameters()), mesh)  # over this rank's node
     optimizer.step()
     state = full_state(model, optimizer)
     if rank == 0:
-        torch.save({"grads": grads, **state}, Path(tmp, "hsdp.pt"))
+        torch.save({"grads": grads, "norm": norm, **state}, Path(tmp, "hsdp.pt"))
     dist.destroy_process_group()
 
 
 def test_hsdp_step_equals_one_process_step(tmp_path: Path) -> None:
     """At 2 nodes x 2 workers, each rank on a quarter of the batch, the gradients are the whole
-    batch's (fully_shard averages over all 4 ranks, the replicate dim included), and the step
-    leaves the weights and AdamW state of one process that trained on the whole batch."""
+    batch's (fully_shard averages over all 4 ranks, the replicate dim included), their norm read
+    from a node's shards is theirs, and the step leaves the weights and AdamW state of one
+    process that trained on the whole batch."""
     run_ranks(_hsdp_step, 4, tmp_path)
     got = torch.load(tmp_path / "hsdp.pt", weights_only=True)
     torch.manual_seed(0)
@@ -163,6 +173,9 @@ def test_hsdp_step_equals_one_process_step(tmp_path: Path) -> None:
     backward(model, 0, 0, 1)
     for name, p in model.named_parameters():
         torch.testing.assert_close(got["grads"][name], p.grad, rtol=1e-5, atol=1e-7)
+    # The clip's and the finiteness check's norm, from the shards: the whole gradients' norm.
+    whole = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    torch.testing.assert_close(got["norm"], whole, rtol=1e-5, atol=0)
     assert_like_reference(got, 1)
 
 
