@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from elastic import gloo_device
 from elastic.round_end import CollectiveFailure, RoundAborted
 
 BACKEND = "abortable_gloo"  # the name torch knows the backend by (dist.Backend.register_backend)
@@ -224,8 +225,8 @@ for _name in COLLECTIVES:
 
 
 def _create(store: dist.Store, rank: int, size: int, timeout: timedelta) -> AbortableGroup:
-    """torch's backend creator: a fresh gloo backend on the group's own prefixed store."""
-    return AbortableGroup(dist.ProcessGroupGloo(store, rank, size, timeout), rank, size)
+    """torch's backend creator: gloo on the group's own prefixed store and the process's device."""
+    return AbortableGroup(gloo_device.create(store, rank, size, timeout), rank, size)
 
 
 def register() -> None:

@@ -19,6 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from elastic import gloo_device
 from elastic.control import Assignment
 from elastic.nccl_group import REBUILD, SHRINK
 
@@ -131,6 +132,9 @@ def init_group(
         # Non-blocking communicators let abort() return even when a kernel is stuck.
         options = dist.ProcessGroupNCCL.Options()
         options.config.blocking = False
+    if backend == "gloo":
+        gloo_device.register()
+        backend = gloo_device.BACKEND  # gloo on the process's one device, across rounds too
     dist.init_process_group(
         backend,
         store=dist.PrefixStore(f"round{assignment.round}/", store),

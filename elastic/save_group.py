@@ -12,6 +12,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from elastic import gloo_device
 from elastic.sched_policy import helpers_yield
 
 
@@ -26,9 +27,10 @@ class SaveGroup:
         """Make this round's save group, once its training group is set up.
 
         It is a collective of the round's ranks."""
-        with helpers_yield():  # its threads wake 100 times a second, saving or not
+        gloo_device.register()  # on the process's gloo device: no thread of its own polls
+        with helpers_yield():
             self.group = dist.new_group(
-                backend="gloo", timeout=self.timeout, group_desc="checkpoint saves"
+                backend=gloo_device.BACKEND, timeout=self.timeout, group_desc="checkpoint saves"
             )
 
     def drop(self) -> None:

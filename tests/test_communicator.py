@@ -357,10 +357,11 @@ def test_the_next_round_does_not_wait_for_the_old_groups_teardown(tmp_path: Path
     assert r["drained"] and r["teardowns"] == 1
 
 
-def gloo_threads() -> int:
-    """This process's gloo threads: each live gloo group runs two, and its transport one."""
-    names = (Path(t, "comm").read_text().strip() for t in Path("/proc/self/task").iterdir())
-    return sum(name in ("pt_gloo_runloop", "gloo_tcp_loop") for name in names)
+def gloo_threads() -> dict[str, int]:
+    """This process's gloo threads by name: each live gloo group runs two ``pt_gloo_runloop``,
+    and every group shares the process's one transport thread (elastic.gloo_device)."""
+    names = [Path(t, "comm").read_text().strip() for t in Path("/proc/self/task").iterdir()]
+    return {name: names.count(name) for name in ("pt_gloo_runloop", "gloo_tcp_loop")}
 
 
 def _broken_round(c: Communicator, rank: int, breaks: str, kept: list[Any]) -> None:
@@ -413,7 +414,11 @@ def test_a_round_that_a_peer_broke_is_freed_once_its_end_is_recorded(
     evaluation's case keeps 3 gloo threads and the DDP)."""
     result = on_two_ranks(tmp_path, _released_main, breaks)
     failed = "gradient all-reduce" if breaks == "gradient" else "evaluation all-reduce"
-    assert result == {"failure": failed, "ddp_alive": False, "gloo": 0}
+    assert result == {
+        "failure": failed,
+        "ddp_alive": False,
+        "gloo": {"pt_gloo_runloop": 0, "gloo_tcp_loop": 1},
+    }
 
 
 def test_a_device_fault_is_local_whatever_else_the_round_saw() -> None:
