@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -70,16 +71,25 @@ class AbortableWork(dist.Work):
     It ends with the backend's work, or fails with :class:`RoundAborted` when the group is
     aborted, whichever comes first."""
 
-    def __init__(self, future: torch.futures.Future[Any]) -> None:
+    def __init__(
+        self,
+        future: torch.futures.Future[Any],
+        blocked: Callable[[float], None] = lambda seconds: None,
+    ) -> None:
         super().__init__()
         self._future = future
+        self._blocked = blocked  # told how long each wait blocked its caller
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Wait for the collective, raising its error or the abort's.
 
         ``timeout`` is not applied here: the backend's work fails at the group's own timeout,
         and this wait with it."""
-        self._future.wait()
+        began = time.perf_counter()
+        try:
+            self._future.wait()
+        finally:
+            self._blocked(time.perf_counter() - began)
         return True
 
     def get_future(self) -> torch.futures.Future[Any]:
@@ -120,6 +130,9 @@ class AbortableGroup(dist.ProcessGroup):
         self._waiter: threading.Thread | None = None  # started with the first collective
         self._name: str | None = None  # torch's name for the group (_set_group_name)
         self.failure: Exception | None = None  # the first of the backend's works to fail
+        # Seconds callers spent blocked in waits on this group's collectives: time a rank
+        # waited for its peers, which is not its own compute (elastic.step_timing).
+        self.blocked_s = 0.0
 
     # torch keeps a group's name on its backends, and this group has none of torch's (a
     # backend registered on it would be what torch's C++ collectives use, not abortable):
@@ -186,7 +199,11 @@ class AbortableGroup(dist.ProcessGroup):
                 )
                 self._waiter.start()
             self._queue.put(launched)
-        return AbortableWork(launched.ours)
+        return AbortableWork(launched.ours, self._add_blocked)
+
+    def _add_blocked(self, seconds: float) -> None:
+        with self._lock:
+            self.blocked_s += seconds
 
     def _wait_all(self) -> None:
         """Complete each of our futures as the backend's work ends, unless aborted first."""
@@ -284,6 +301,10 @@ class RoundMesh:
         if error is None:
             return None
         return CollectiveFailure.of("sharded collective", error)
+
+    def blocked_s(self) -> float:
+        """Seconds this rank has waited on the round's mesh collectives, summed over its groups."""
+        return sum(group.blocked_s for group in self._groups)
 
     def retire(self) -> list[dist.Work]:
         """Let go of the groups; what of theirs is still in flight, for the group reaper."""

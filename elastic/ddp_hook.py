@@ -48,7 +48,7 @@ class DDPHook:
     def __init__(self, comm: Communicator, grad_dtype: torch.dtype = torch.float32) -> None:
         self.comm = comm
         self.grad_dtype = grad_dtype  # what gradients travel in (comm.grad_dtype)
-        self.timing = StepTiming(comm.device)
+        self.timing = StepTiming(comm.device, comm.mesh.blocked_s)
         self.buckets_this_step = 0  # hook calls since begin_step(): how far backward got
         self.buckets_per_step = 0  # hook calls of the last complete step
         self._kept: dict[tuple[Any, ...], torch.Tensor] = {}  # _wire's

@@ -228,10 +228,8 @@ def nonfinite(w: Worker, s: Steps, done: StepDone) -> Action:
 
 
 def stragglers(w: Worker, s: Steps, done: StepDone) -> Action:
-    """Keep this step's compute time; compare every ``health.straggler_every`` steps.
-
-    Not under ``parallel.shard=node``: the compute time ends at DDP's last gradient bucket."""
-    if s.watch is not None and w.mesh is None:
+    """Keep this step's compute time; compare every ``health.straggler_every`` steps."""
+    if s.watch is not None:
         s.computed.append(w.hook.timing.last_compute_s)
         if s.progress.step % w.cfg.health.straggler_every == 0:
             compare_compute(w, s.a, s.watch, s.computed, s.progress.step)

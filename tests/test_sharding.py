@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from elastic.abortable_group import RoundMesh
 from elastic.async_checkpoint import BackgroundSaver
 from elastic.checkpoint import CheckpointManager
 from elastic.events import EventLog
@@ -36,6 +37,7 @@ from elastic.sharding import (
     take_shards,
 )
 from elastic.state import Progress, TrainState, sync_state
+from elastic.step_timing import StepTiming
 
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("needs torch.distributed with gloo", allow_module_level=True)
@@ -45,6 +47,7 @@ WRAP = (nn.TransformerEncoderLayer,)
 CPU = torch.device("cpu")
 GROUP_TIMEOUT = timedelta(seconds=60)  # bounds every collective and every rendezvous
 RUN_DEADLINE_S = 150.0  # bounds a whole multi-process run
+SLOW_S = 1.0  # how much slower a slow rank's step is
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered, on rank 0 only
 
 
@@ -156,16 +159,36 @@ def _hsdp_step(rank: int, world: int, tmp: str) -> None:
     norm = gradient_norm(list(model.parameters()), mesh)  # over this rank's node
     optimizer.step()
     state = full_state(model, optimizer)
+    timed = slow_step(model, mesh, rank, world)
     if rank == 0:
-        torch.save({"grads": grads, "norm": norm, **state}, Path(tmp, "hsdp.pt"))
+        torch.save({"grads": grads, "norm": norm, "timed": timed, **state}, Path(tmp, "hsdp.pt"))
     dist.destroy_process_group()
+
+
+def slow_step(model: nn.Module, mesh: Any, rank: int, world: int) -> list[list[float]]:
+    """A backward in which rank 3 is slow by SLOW_S, timed as the trainer times a sharded step:
+    every rank's [compute, blocked on the mesh] seconds."""
+    round_mesh = RoundMesh()
+    round_mesh.adopt(mesh)
+    timing = StepTiming(CPU, round_mesh.blocked_s)
+    blocked_before = round_mesh.blocked_s()
+    timing.begin()
+    if rank == 3:
+        time.sleep(SLOW_S)  # a slow rank, not synchronisation: its peers wait in collectives
+    backward(model, 1, rank, world)
+    timing.end()
+    mine = torch.tensor([timing.last_compute_s, round_mesh.blocked_s() - blocked_before])
+    every = [torch.zeros(2, dtype=mine.dtype) for _ in range(world)]
+    dist.all_gather(every, mine)
+    return [t.tolist() for t in every]
 
 
 def test_hsdp_step_equals_one_process_step(tmp_path: Path) -> None:
     """At 2 nodes x 2 workers, each rank on a quarter of the batch, the gradients are the whole
     batch's (fully_shard averages over all 4 ranks, the replicate dim included), their norm read
     from a node's shards is theirs, and the step leaves the weights and AdamW state of one
-    process that trained on the whole batch."""
+    process that trained on the whole batch. A slow rank's next step is its compute, and not
+    its peers'."""
     run_ranks(_hsdp_step, 4, tmp_path)
     got = torch.load(tmp_path / "hsdp.pt", weights_only=True)
     torch.manual_seed(0)
@@ -177,6 +200,11 @@ def test_hsdp_step_equals_one_process_step(tmp_path: Path) -> None:
     whole = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
     torch.testing.assert_close(got["norm"], whole, rtol=1e-5, atol=0)
     assert_like_reference(got, 1)
+    # The straggler comparison's compute time: rank 3's own slowness is its compute, and its
+    # peers' wait for it (in the gathers of its node, the replicas' all-reduce) is not theirs.
+    compute, blocked = zip(*got["timed"], strict=True)
+    assert compute[3] >= SLOW_S, got["timed"]
+    assert max(compute[:3]) < SLOW_S / 2 <= min(blocked[:3]), got["timed"]
 
 
 def _lost_node(rank: int, world: int, tmp: str) -> None:

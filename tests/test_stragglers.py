@@ -51,7 +51,7 @@ def test_a_steps_compute_ends_with_its_last_bucket_handed_to_the_all_reduce(
     rank's compute; a step that handed no bucket over computed until its end."""
     clock = iter([10.0, 10.2, 10.3, 20.0, 20.4])
     monkeypatch.setattr(step_timing, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
-    timing = StepTiming(torch.device("cpu"))
+    timing = StepTiming(torch.device("cpu"), lambda: 0.0)
     timing.begin()  # 10.0
     timing.bucket_handed()  # 10.2
     timing.bucket_handed()  # 10.3; then the all-reduce waits for a slow peer
@@ -60,3 +60,17 @@ def test_a_steps_compute_ends_with_its_last_bucket_handed_to_the_all_reduce(
     timing.begin()  # 20.0
     timing.end()  # 20.4
     assert timing.last_compute_s == pytest.approx(0.4)
+
+
+def test_a_sharded_steps_compute_is_its_time_less_its_waits_on_the_mesh(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sharded step hands no buckets and waits for its peers all through (FSDP2 gathers each
+    unit's weights): what the mesh's collectives blocked it is not its compute."""
+    clock = iter([10.0, 11.0])
+    blocked = iter([5.0, 5.7])  # seconds blocked on the mesh so far: at begin, at end
+    monkeypatch.setattr(step_timing, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    timing = StepTiming(torch.device("cpu"), lambda: next(blocked))
+    timing.begin()
+    timing.end()
+    assert timing.last_compute_s == pytest.approx(0.3)
