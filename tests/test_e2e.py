@@ -131,15 +131,17 @@ def start_agent(
     etcd_endpoint: str,
     max_files: int = 0,
     env: dict[str, str] | None = None,
+    config_path: Path | None = None,
 ) -> subprocess.Popen[bytes]:
     """One more node for a running job, as an operator would start it on another machine;
-    with ``max_files``, under that RLIMIT_NOFILE (soft and hard); ``env`` added to ours."""
+    with ``max_files``, under that RLIMIT_NOFILE (soft and hard); ``env`` added to ours; with
+    ``config_path``, a config of its own instead of the job's."""
     argv = [
         sys.executable,
         "-m",
         "launcher.agent",
         "--config",
-        str(run_dir / "config.yaml"),
+        str(config_path or run_dir / "config.yaml"),
         "--node-id",
         node_id,
         "--etcd",
@@ -717,6 +719,48 @@ def test_sigterm_stops_cleanly_and_a_restart_resumes_from_the_checkpoint(
     assert wait_exit(restart, run_dir) == 0, output(run_dir)[-3000:]
     done = [e for e in read_events(run_dir) if e["event"] == "training_done"]
     assert done and done[-1]["samples_seen"] == 3 * SAMPLES_PER_EPOCH
+
+
+def test_a_node_short_of_workers_is_refused_by_a_sharded_job(
+    tmp_path: Path, etcd_endpoint: str, job_id: str, gate: Gate
+) -> None:
+    """Under parallel.shard=node each node's state is sharded over its workers: a node that
+    would start fewer than the round's nodes run (a GPU missing) says why and stays out, while
+    the job trains on (held at the gate from its first step until then)."""
+    run_dir = tmp_path / "run"
+    gate.hold_after(1)
+    proc = launch(
+        run_dir,
+        "job=lm",
+        "job.sequences=64",
+        "job.val_sequences=0",
+        "trainer.epochs=1",
+        "parallel.shard=node",
+        "cluster.nodes=1",
+        "cluster.max_nodes=2",
+        "cluster.cpu_workers=2",
+        "rendezvous.first_round_wait_s=1",
+        f"cluster.etcd_endpoints=[{etcd_endpoint}]",
+        job_id=job_id,
+        env=gate.env(),
+    )
+    wait_event(run_dir, proc, lambda e: e["event"] == "step" and e["world_size"] == 2)
+    short = run_dir / "short.yaml"
+    short.write_text(
+        (run_dir / "config.yaml").read_text().replace("cpu_workers: 2", "cpu_workers: 1", 1)
+    )
+    node = start_agent(run_dir, "short", etcd_endpoint, config_path=short)
+    try:
+        assert node.wait(timeout=120) == EXIT_UNHEALTHY, output(run_dir)[-2000:]
+    finally:
+        node.kill()
+    refused = next(e for e in read_events(run_dir) if e["event"] == "health_failed")
+    assert refused["node"] == "short", refused
+    why = refused["failures"][0]
+    assert why.startswith("cluster.workers_per_node=1: this node runs 1 workers"), why
+    assert "runs 2 on 1 nodes" in why and "Fix: start this node with" in why, why
+    gate.open()
+    assert wait_exit(proc, run_dir) == 0, output(run_dir)[-3000:]
 
 
 def test_unfit_node_stays_out_is_quarantined_and_joins_once_cleared(

@@ -18,7 +18,7 @@ import pytest
 
 from elastic.config import Config, HealthConfig
 from elastic.manifest import MANIFEST, newest_manifest
-from launcher.agent.slots import device_without_cuda, gpu_device_nodes
+from launcher.agent.slots import device_without_cuda, gpu_device_nodes, layout_refusal
 from launcher.health import checks as health
 from launcher.health.checks import (
     _clock_against,
@@ -260,6 +260,18 @@ def test_device_is_decided_without_cuda_where_there_can_be_no_gpu() -> None:
         assert device_without_cuda("auto", gpu, visible) is None, visible
     assert device_without_cuda("auto", ["/dev/dxg"], None) is None  # WSL2
     assert isinstance(device_without_cuda(Config().cluster.device, [], None), str)
+
+
+def test_a_sharded_job_takes_only_nodes_of_its_rounds_worker_count() -> None:
+    """Under parallel.shard=node every node runs as many workers as the round's nodes: a node
+    short of a GPU is refused with the count to start it with; a job with no round takes any."""
+    assert layout_refusal(2, 4, 3, 6) is None
+    assert layout_refusal(3, 0, 0, 0) is None  # no round yet
+    refused = layout_refusal(1, 4, 3, 6)
+    assert refused is not None
+    assert refused.startswith("cluster.workers_per_node=1: this node runs 1 workers, and round 4")
+    assert "Fix: start this node with cluster.workers_per_node=2" in refused
+    assert "workers_per_node=the same number" in (layout_refusal(2, 4, 2, 5) or "")
 
 
 def torch_modules(importtime: str) -> list[str]:

@@ -18,6 +18,7 @@ from elastic import event_types as ev
 from elastic.events import EventLog
 from launcher.agent import decisions as decide
 from launcher.agent.peers import probe
+from launcher.agent.slots import layout_refusal
 from launcher.health.checks import run_checks
 from launcher.health.node_report import Status
 from launcher.health.quarantine import Entry, Quarantine, clear_command
@@ -173,6 +174,33 @@ class Admission:
             level=logging.ERROR,
             failures=failures,
             quarantined_until=entry.until if entry else None,
+        )
+        return EXIT_UNHEALTHY
+
+    def say_ready(self, workers_ready: bool, reaches_the_round: Callable[[], bool]) -> int:
+        """Say the node is ready once its workers are and the rendezvous has caught up.
+
+        0, or :data:`EXIT_UNHEALTHY` when the job's layout cannot take its workers. It must also
+        reach every live member of the round (``reaches_the_round``, asked last: it probes
+        them): only ready nodes are placed in a round. Under ``parallel.shard=node`` a node runs
+        as many workers as the round's nodes (:func:`launcher.agent.slots.layout_refusal`)."""
+        rdzv = self._rdzv
+        if rdzv.node.ready or not (workers_ready and rdzv.synced and reaches_the_round()):
+            return 0
+        current = rdzv.view.round
+        refusal = None
+        if current is not None and self._cfg.parallel.shard is config.Shard.node:
+            refusal = layout_refusal(self._slots, current.number, current.size, current.ranks)
+        if refusal is None:
+            rdzv.record.set_ready()
+            return 0
+        self.reason = refusal
+        self._events.emit(
+            ev.HEALTH_FAILED,
+            f"{self._node_id} does not join the job: {refusal}",
+            level=logging.ERROR,
+            failures=[refusal],
+            quarantined_until=None,
         )
         return EXIT_UNHEALTHY
 

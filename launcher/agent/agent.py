@@ -292,7 +292,8 @@ class Agent:
                 if code:
                     return code
                 continue
-            self._say_ready()
+            if code := self._say_ready():
+                return code
             lost = self.peers.on_lost(self.act.current, view)
             if isinstance(lost, str):
                 self.act.leave_round(lost)
@@ -315,18 +316,14 @@ class Agent:
             soon = probing or self.leaving.since is not None
             self._wait(timeout=PROBE_AGAIN_S if soon else IDLE_WAKE_S)
 
-    def _say_ready(self) -> None:
-        """Say the node is ready once its workers are and the rendezvous has caught up.
-
-        It must also reach every live member of the round: only ready nodes are placed in a
-        round."""
-        if (
-            not self.rdzv.node.ready
-            and self.workers.ready
-            and self.rdzv.synced
-            and self.peers.reaches_the_round(self.rdzv.view)
-        ):
-            self.rdzv.record.set_ready()
+    def _say_ready(self) -> int:
+        """:meth:`Admission.say_ready`: 0, or the exit code of a node its job's layout refuses."""
+        code = self.admission.say_ready(
+            self.workers.ready, lambda: self.peers.reaches_the_round(self.rdzv.view)
+        )
+        if code:
+            self.leave_reason = self.admission.reason
+        return code
 
     def _drained(self, view: JobView) -> bool:
         """Whether the node may leave now, or drains first (:meth:`PlannedLeave.may_leave`).

@@ -1,4 +1,4 @@
-"""How many workers a node runs, and on which device.
+"""How many workers a node runs, on which device, and whether the job's layout takes them.
 
 The agent starts them, the doctor checks for them.
 
@@ -59,3 +59,24 @@ def local_slots(cfg: config.Config) -> tuple[int, str]:
         if device == "cuda" or torch.cuda.is_available():
             return cfg.cluster.workers_per_node or torch.cuda.device_count(), "cuda"
     return cfg.cluster.workers_per_node or cfg.cluster.cpu_workers, "cpu"
+
+
+def layout_refusal(slots: int, round_number: int, round_nodes: int, round_ranks: int) -> str | None:
+    """Why a node of ``slots`` workers may not join a job under ``parallel.shard=node``; or None.
+
+    Each node's state is sharded over its workers, so every node must run as many as the nodes
+    of the job's current round (``round_ranks`` workers on ``round_nodes`` nodes; no round yet:
+    0 nodes). A node short of a GPU, under ``cluster.workers_per_node=0``, would run fewer."""
+    if round_nodes == 0 or round_ranks == slots * round_nodes:
+        return None
+    per_node, uneven = divmod(round_ranks, round_nodes)
+    count = f"{per_node}" if not uneven else "the same number"
+    return config.problem(
+        "cluster.workers_per_node",
+        slots,
+        f"this node runs {slots} workers, and round {round_number} runs {round_ranks} on "
+        f"{round_nodes} nodes: parallel.shard=node shards each node's state over its workers, "
+        f"so every node must run as many",
+        f"start this node with cluster.workers_per_node={count} (on CPU, cluster.cpu_workers), "
+        f"or mend the GPU it misses",
+    )
