@@ -1,34 +1,48 @@
-"""One gloo transport device per worker process, shared by every gloo group the worker makes.
+"""One gloo transport device per worker process (per interface), shared by all its gloo groups.
 
 A gloo device runs a thread that polls its sockets every 10 ms, busy or idle (gloo's
 ``transport/tcp/device.cc``), and torch gives each group a device of its own. A worker held two
 such threads (the training group's and the idle save group's), and a new pair each round; on
 two shared cores each wake-up may take the training loop's core (docs/benchmarks.md, "Who takes
-the training loop's core"). Groups made through :data:`BACKEND` share the process's one device:
-gloo keeps each group's connections apart, and a lost peer fails them as before.
+the training loop's core"). Groups made through :data:`BACKEND` share the process's devices
+(one, or one per interface ``GLOO_SOCKET_IFNAME`` lists, as torch makes them): gloo keeps each
+group's connections apart, and a lost peer fails them as before.
 """
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import torch.distributed as dist
 
 BACKEND = "gloo_shared"  # the name torch knows the backend by (dist.Backend.register_backend)
 
-_device: dist.ProcessGroupGloo.Device | None = None  # made by the first group that needs it
+IFNAME_ENV = "GLOO_SOCKET_IFNAME"  # interfaces (comma-separated) gloo's sockets use
+
+_devices: list[dist.ProcessGroupGloo.Device] = []  # made by the first group that needs them
+
+
+def devices(ifname: str | None) -> list[dist.ProcessGroupGloo.Device]:
+    """The process's gloo devices, made once, as torch makes each group's.
+
+    One per interface ``ifname`` (``GLOO_SOCKET_IFNAME``) lists, else one on the address the
+    host name resolves to."""
+    if not _devices:
+        if ifname and len(ifname) > 1:  # torch's own test of the variable
+            _devices.extend(
+                dist.ProcessGroupGloo.create_device(interface=name) for name in ifname.split(",")
+            )
+        else:
+            _devices.append(dist.ProcessGroupGloo.create_default_device())
+    return _devices
 
 
 def options(timeout: timedelta) -> dist.ProcessGroupGloo._Options:
-    """A gloo backend's options: the process's device, and the group's timeout.
-
-    The device is made as torch makes each group's (``GLOO_SOCKET_IFNAME``, else the host
-    name's address)."""
-    global _device
-    if _device is None:
-        _device = dist.ProcessGroupGloo.create_default_device()
+    """A gloo backend's options: the process's devices, two threads each, the group's timeout."""
     opts = dist.ProcessGroupGloo._Options()
-    opts._devices = [_device]
+    opts._devices = devices(os.environ.get(IFNAME_ENV))
+    opts._threads = 2 * len(opts._devices)
     opts._timeout = timeout
     return opts
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from elastic import gloo_device
 from elastic.communicator import Communicator
 from elastic.control import Assignment
 from elastic.ddp_hook import DDPHook
@@ -355,6 +356,19 @@ def test_the_next_round_does_not_wait_for_the_old_groups_teardown(tmp_path: Path
     assert not r["old_work_done_by_then"], "the hung all-reduce ended before round 2 trained"
     assert r["closed_s"] < 2 and r["round2_s"] < 3  # sanity bounds; the timeout is 4 s
     assert r["drained"] and r["teardowns"] == 1
+
+
+def test_gloo_groups_share_the_devices_torch_would_make_for_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One per interface GLOO_SOCKET_IFNAME lists (two threads each), as torch makes a group's,
+    and made once: every group after the first shares them (the thread counts below)."""
+    monkeypatch.setattr(gloo_device, "_devices", [])
+    monkeypatch.setenv(gloo_device.IFNAME_ENV, "lo,lo")
+    first = gloo_device.options(timedelta(seconds=5))
+    assert (len(first._devices), first._threads) == (2, 4)
+    gloo_device.options(timedelta(seconds=9))
+    assert len(gloo_device._devices) == 2
 
 
 def gloo_threads() -> dict[str, int]:
