@@ -48,7 +48,7 @@ def options(timeout: timedelta) -> dist.ProcessGroupGloo._Options:
 
 
 def create(store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroupGloo:
-    """torch's backend creator: a gloo backend on the process's device."""
+    """torch's backend creator: a gloo backend on the process's devices."""
     return dist.ProcessGroupGloo(store, rank, size, options(timeout))
 
 

@@ -134,7 +134,7 @@ def init_group(
         options.config.blocking = False
     if backend == "gloo":
         gloo_device.register()
-        backend = gloo_device.BACKEND  # gloo on the process's one device, across rounds too
+        backend = gloo_device.BACKEND  # gloo on the process's devices, across rounds too
     dist.init_process_group(
         backend,
         store=dist.PrefixStore(f"round{assignment.round}/", store),

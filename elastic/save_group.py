@@ -27,7 +27,7 @@ class SaveGroup:
         """Make this round's save group, once its training group is set up.
 
         It is a collective of the round's ranks."""
-        gloo_device.register()  # on the process's gloo device: no thread of its own polls
+        gloo_device.register()  # on the process's gloo devices: no polling thread of its own
         with helpers_yield():
             self.group = dist.new_group(
                 backend=gloo_device.BACKEND, timeout=self.timeout, group_desc="checkpoint saves"
