@@ -15,6 +15,7 @@ from launcher.agent.decisions import (
     Drain,
     Evict,
     Finish,
+    Fruitless,
     GiveUp,
     IdTaken,
     Leave,
@@ -32,6 +33,7 @@ from launcher.agent.decisions import (
     away_for,
     evicts_now,
     follow_round,
+    fruitless,
     join_timed_out,
     keeps_workers,
     leaves_done_job,
@@ -210,6 +212,18 @@ def test_a_broken_round_whose_peers_all_answer_is_left_after_a_lease() -> None:
     # A peer that is dead or out of reach is someone to blame: eviction (or fencing) mends it.
     assert not no_one_to_blame(found, {"b": ALIVE, "c": DEAD}, 9.0, 3.0)
     assert not no_one_to_blame(found, {"b": CUT, "c": ALIVE}, 9.0, 3.0)
+
+
+def test_rounds_left_with_no_one_to_blame_at_one_step_stop_the_node() -> None:
+    """A collective that fails by itself (an operation the backend lacks) fails every round at
+    the same step though every peer answers: after 5 such rounds in a row the node stops,
+    naming the step, instead of forming rounds without end. A step trained between two such
+    rounds starts the count again."""
+    assert fruitless([7, 7, 7, 7], 5) is None
+    stop = fruitless([3, 7, 7, 7, 7, 7], 5)
+    assert stop == Fruitless(rounds=5, step=7)
+    assert "5 rounds in a row failed at step 7 though every peer answered" in stop.message()
+    assert fruitless([7, 7, 8, 8, 8, 8], 5) is None  # step 8 was begun: a round trained
 
 
 def test_no_report_or_a_stale_one_probes_nothing() -> None:

@@ -294,7 +294,11 @@ class Agent:
                 continue
             if code := self._say_ready():
                 return code
-            lost = self.peers.on_lost(self.act.current, view)
+            lost = self.peers.on_lost(self.act.current, view, self.workers.step)
+            if isinstance(lost, decide.Fruitless):
+                self.leave_reason = lost.message()
+                log.error("%s stops: %s", self.node_id, self.leave_reason)
+                return 1
             if isinstance(lost, str):
                 self.act.leave_round(lost)
             probing = isinstance(lost, decide.Probe)
@@ -304,17 +308,20 @@ class Agent:
             if self.act.current is not None:
                 waiting_since = now
             elif decide.join_timed_out(waiting_since, now, self.cfg.rendezvous.join_timeout_s):
-                self.events.emit(
-                    ev.JOIN_TIMEOUT,
-                    f"{self.node_id} was not placed in a round within "
-                    f"rendezvous.join_timeout_s={self.cfg.rendezvous.join_timeout_s:.0f}; "
-                    "are cluster.min_nodes nodes up?",
-                    level=logging.ERROR,
-                    waited_s=now - waiting_since,
-                )
+                self._not_placed(now - waiting_since)
                 return 1
             soon = probing or self.leaving.since is not None
             self._wait(timeout=PROBE_AGAIN_S if soon else IDLE_WAKE_S)
+
+    def _not_placed(self, waited_s: float) -> None:
+        timeout = self.cfg.rendezvous.join_timeout_s
+        self.events.emit(
+            ev.JOIN_TIMEOUT,
+            f"{self.node_id} was not placed in a round within rendezvous.join_timeout_s="
+            f"{timeout:.0f}; are cluster.min_nodes nodes up?",
+            level=logging.ERROR,
+            waited_s=waited_s,
+        )
 
     def _say_ready(self) -> int:
         """:meth:`Admission.say_ready`: 0, or the exit code of a node its job's layout refuses."""

@@ -312,6 +312,28 @@ def no_one_to_blame(
     )
 
 
+@dataclass(frozen=True)
+class Fruitless:
+    """Rounds this node left with no one to blame, ``rounds`` in a row, all at ``step``."""
+
+    rounds: int
+    step: int
+
+    def message(self) -> str:
+        return (
+            f"{self.rounds} rounds in a row failed at step {self.step} though every peer answered: "
+            "a collective that fails by itself (an operation the backend lacks, a bug in the job) "
+            "or a data path blocked while the agents' ports answer (a firewall); forming rounds "
+            "again will not mend it, and the newest checkpoint stands"
+        )
+
+
+def fruitless(blameless_steps: Sequence[int], limit: int) -> Fruitless | None:
+    """Whether ``limit`` rounds in a row left with no one to blame, at one step, never train."""
+    recent = blameless_steps[-limit:]
+    return Fruitless(limit, recent[0]) if len(recent) == limit == recent.count(recent[0]) else None
+
+
 def reaches_the_round(round: Round | None, reach: Mapping[str, Reach], me: str) -> bool:
     """Whether this node may say it is ready to join.
 

@@ -28,6 +28,9 @@ PROBE_AGAIN_S = 0.2  # after a failed collective, peers are probed this often un
 # frozen, or may not have seen the failure at all: gloo's ring leaves a rank waiting on a live
 # neighbour that gave up, without an error, so its agent never probes.
 EVICT_BACKUP_S = 1.0
+# Rounds in a row left with no one to blame, at one step, after which a node stops: each costs
+# rendezvous.pg_timeout_s or a lease TTL, and a cause that outlives this many does not heal.
+FRUITLESS_ROUNDS = 5
 WHY_EVICTED = {
     decide.Reach.DEAD: "its agent refuses connections",
     decide.Reach.UNREACHABLE: "unreachable from the majority of the round",
@@ -68,13 +71,18 @@ class Peers:
         self.lost_round = 0  # the newest round in which a local worker saw a collective fail
         self._probing_since: float | None = None  # monotonic: when probing for lost_round began
         self._cut_off = False  # it could not reach the round's members when it last looked
+        self._blameless: list[int] = []  # the workers' step at each round left with no one to blame
 
-    def on_lost(self, current: Round | None, view: JobView) -> decide.Probe | str | None:
+    def on_lost(
+        self, current: Round | None, view: JobView, step: int
+    ) -> decide.Probe | decide.Fruitless | str | None:
         """After a failed collective, probe the peers and evict those that are dead.
 
         Returns the probe while the round stands (the loop probes again in
         :data:`PROBE_AGAIN_S`). Returns the reason to leave the round when every peer answers yet
-        the collectives failed, or None when there is nothing to look at."""
+        the collectives failed, unless :data:`FRUITLESS_ROUNDS` such rounds in a row failed at
+        the workers' ``step`` (:func:`decisions.fruitless`: the node stops). None when there is
+        nothing to look at."""
         whole = self._whole(current) if current is not None else None
         found = decide.on_peer_lost(whole, self.lost_round, view, self._node_id)
         if found is None:
@@ -86,6 +94,9 @@ class Peers:
         waited = now - self._probing_since
         if decide.no_one_to_blame(found, reach, waited, self._cfg.lease_ttl_s):
             self._probing_since = None
+            self._blameless.append(step)
+            if stop := decide.fruitless(self._blameless, FRUITLESS_ROUNDS):
+                return stop
             return (
                 f"round {found.round.number}'s collectives failed, yet every peer answers: "
                 "leaving it so that it is formed again"

@@ -246,6 +246,11 @@ class WorkerGroup:
     def ready(self) -> bool:
         return all(s.ready and s.exit_code is None for s in self.slots)
 
+    @property
+    def step(self) -> int:
+        """The step the workers last began (their heartbeats' newest); 0 before any."""
+        return max((int(s.watchdog.status.get("step") or 0) for s in self.slots), default=0)
+
     def finished_in(self, timeout_s: float) -> int | None:
         """The round in which the exited workers said they finished the job; None if none did.
 
