@@ -71,7 +71,8 @@ class Peers:
         self.lost_round = 0  # the newest round in which a local worker saw a collective fail
         self._probing_since: float | None = None  # monotonic: when probing for lost_round began
         self._cut_off = False  # it could not reach the round's members when it last looked
-        self._blameless: list[int] = []  # the workers' step at each round left with no one to blame
+        # The workers' step at each of the latest rounds left with no one to blame.
+        self._blameless: list[int] = []
 
     def on_lost(
         self, current: Round | None, view: JobView, step: int
@@ -95,6 +96,7 @@ class Peers:
         if decide.no_one_to_blame(found, reach, waited, self._cfg.lease_ttl_s):
             self._probing_since = None
             self._blameless.append(step)
+            del self._blameless[:-FRUITLESS_ROUNDS]  # only the latest count
             if stop := decide.fruitless(self._blameless, FRUITLESS_ROUNDS):
                 return stop
             return (
