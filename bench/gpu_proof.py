@@ -40,11 +40,11 @@ checkpoint                35  ``bench/checkpoint.py --device cuda``: the ResNet-
                               DCP's ``async_save``
 throughput                80  ``bench/throughput.py``: ResNet-50, 224 px, bf16,
                               channels_last, our trainer against a plain DDP loop, without
-                              and with a background checkpoint in the window; and ours with
-                              the JPEGs decoded on the GPU (``data.decode=device``) against
-                              ours with the CPU loader. On the H100 both ran at the CPU
-                              loader's rate (about 300 images/s): a figure of the
-                              runtime's cost needs data faster than the GPU
+                              and with a background checkpoint in the window, both on the
+                              training split decoded once into memory
+                              (``data.decode=once``): on the H100 the JPEGs' decoding fed
+                              both at about 300 images/s, and a figure of the runtime's
+                              cost needs data faster than the GPU
 ====================  ======  ===========================================================
 
 NCCL refuses two ranks of one communicator on one device unless each passes for a host of its
@@ -153,7 +153,8 @@ def environment_headline(output: str, ctx: Context) -> str:
     gpus = ", ".join(g["name"] for g in env.get("gpus", [])) or "no GPU"
     return (
         f"torch {env['torch']} (CUDA {env['cuda']}), NCCL {env['nccl']}, {gpus}, "
-        f"driver {env.get('driver') or '-'}"
+        f"driver {env.get('driver') or '-'}, {env.get('cpus_usable')} of {env.get('cpus')} CPUs "
+        f"usable, CPU quota {env.get('cpu_quota') or '-'}"
     )
 
 
@@ -245,16 +246,18 @@ def throughput_argv(ctx: Context) -> list[str]:
     common = ["--repeats=1", "--aggressive-every=0"]
     if ctx.device == "cuda":
         sizes = [
-            "--device-decode",  # nvJPEG; on the CPU the same cores decode either way
             "--model=resnet50",
             "--image-size=256",
             "--crop-size=224",
             "--batch-size=128",
             "--precision=bf16",
             "--channels-last",
-            "--steps=20",
+            "--steps=60",  # about 2.5 s at the H200's rate: start-up is most of a run
             "--warmup-steps=15",
             "checkpoint.every_steps=10",
+            # Both runtimes on the training split decoded once: the 16 cores' JPEG decoding fed
+            # about 300 images/s on the H100 (2026-11-28), a tenth of the GPU's rate.
+            "data.decode=once",
         ]
     else:
         sizes = [
@@ -668,6 +671,25 @@ def memory_across_rounds(events: list[Mapping[str, Any]]) -> dict[str, Any] | No
     return {"node": node, "rss_mib": rss, "device_used_mib": device, "summary": text}
 
 
+def cgroup_cpu_quota() -> str | None:
+    """This process's cgroup CPU quota as "quota period" in microseconds; None if none is found.
+
+    cgroup v2's ``cpu.max`` ("max 100000": no quota), or v1's ``cpu.cfs_quota_us`` (-1: none)
+    and ``cpu.cfs_period_us``."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if not controllers:  # v2
+                found = Path("/sys/fs/cgroup", path.lstrip("/"), "cpu.max")
+                if found.exists():
+                    return found.read_text().strip()
+            elif "cpu" in controllers.split(","):  # v1
+                folder = Path("/sys/fs/cgroup/cpu", path.lstrip("/"))
+                quota = (folder / "cpu.cfs_quota_us").read_text().strip()
+                return f"{quota} {(folder / 'cpu.cfs_period_us').read_text().strip()}"
+    return None
+
+
 def probe_environment(into: Path) -> None:
     """Write what this Python runs on as JSON, and print it.
 
@@ -733,6 +755,10 @@ def probe_environment(into: Path) -> None:
         "bf16": torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
         "driver": driver,
         "cpus": os.cpu_count(),
+        # What this process may run on, and its cgroup's CPU quota ("max 100000": none): the
+        # H100's loader fed 300 images/s on 16 CPUs, which either could explain.
+        "cpus_usable": len(os.sched_getaffinity(0)),
+        "cpu_quota": cgroup_cpu_quota(),
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
     }
     into.write_text(json.dumps(found, indent=2) + "\n")

@@ -58,6 +58,12 @@ loader processes only read the JPEGs and the training process decodes and augmen
 device (nvJPEG on a GPU), against ours decoded by the loader, paired in the same repeat. On the
 CPU it only shows the path works: the same cores decode either way.
 
+``data.decode=once`` (an override) puts both runtimes on the training split decoded once into
+memory (:class:`elastic.data.DecodedOnce`): a sample is its image's seeded flip, a batch is
+copied as 8-bit pixels and normalised on the device. Then the step is measured, and not the
+JPEG decoding, which on a GPU may be slower than the step: the H100's loader fed both runtimes
+about 300 images/s (2026-11-28). The GPU proof runs it so.
+
 The window. Only the steady state counts: the first ``--warmup-steps`` steps are skipped; samples/s
 is the samples of the next ``--steps`` steps over the wall time from the end of the last skipped
 step to the end of the window, the same window for every row. The warm-up holds start-up, the
@@ -99,7 +105,8 @@ runtime: the etcd's CPU share, printed for every row, now tells it at no cost.
     .venv/bin/python bench/throughput.py --steps 20 --warmup-steps 12 --repeats 2 \\
         checkpoint.every_steps=10                                       # quick look, CPU
     .venv/bin/python bench/throughput.py --device cuda --model resnet50 --batch-size 128 \\
-        --image-size 256 --crop-size 224 --loader-workers -1 --steps 100 --warmup-steps 30
+        --image-size 256 --crop-size 224 --loader-workers -1 --steps 100 --warmup-steps 30 \
+        data.decode=once
 
 The CPU defaults (3 rows x 2 runtimes x 6 repeats, 70 steps each) take about 15 minutes on 2
 quiet cores: a run of ours is about 15 s of start-up and shutdown besides its steps, one of the
@@ -135,7 +142,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchvision import datasets, models
 
 REPO = Path(__file__).resolve().parent.parent
@@ -144,12 +151,12 @@ sys.path.insert(0, str(REPO))
 from elastic import config  # noqa: E402
 from elastic import event_types as ev  # noqa: E402
 from elastic.config import Config  # noqa: E402
-from elastic.data import imagenet_transform, train_root  # noqa: E402
+from elastic.data import DecodedOnce, imagenet_transform, train_root  # noqa: E402
 from elastic.ddp_hook import DDP_OPTIONS  # noqa: E402
 from elastic.events import EventFollower, read_events  # noqa: E402
 from elastic.model import build_model  # noqa: E402
 from elastic.optim import build_optimizer  # noqa: E402
-from elastic.pipeline import PREFETCH_FACTOR, loader_workers  # noqa: E402
+from elastic.pipeline import PREFETCH_FACTOR, Normalize, loader_workers  # noqa: E402
 from elastic.replicas import checksum  # noqa: E402
 from elastic.sampler import ElasticSampler, SamplerState  # noqa: E402
 from elastic.state import TrainState  # noqa: E402
@@ -510,6 +517,7 @@ class PlainJob:
 
     root: str
     crop_size: int
+    decode_once: bool  # data.decode=once: the split held as pixels, as ours holds it
     model: str
     batch_size: int
     seed: int
@@ -538,6 +546,23 @@ def plain_save(state: dict[str, object], path: str) -> None:
         os.fsync(f.fileno())
 
 
+class FlippedPixels(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """The peer's data set under ``data.decode=once``: our decoded-once pixels.
+
+    Each sample is flipped at random, as the reference's ``RandomHorizontalFlip`` flips it, in
+    the loader processes as ours are; the batch is normalised on the device, as ours is."""
+
+    def __init__(self, once: DecodedOnce) -> None:
+        self.images, self.targets = once.images, once.targets
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        image = self.images[index]
+        return (image.flip(-1) if torch.rand(1).item() < 0.5 else image), self.targets[index]
+
+
 def plain_worker(rank: int, job: PlainJob) -> None:
     # A session of its own, as each of our workers runs in its agent's: under the kernel's
     # autogroup scheduling (on by default) sessions are what the CPU is shared among, and ranks
@@ -556,8 +581,14 @@ def plain_worker(rank: int, job: PlainJob) -> None:
     )
     try:
         torch.backends.cudnn.benchmark = True
-        dataset = datasets.ImageFolder(job.root, imagenet_transform(job.crop_size))
-        sampler = DistributedSampler(dataset, seed=job.seed)
+        classes, _ = datasets.folder.find_classes(job.root)
+        normalize = Normalize(device) if job.decode_once else None
+        dataset: Dataset[Any] = (
+            FlippedPixels(DecodedOnce(Path(job.root), job.crop_size, job.seed, job.threads))
+            if job.decode_once
+            else datasets.ImageFolder(job.root, imagenet_transform(job.crop_size))
+        )
+        sampler = DistributedSampler(dataset, seed=job.seed)  # type: ignore[arg-type]
         workers = job.loader_workers
         loader = DataLoader(
             dataset,
@@ -569,7 +600,7 @@ def plain_worker(rank: int, job: PlainJob) -> None:
             prefetch_factor=PREFETCH_FACTOR if workers > 0 else None,
         )
         torch.manual_seed(job.seed)  # identical replicas without DDP's init_sync broadcast
-        model = models.get_model(job.model, weights=None, num_classes=len(dataset.classes))
+        model = models.get_model(job.model, weights=None, num_classes=len(classes))
         model = model.to(device)
         layout = torch.channels_last if job.channels_last else torch.preserve_format
         if job.channels_last:
@@ -590,6 +621,10 @@ def plain_worker(rank: int, job: PlainJob) -> None:
             sampler.set_epoch(epoch)
             for image, target in loader:
                 image, target = image.to(device, memory_format=layout), target.to(device)
+                if normalize is not None:  # pixels: normalised on the device, as ours are
+                    image = normalize(image)
+                    if job.channels_last:
+                        image = image.contiguous(memory_format=torch.channels_last)
                 autocast = (
                     torch.autocast(device.type, dtype=dtype)
                     if dtype is not None
@@ -633,6 +668,7 @@ def run_plain(setup: Setup, work: Path, every: int) -> Window:
     job = PlainJob(
         root=str(train_root(cfg.data)),
         crop_size=cfg.data.crop_size,
+        decode_once=cfg.data.decode is config.Decode.once,
         model=cfg.model.name,
         batch_size=cfg.data.batch_size,
         seed=cfg.trainer.seed,
@@ -704,6 +740,11 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Setup:
         validate_launch(cfg)
     except (UsageError, config.ConfigError) as exc:
         parser.error(str(exc))
+    if args.device_decode and cfg.data.decode is config.Decode.once:
+        parser.error(
+            "--device-decode compares ours decoded on the device against ours decoded by the "
+            "loader, and data.decode=once decodes neither way: leave one of them out"
+        )
     if args.image_size is not None and not cfg.data.synthetic:
         parser.error("--image-size sizes the generated images: it needs data.synthetic=true")
     every, aggressive = cfg.checkpoint.every_steps, args.aggressive_every

@@ -9,10 +9,15 @@ the world size, the rank that draws it, or how many restarts came before.
 
 from __future__ import annotations
 
+import logging
 import os
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
+import psutil
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
@@ -20,6 +25,11 @@ from torchvision import datasets, transforms
 from torchvision.io import read_file
 
 from elastic.config import DataConfig, Decode
+from elastic.config.training_rules import once_memory_problem
+
+log = logging.getLogger(__name__)
+
+PROGRESS_S = 10.0  # how often a long decode-once pass says how far it got
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -64,6 +74,11 @@ def eval_transform(crop_size: int) -> transforms.Compose:
     )
 
 
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of sample ``index``'s augmentation in ``epoch``: the same wherever it is read."""
+    return (seed * 1_000_003 + epoch) * 100_000_007 + index
+
+
 class Encoded(NamedTuple):
     """A training sample left for the device to decode (``data.decode=device``).
 
@@ -106,9 +121,7 @@ class SeededImageFolder(Dataset[tuple[torch.Tensor, int] | Encoded]):
         with torch.random.fork_rng(devices=[]):
             # The CPU generator only: torch.manual_seed also seeds every accelerator's, which
             # costs ~240 us a sample against ~3 us, and the transforms draw from the CPU's.
-            torch.default_generator.manual_seed(
-                (self.seed * 1_000_003 + epoch) * 100_000_007 + index
-            )
+            torch.default_generator.manual_seed(sample_seed(self.seed, epoch, index))
             if self.encoded:
                 return self._encoded(index)
             image, target = self.folder[index]
@@ -124,6 +137,66 @@ class SeededImageFolder(Dataset[tuple[torch.Tensor, int] | Encoded]):
             box = crop.get_params(image, crop.scale, crop.ratio)
         flipped = bool(torch.rand(1) < flip.p)
         return Encoded(read_file(path), box, flipped, target)
+
+
+class DecodedOnce(Dataset[tuple[torch.Tensor, int]]):
+    """The training split decoded once into this worker's memory (``data.decode=once``).
+
+    Indexed by ``(epoch, index)`` as :class:`SeededImageFolder` is. Each image is resized (short
+    side) and centre-cropped to ``crop_size`` once, and kept as 8-bit pixels; a sample is its
+    image, flipped where its seed draws a flip. There is no random-resized crop: that would need
+    the whole image kept. The loader processes share the pixels with the worker (a fork copies
+    no page it only reads). A batch is copied to the device as 8-bit pixels, a quarter of the
+    bytes, and normalised there (:func:`elastic.pipeline.image_mover`). For a data set that fits
+    in memory, and for measuring a step where decoding JPEGs would be slower than the GPU (the
+    GPU proof's throughput part).
+    """
+
+    def __init__(self, root: Path, crop_size: int, seed: int, threads: int) -> None:
+        if not root.is_dir():
+            raise FileNotFoundError(
+                f"{root} is not a directory: data.root must hold <data.train_dir>/<class>/<image>"
+            )
+        folder = datasets.ImageFolder(str(root))  # lists the files, reads none
+        n = len(folder)
+        if problem := once_memory_problem(n, crop_size, psutil.virtual_memory().available):
+            raise MemoryError(problem)
+        self.images = torch.empty((n, 3, crop_size, crop_size), dtype=torch.uint8)
+        self.targets = torch.tensor(folder.targets, dtype=torch.int64)
+        self.seed = seed
+        pixels = transforms.Compose(
+            [
+                transforms.Resize(crop_size),
+                transforms.CenterCrop(crop_size),
+                transforms.PILToTensor(),
+            ]
+        )
+
+        def decode(index: int) -> None:
+            self.images[index] = pixels(datasets.folder.default_loader(folder.samples[index][0]))
+
+        began = last = time.monotonic()
+        with ThreadPoolExecutor(max(1, threads)) as pool:  # PIL lets go of the GIL as it decodes
+            for done, _ in enumerate(pool.map(decode, range(n)), 1):
+                if time.monotonic() - last >= PROGRESS_S and done < n:
+                    last = time.monotonic()
+                    log.info("data.decode=once: %d of %d training images decoded", done, n)
+        log.info(
+            "data.decode=once: %d training images decoded in %.1f s, %.0f MiB held",
+            n,
+            time.monotonic() - began,
+            self.images.nbytes / 2**20,
+        )
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
+        epoch, index = key
+        image = self.images[index]
+        if random.Random(sample_seed(self.seed, epoch, index)).random() < 0.5:
+            image = image.flip(-1)
+        return image, int(self.targets[index])
 
 
 class ValImageFolder(Dataset[tuple[torch.Tensor, int]]):

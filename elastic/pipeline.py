@@ -118,6 +118,20 @@ class EncodedBatch(NamedTuple):
     targets: torch.Tensor
 
 
+class Normalize:
+    """8-bit pixel values (0 to 255) to what the host transform gives: scaled, normalised floats.
+
+    On ``device``, as :class:`DeviceDecoder` and :func:`image_mover` run it there."""
+
+    def __init__(self, device: torch.device) -> None:
+        std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1)
+        self.scale = 1 / (255 * std)
+        self.shift = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) / std
+
+    def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
+        return pixels * self.scale - self.shift
+
+
 class DeviceDecoder:
     """Decodes an :class:`EncodedBatch` on ``device`` into the pixels the host transform gives.
 
@@ -134,9 +148,7 @@ class DeviceDecoder:
     def __init__(self, crop_size: int, device: torch.device) -> None:
         self.size = [crop_size, crop_size]
         self.device = device
-        std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1)
-        self.scale = 1 / (255 * std)
-        self.shift = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) / std
+        self.normalize = Normalize(device)
 
     @staticmethod
     def collate(samples: Sequence[Encoded]) -> EncodedBatch:
@@ -159,7 +171,7 @@ class DeviceDecoder:
         )
         flips = batch.flips.to(self.device, non_blocking=True).view(-1, 1, 1, 1)
         crops = torch.where(flips, crops.flip(-1), crops)
-        return crops * self.scale - self.shift, batch.targets.to(self.device, non_blocking=True)
+        return self.normalize(crops), batch.targets.to(self.device, non_blocking=True)
 
 
 class Prefetcher:
@@ -218,15 +230,19 @@ def image_mover(
 ) -> Callable[[Any], Batch]:
     """How a :class:`Prefetcher` moves a batch of ``(images, targets)`` to ``device``.
 
-    The batch is copied, or decoded on the device by ``decoder`` (``data.decode=device``). The
-    images are converted to channels_last on the way when asked."""
+    The batch is copied, or decoded on the device by ``decoder`` (``data.decode=device``). 8-bit
+    pixels (``data.decode=once``) are copied as they are, a quarter of the bytes of floats, and
+    normalised there. The images are converted to channels_last on the way when asked."""
     memory_format = torch.channels_last if channels_last else torch.preserve_format
+    normalize = Normalize(device)
 
     def move(batch: Any) -> Batch:
         images, targets = decoder(batch) if decoder else batch
-        return (
-            images.to(device, non_blocking=True, memory_format=memory_format),
-            targets.to(device, non_blocking=True),
-        )
+        images = images.to(device, non_blocking=True, memory_format=memory_format)
+        if images.dtype == torch.uint8:
+            images = normalize(images)
+            if channels_last:  # the product keeps it; made sure of, since the model wants it
+                images = images.contiguous(memory_format=torch.channels_last)
+        return images, targets.to(device, non_blocking=True)
 
     return move

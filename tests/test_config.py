@@ -385,3 +385,18 @@ def test_sharding_is_refused_where_it_cannot_recover_or_reduce() -> None:
         "comm.grad_dtype",
     ]
     assert all("Fix: " in line and "parallel.shard=none" in line for line in lines), lines
+
+
+def test_decode_once_is_refused_where_the_split_would_take_over_half_the_memory() -> None:
+    from elastic.config.training_rules import once_memory_problem
+
+    gib = 2**30
+    assert once_memory_problem(640, 224, 1 * gib) is None  # the GPU proof's: 96 MiB
+    imagenet = once_memory_problem(1_281_167, 224, 256 * gib)  # 180 GiB
+    assert imagenet is not None
+    assert imagenet.startswith("data.decode='once': it holds the training split")
+    assert "1,281,167 images x 3 x 224 x 224 bytes = 179.6 GiB" in imagenet
+    assert "256.0 GiB available. Fix: use data.decode=host" in imagenet
+    half = 640 * 3 * 224 * 224 * 2
+    assert once_memory_problem(640, 224, half) is None
+    assert once_memory_problem(640, 224, half - 1) is not None

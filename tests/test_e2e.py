@@ -689,7 +689,10 @@ def test_sigterm_stops_cleanly_and_a_restart_resumes_from_the_checkpoint(
 ) -> None:
     run_dir = tmp_path / "run"
     endpoints = f"cluster.etcd_endpoints=[{etcd_endpoint}]"
-    proc = launch(run_dir, "cluster.nodes=2", "trainer.epochs=3", endpoints, job_id=job_id)
+    # On the training split decoded once (data.decode=once), which no other job here uses: the
+    # restart's samples_seen must be the checkpoint's all the same.
+    job = ("cluster.nodes=2", "trainer.epochs=3", "data.decode=once", endpoints)
+    proc = launch(run_dir, *job, job_id=job_id)
     wait_event(run_dir, proc, lambda e: e["event"] == "checkpoint_saved" and e["step"] >= 10)
     proc.send_signal(signal.SIGTERM)
     assert wait_exit(proc, run_dir) == 128 + signal.SIGTERM
@@ -710,7 +713,7 @@ def test_sigterm_stops_cleanly_and_a_restart_resumes_from_the_checkpoint(
     assert (lost in output(run_dir)) == (last > newest), output(run_dir)[-2000:]
 
     relaunched = time.time()
-    restart = launch(run_dir, "cluster.nodes=2", "trainer.epochs=3", endpoints, job_id=job_id)
+    restart = launch(run_dir, *job, job_id=job_id)
     started = wait_event(
         run_dir, restart, lambda e: e["event"] == "training_started", since=relaunched
     )

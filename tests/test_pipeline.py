@@ -10,14 +10,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 from torch.utils.data import DataLoader
+from torchvision import transforms
 
 from elastic.config import DataConfig, Decode, SyntheticDataConfig
-from elastic.data import IMAGENET_STD, SeededImageFolder
+from elastic.data import IMAGENET_STD, DecodedOnce, SeededImageFolder, train_root
 from elastic.pipeline import (
     PREFETCH_FACTOR,
     Batch,
     DeviceDecoder,
+    Normalize,
     Prefetcher,
     image_mover,
     loader_workers,
@@ -161,6 +164,47 @@ def test_decoding_on_the_device_gives_the_hosts_crops_and_flips(
     flipped = [(images.flip(-1), targets) for images, targets in decoded_on(CPU, encoded, 0)]
     with pytest.raises(AssertionError):  # the check can fail: a flip is seen
         assert_same_crops(flipped, host)
+
+
+@pytest.fixture(scope="module")
+def once(data_cfg: DataConfig) -> DecodedOnce:
+    """The same training split decoded once (data.decode=once), on two threads."""
+    return DecodedOnce(train_root(data_cfg), data_cfg.crop_size, seed=3, threads=2)
+
+
+def test_decoded_once_a_sample_is_its_centre_crop_flipped_as_its_seed_draws(
+    data_cfg: DataConfig, once: DecodedOnce
+) -> None:
+    """Each image is held as its centre crop (the 20 px JPEG resized to 16), and a key gives it
+    flipped or not by the key alone. Loader processes, the prefetcher and the normalisation on
+    the device give the batches of a loader without processes, normalised by hand."""
+    crop = transforms.Compose(
+        [transforms.Resize(16), transforms.CenterCrop(16), transforms.PILToTensor()]
+    )
+    files = sorted(train_root(data_cfg).rglob("*.jpg"))  # ImageFolder's order
+    assert len(once) == len(files) == 12 and once.images.dtype == torch.uint8
+    for i, path in enumerate(files):
+        with Image.open(path) as image:
+            assert torch.equal(once.images[i], crop(image.convert("RGB")))
+    flips = []
+    for key in [(epoch, i) for epoch in (0, 1) for i in range(12)]:
+        image, target = once[key]
+        flips.append(torch.equal(image, once.images[key[1]].flip(-1)))
+        assert flips[-1] or torch.equal(image, once.images[key[1]])
+        assert target == once.targets[key[1]]
+        assert torch.equal(once[key][0], image)  # the same key, the same sample
+    assert 0 < sum(flips) < len(flips)  # both draws seen: the check can fail
+
+    normalize = Normalize(CPU)
+    want = [(normalize(images), targets) for images, targets in plain(once)]  # type: ignore[arg-type]
+    assert all(-3 < images.min() < images.max() < 3 for images, _ in want)
+    for workers in (0, 2):
+        loader = make_loader(once, keys(once), workers, CPU)  # type: ignore[arg-type]
+        assert_same(list(Prefetcher(loader, CPU, image_mover(CPU))), want)
+    loader = make_loader(once, keys(once), 0, CPU)  # type: ignore[arg-type]
+    got = list(Prefetcher(loader, CPU, image_mover(CPU, channels_last=True)))
+    assert all(images.is_contiguous(memory_format=torch.channels_last) for images, _ in got)
+    assert_same(got, want)
 
 
 @pytest.mark.gpu

@@ -38,6 +38,11 @@ class Decode(Choice):
     # flip; the training process decodes the batch there (nvJPEG on CUDA) and crops it. Frees the
     # host's cores where they cannot keep a GPU fed. Evaluation still decodes on the host.
     device = "device"
+    # Once, before the first step: each worker holds every training image, resized and cropped to
+    # data.crop_size, as 8-bit pixels (elastic.data.DecodedOnce); a sample is its seeded flip, with
+    # no random-resized crop. For a data set that fits in memory, or a step measured without JPEG
+    # decoding (bench/throughput.py on a GPU). Evaluation still decodes on the host.
+    once = "once"
 
 
 class DataSource(Choice):

@@ -68,6 +68,29 @@ def data_problems(cfg: Config) -> Iterator[str]:
         yield from digits_problems(d.generate, d.val_dir)
 
 
+# The share of the memory available that data.decode=once may take: the rest is for the model,
+# the loader's batches and the node's other workers.
+ONCE_MEMORY_SHARE = 0.5
+
+
+def once_memory_problem(images: int, crop_size: int, available: int) -> str | None:
+    """Why ``images`` pixels of ``crop_size`` squares cannot be held (``data.decode=once``), if so.
+
+    ``available``: the bytes of memory available to this worker now."""
+    need = images * 3 * crop_size * crop_size
+    if need <= available * ONCE_MEMORY_SHARE:
+        return None
+    return problem(
+        "data.decode",
+        "once",
+        f"it holds the training split in each worker's memory, {images:,} images x 3 x "
+        f"{crop_size} x {crop_size} bytes = {need / 2**30:.1f} GiB, and that is more than "
+        f"{ONCE_MEMORY_SHARE:.0%} of the {available / 2**30:.1f} GiB available",
+        "use data.decode=host (or device on a GPU) for a data set of this size, or a smaller "
+        "data.crop_size",
+    )
+
+
 def digits_problems(g: SyntheticDataConfig, val_dir: str) -> list[str]:
     """What keeps ``data.generate`` from a balanced split of scikit-learn's digits.
 

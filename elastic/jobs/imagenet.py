@@ -79,9 +79,14 @@ class ImageNetJob(Job[NoSettings]):
         return data.generate.classes if data.synthetic else IMAGENET_CLASSES
 
     def train_data(self) -> Dataset[Any]:
-        from elastic.data import SeededImageFolder
+        import torch
 
-        return SeededImageFolder(self.cfg.data, self.cfg.trainer.seed)
+        from elastic.data import DecodedOnce, SeededImageFolder, train_root
+
+        data, seed = self.cfg.data, self.cfg.trainer.seed
+        if data.decode is Decode.once:  # the decode pass takes this worker's share of the cores
+            return DecodedOnce(train_root(data), data.crop_size, seed, torch.get_num_threads())
+        return SeededImageFolder(data, seed)
 
     def build_model(self) -> torch.nn.Module:
         import torch
