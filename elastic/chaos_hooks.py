@@ -1,7 +1,8 @@
-"""The faults ``python -m chaos`` asks a worker to make in itself: a NaN loss, a flipped bit.
+"""The faults ``python -m chaos`` asks a worker to make in itself.
 
-The NaN loss comes at chosen steps (``chaos.nan_steps``); the bit is flipped in a parameter
-(SIGUSR1, ``corrupt_replica``).
+A NaN loss at chosen steps (``chaos.nan_steps``); a bit flipped in a parameter (SIGUSR1,
+``corrupt_replica``); a collective that fails by itself at a chosen step on a chosen node
+(``chaos.fail_collectives_node``, ``chaos.fail_collectives_step``).
 
 One seam, :class:`ChaosHooks`, which the trainer calls before and during each step. Without
 ``chaos.allow`` it installs no signal handler and its calls do nothing, so a production job
@@ -12,11 +13,15 @@ from __future__ import annotations
 import signal
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from elastic import event_types as ev
 from elastic.config import ChaosConfig
 from elastic.events import EventLog
 from elastic.state import TrainState
+
+if TYPE_CHECKING:
+    from elastic.communicator import Communicator
 
 FLIPPED_BIT = 20  # a mantissa bit: seen by a checksum, harmless to training
 
@@ -46,6 +51,19 @@ class ChaosHooks:
         self.flip.clear()
         name = state.flip_bit(FLIPPED_BIT)
         events.emit(ev.BIT_FLIPPED, step=step, param=name, index=0, bit=FLIPPED_BIT)
+
+    def fail_collectives(self, comm: Communicator, node: str, step: int) -> None:
+        """Fail a collective of ``step`` by itself, on chaos.fail_collectives_node.
+
+        In every round that reaches the step: raised in the communicator's block, it is the
+        round's failed collective, as gloo's refusal of an operation it lacks was (PREMUL_SUM,
+        2026-11-29), while every peer still answers. Its agent finds no one to blame and forms
+        the round again, until it stops (``launcher/agent/peers.py``)."""
+        c = self.cfg
+        if not c.allow or node != c.fail_collectives_node or step != c.fail_collectives_step:
+            return
+        with comm.collective("chaos.fail_collectives_step"):
+            raise RuntimeError(f"chaos: a collective of step {step} fails by itself on {node}")
 
     def poison(self, rank: int, step: int) -> bool:
         """Whether this rank's loss is made NaN at ``step``.

@@ -280,6 +280,7 @@ def train_steps(w: Worker, s: Steps, model: torch.nn.Module) -> Action:
         if w.comm.aborted or not w.link.begin_step(progress.step + 1):
             raise RoundAborted("a new round was announced")
         w.chaos.before_step(w.state, w.events, progress.step)
+        w.chaos.fail_collectives(w.comm, w.env.node_id, progress.step + 1)
         plan = w.sampler.plan(
             progress.sampler, rank, world, w.total - progress.samples_seen, global_batch
         )

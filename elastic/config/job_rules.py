@@ -121,6 +121,20 @@ def chaos_problems(cfg: Config) -> Iterator[str]:
         )
     if c.nan_rank < 0:
         yield problem("chaos.nan_rank", c.nan_rank, "no such rank", "set a rank of the job, e.g. 0")
+    if c.fail_collectives_node and not c.allow:
+        yield problem(
+            "chaos.fail_collectives_node",
+            c.fail_collectives_node,
+            "makes a node's collectives fail on purpose, a test hook",
+            'set chaos.allow=true to inject it, or chaos.fail_collectives_node=""',
+        )
+    if c.fail_collectives_node and c.fail_collectives_step < 1:
+        yield problem(
+            "chaos.fail_collectives_step",
+            c.fail_collectives_step,
+            "no such step: steps count from 1",
+            "set the step whose collectives fail, e.g. chaos.fail_collectives_step=10",
+        )
 
 
 def notify_problems(cfg: Config) -> Iterator[str]:
