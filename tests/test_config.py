@@ -400,3 +400,24 @@ def test_decode_once_is_refused_where_the_split_would_take_over_half_the_memory(
     half = 640 * 3 * 224 * 224 * 2
     assert once_memory_problem(640, 224, half) is None
     assert once_memory_problem(640, 224, half - 1) is not None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "refusal"),
+    [
+        (
+            ["chaos.fail_collectives_node=node1", "chaos.fail_collectives_step=5"],
+            "chaos.fail_collectives_node='node1': makes a node's collectives fail on purpose",
+        ),
+        (
+            ["chaos.allow=true", "chaos.fail_collectives_node=node1"],
+            "chaos.fail_collectives_step=0: no such step: steps count from 1",
+        ),
+    ],
+)
+def test_the_failing_collectives_hook_needs_chaos_allow_and_a_step(
+    overrides: list[str], refusal: str
+) -> None:
+    with pytest.raises(ConfigError, match=re.escape(refusal)):
+        validate(composed(*overrides))
+    validate(composed("chaos.allow=true", *overrides, "chaos.fail_collectives_step=1"))
