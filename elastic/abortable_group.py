@@ -12,6 +12,11 @@ when the backend's work does, or raises :class:`elastic.round_end.RoundAborted` 
 own: :meth:`AbortableGroup.in_flight` is what a reaper waits for before it shuts the group down
 (:mod:`elastic.group_reaper`).
 
+On CUDA tensors (gloo as a test aid on one GPU, ``comm.backend=gloo``) gloo copies the inputs to
+host memory on streams of its own that wait for the caller's, and copies the result back on
+others; what it leaves on the waiting thread's stream is made to precede the caller's next work
+by an event (:meth:`AbortableWork.wait`), as NCCL's works do on a stream.
+
 The groups are made by torch itself, as a backend registered under :data:`BACKEND`, so that they
 are in torch's tables (group ranks, names) that DeviceMesh, DTensor and FSDP2 resolve them from:
 ``init_device_mesh(..., backend_override=...)`` (:func:`build_abortable_mesh`) makes every dim of
@@ -23,7 +28,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -75,21 +80,26 @@ class AbortableWork(dist.Work):
         self,
         future: torch.futures.Future[Any],
         blocked: Callable[[float], None] = lambda seconds: None,
+        ready: Callable[[], torch.cuda.Event | None] = lambda: None,
     ) -> None:
         super().__init__()
         self._future = future
         self._blocked = blocked  # told how long each wait blocked its caller
+        self._ready = ready  # on CUDA: reached once the result is in place on the device
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Wait for the collective, raising its error or the abort's.
 
         ``timeout`` is not applied here: the backend's work fails at the group's own timeout,
-        and this wait with it."""
+        and this wait with it. On CUDA the caller's current stream then waits for the result's
+        copy back to the device, as it would for an NCCL work's."""
         began = time.perf_counter()
         try:
             self._future.wait()
         finally:
             self._blocked(time.perf_counter() - began)
+        if (ready := self._ready()) is not None:
+            ready.wait()
         return True
 
     def get_future(self) -> torch.futures.Future[Any]:
@@ -107,6 +117,8 @@ class _Launched:
     work: dist.Work  # the backend's
     ours: torch.futures.Future[Any]  # what the caller's AbortableWork waits for
     end: torch.futures.Future[None]  # done when ``work`` ends, however (in_flight)
+    device: torch.device | None = None  # the CUDA device of its tensors; None on the CPU
+    ready: torch.cuda.Event | None = None  # CUDA: recorded after the work's copies back
 
 
 class AbortableGroup(dist.ProcessGroup):
@@ -189,7 +201,8 @@ class AbortableGroup(dist.ProcessGroup):
             if self._reason is not None:
                 raise RoundAborted(f"{name} on an aborted group: {self._reason}")
             work = getattr(self._backend, name)(*args, **kwargs)
-            launched = _Launched(work, torch.futures.Future(), torch.futures.Future())
+            device = cuda_device(args)
+            launched = _Launched(work, torch.futures.Future(), torch.futures.Future(), device)
             self._pending = [p for p in self._pending if not p.ours.done()]
             self._pending.append(launched)
             self._ends.append(launched.end)
@@ -199,7 +212,7 @@ class AbortableGroup(dist.ProcessGroup):
                 )
                 self._waiter.start()
             self._queue.put(launched)
-        return AbortableWork(launched.ours, self._add_blocked)
+        return AbortableWork(launched.ours, self._add_blocked, lambda: launched.ready)
 
     def _add_blocked(self, seconds: float) -> None:
         with self._lock:
@@ -210,7 +223,7 @@ class AbortableGroup(dist.ProcessGroup):
         while (launched := self._queue.get()) is not None:
             ours = launched.ours
             try:
-                launched.work.wait()  # releases the GIL
+                self._wait_for(launched)
             except Exception as exc:  # the backend's own failure: a peer died, a timeout
                 # Without its traceback, whose frames would hold this thread's last work.
                 error: Exception | None = exc.with_traceback(None)
@@ -226,6 +239,36 @@ class AbortableGroup(dist.ProcessGroup):
                     ours.set_result(None)
                 else:
                     ours.set_exception(error)
+
+    @staticmethod
+    def _wait_for(launched: _Launched) -> None:
+        """Wait for the backend's work to end; on CUDA, record the event the caller waits on.
+
+        A gloo work on CUDA tensors ends by making this thread's current stream wait for its
+        copies back to the device (a reduce-scatter also copies its share out on it): the event
+        recorded after that is what the caller's stream must wait for."""
+        if launched.device is None:
+            launched.work.wait()  # releases the GIL
+            return
+        with torch.cuda.device(launched.device):
+            launched.work.wait()
+            ready = torch.cuda.Event()
+            ready.record()
+            launched.ready = ready
+
+
+def cuda_device(args: tuple[Any, ...]) -> torch.device | None:
+    """The device of a collective's first tensor (in its arguments, lists included) if CUDA."""
+    tensor = next(_tensors(args), None)
+    return tensor.device if tensor is not None and tensor.is_cuda else None
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
 
 
 def _forward(name: str) -> Callable[..., AbortableWork]:
@@ -248,17 +291,19 @@ def _create(store: dist.Store, rank: int, size: int, timeout: timedelta) -> Abor
 
 def register() -> None:
     """Make :data:`BACKEND` a backend name torch can create groups of; again is harmless."""
-    dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
+    dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])
 
 
-def build_abortable_mesh(shape: tuple[int, ...], mesh_dim_names: tuple[str, ...]) -> DeviceMesh:
-    """A CPU mesh over the default group whose every dim is an :class:`AbortableGroup`.
+def build_abortable_mesh(
+    shape: tuple[int, ...], mesh_dim_names: tuple[str, ...], device_type: str = "cpu"
+) -> DeviceMesh:
+    """A mesh over the default group whose every dim is an :class:`AbortableGroup`.
 
     A collective of every rank, as ``init_device_mesh`` is; the default group itself stays
-    plain gloo."""
+    plain gloo. ``device_type``: where the tensors are (gloo on CUDA: a test aid)."""
     register()
     return init_device_mesh(
-        "cpu",
+        device_type,
         shape,
         mesh_dim_names=mesh_dim_names,
         backend_override=dict.fromkeys(mesh_dim_names, BACKEND),

@@ -38,18 +38,20 @@ def enter_mesh(w: Worker, a: Assignment) -> dist.ProcessGroup:
     """Put the worker's state on round ``a``'s mesh; returns its replicate group (a collective).
 
     Raises :class:`RoundAborted` when a newer round was announced meanwhile."""
-    if w.device.type != "cpu":  # cluster.device=auto found a GPU (cuda itself is refused early)
+    if w.comm.backend != "gloo":  # cluster.device=auto found a GPU (cuda on NCCL is refused early)
         raise ConfigError(
             problem(
                 "parallel.shard",
                 "node",
-                f"this worker computes on {w.device}, and the sharded path has run on the CPU only",
-                "use parallel.shard=none (DDP) on GPUs for now, or cluster.device=cpu",
+                f"this worker computes on {w.device} over {w.comm.backend}, and the sharded path "
+                "recovers in place through gloo groups it can abort; it has not yet run on NCCL",
+                "use parallel.shard=none (DDP) on GPUs for now, or cluster.device=cpu (on one "
+                "GPU, comm.backend=gloo runs it as a test aid)",
             )
         )
     per_node = w.env.local_world_size
     with w.comm.collective("mesh set-up"):
-        mesh = build_mesh(a.world_size // per_node, per_node, w.device.type)
+        mesh = build_mesh(a.world_size // per_node, per_node, w.device.type, w.comm.backend)
     w.comm.mesh.adopt(mesh)
     if w.comm.aborted:  # an abort before the adoption did not reach the mesh's groups
         raise RoundAborted("a new round was announced")

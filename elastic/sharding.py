@@ -49,13 +49,15 @@ from elastic.state import local
 MESH_DIMS = ("replicate", "shard")  # dim 0: one entry per node; dim 1: a node's workers
 
 
-def build_mesh(nodes: int, per_node: int, device_type: str) -> DeviceMesh:
+def build_mesh(nodes: int, per_node: int, device_type: str, backend: str) -> DeviceMesh:
     """The ``(replicate, shard)`` mesh over the current default group; a collective.
 
     Rank r is worker ``r % per_node`` of node ``r // per_node``, so the ``shard`` groups are the
     nodes and the ``replicate`` group of shard k holds worker k of every node, in node order.
     ``init_device_mesh`` creates the subgroups from the default group in the same order on every
     rank, and anew on each call: after a round replaces the default group, call it again.
+    On gloo (the CPU's, or CUDA tensors' as a test aid) every dim is a group a round's abort ends
+    at once (FSDP2 waits on them); ``backend``: the default group's.
     """
     world = dist.get_world_size()
     if nodes < 1 or per_node < 1 or nodes * per_node != world:
@@ -64,8 +66,8 @@ def build_mesh(nodes: int, per_node: int, device_type: str) -> DeviceMesh:
             f"has {world} ranks for {nodes} node(s) x {per_node}: start the same number of "
             f"workers on every node"
         )
-    if device_type == "cpu":  # groups a round's abort ends at once (FSDP2 waits on them)
-        return build_abortable_mesh((nodes, per_node), MESH_DIMS)
+    if backend == "gloo":
+        return build_abortable_mesh((nodes, per_node), MESH_DIMS, device_type)
     return init_device_mesh(device_type, (nodes, per_node), mesh_dim_names=MESH_DIMS)
 
 

@@ -366,9 +366,11 @@ def test_the_imagenet_jobs_data_and_model_rules_do_not_stop_another_job() -> Non
 
 
 def test_sharding_is_refused_where_it_cannot_recover_or_reduce() -> None:
-    """parallel.shard=node: not yet on CUDA (its NCCL path has not run on a GPU), not with
-    fp16's scaler (it reads whole gradients), not with the DDP hook's wire dtype."""
+    """parallel.shard=node: not yet on CUDA over NCCL (that path has not run on a GPU; gloo on
+    CUDA tensors, the test aid, is taken), not with fp16's scaler (it reads whole gradients), not
+    with the DDP hook's wire dtype."""
     validate(composed("job=lm", "parallel.shard=node", "trainer.precision=bf16"))
+    validate(composed("job=lm", "parallel.shard=node", "cluster.device=cuda", "comm.backend=gloo"))
     with pytest.raises(ConfigError) as refused:
         validate(
             composed(

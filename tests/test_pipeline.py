@@ -208,6 +208,23 @@ def test_decoded_once_a_sample_is_its_centre_crop_flipped_as_its_seed_draws(
 
 
 @pytest.mark.gpu
+def test_decoded_once_pixels_are_normalised_on_a_gpu(once: DecodedOnce) -> None:
+    """data.decode=once on CUDA: pinned 8-bit batches copied on the side stream and normalised
+    there, in channels_last, give the pixels normalised on the host."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    device = torch.device("cuda", torch.cuda.current_device())
+    want = [(Normalize(CPU)(images), targets) for images, targets in plain(once)]  # type: ignore[arg-type]
+    loader = make_loader(once, keys(once), workers=2, device=device)  # type: ignore[arg-type]
+    got = list(Prefetcher(loader, device, image_mover(device, channels_last=True)))
+    assert len(got) == len(want) == STEPS
+    for (images, targets), (want_images, want_targets) in zip(got, want, strict=True):
+        assert images.device == device and images.is_contiguous(memory_format=torch.channels_last)
+        torch.testing.assert_close(images.cpu(), want_images)
+        assert torch.equal(targets.cpu(), want_targets)
+
+
+@pytest.mark.gpu
 def test_decoding_on_a_gpu_gives_the_hosts_crops_and_flips(
     dataset: SeededImageFolder, encoded: SeededImageFolder
 ) -> None:

@@ -152,7 +152,7 @@ def run_ranks(fn: Callable[[int, int, str], None], world: int, tmp: Path) -> Non
 def _hsdp_step(rank: int, world: int, tmp: str) -> None:
     torch.set_num_threads(1)
     join(tmp, "round1", rank, world)
-    mesh = build_mesh(2, 2, "cpu")
+    mesh = build_mesh(2, 2, "cpu", "gloo")
     model, optimizer = sharded(mesh, seed=0)
     backward(model, 0, rank, world)
     grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
@@ -207,10 +207,48 @@ def test_hsdp_step_equals_one_process_step(tmp_path: Path) -> None:
     assert max(compute[:3]) < SLOW_S / 2 <= min(blocked[:3]), got["timed"]
 
 
+def _hsdp_on_cuda(rank: int, world: int, tmp: str) -> None:
+    torch.cuda.set_device(0)  # every rank on the one GPU: gloo, unlike NCCL, takes them
+    join(tmp, "round1", rank, world)
+    mesh = build_mesh(1, world, "cuda", "gloo")  # abortable gloo groups on CUDA tensors
+    torch.manual_seed(0)
+    model = shard(make_model().cuda(), mesh, WRAP)
+    optimizer = make_optimizer(model)
+    busy = torch.randn(2048, 2048, device="cuda")
+    for _ in range(8):  # the stream busy as the collectives' results are copied back
+        busy = (busy @ busy).tanh_()
+    inputs, targets = (t.chunk(world)[rank].cuda() for t in global_batch(0))
+    F.cross_entropy(model(inputs).reshape(-1, VOCAB), targets.reshape(-1)).backward()
+    grads = {name: p.grad.full_tensor().cpu() for name, p in model.named_parameters()}
+    optimizer.step()
+    state = full_state(model, optimizer)
+    if rank == 0:
+        torch.save({"grads": grads, **state}, Path(tmp, "cuda.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_sharded_step_on_cuda_over_abortable_gloo_groups(tmp_path: Path) -> None:
+    """comm.backend=gloo on CUDA, the test aid for ranks sharing one GPU: 2 ranks shard the
+    model over an abortable gloo mesh on CUDA tensors (all-gathers, reduce-scatters copied to
+    the host and back), and the gradients and the step are one process's on the whole batch."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    run_ranks(_hsdp_on_cuda, 2, tmp_path)
+    got = torch.load(tmp_path / "cuda.pt", weights_only=True)
+    torch.manual_seed(0)
+    model = make_model()
+    backward(model, 0, 0, 1)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got["grads"][name], p.grad, rtol=1e-4, atol=1e-6)
+    want, _ = reference(1)
+    torch.testing.assert_close(got["model"], want.state_dict(), rtol=1e-4, atol=1e-5)
+
+
 def _lost_node(rank: int, world: int, tmp: str) -> None:
     torch.set_num_threads(1)
     join(tmp, "round1", rank, world)
-    mesh = build_mesh(2, 2, "cpu")
+    mesh = build_mesh(2, 2, "cpu", "gloo")
     model, optimizer = sharded(mesh, seed=0)
     train(model, optimizer, 0, rank, world)
     dist.destroy_process_group()  # node 1 (ranks 2 and 3) is lost: the round ends
@@ -220,7 +258,9 @@ def _lost_node(rank: int, world: int, tmp: str) -> None:
     shards = take_shards(model, optimizer, mesh)  # with no group left: it is local
     del model, optimizer
     join(tmp, "round2", rank, 2)
-    model, optimizer = remesh(shards, build_mesh(1, 2, "cpu"), make_model, make_optimizer, WRAP)
+    model, optimizer = remesh(
+        shards, build_mesh(1, 2, "cpu", "gloo"), make_model, make_optimizer, WRAP
+    )
     after = local_tensors(model, optimizer)
     train(model, optimizer, 1, rank, 2)
     state = full_state(model, optimizer)
@@ -247,17 +287,17 @@ def _rejoin(rank: int, world: int, tmp: str) -> None:
     torch.set_num_threads(1)
     if rank < 2:  # node 0 trains alone for a step, while node 1 is still to come
         join(tmp, "round1", rank, 2)
-        mesh = build_mesh(1, 2, "cpu")
+        mesh = build_mesh(1, 2, "cpu", "gloo")
         model, optimizer = sharded(mesh, seed=0)
         train(model, optimizer, 0, rank, 2)
         shards = take_shards(model, optimizer, mesh)
         dist.destroy_process_group()
         join(tmp, "round2", rank, world)
-        mesh = build_mesh(2, 2, "cpu")
+        mesh = build_mesh(2, 2, "cpu", "gloo")
         model, optimizer = remesh(shards, mesh, make_model, make_optimizer, WRAP)
     else:  # the joining node: other weights, no optimizer state, another LR
         join(tmp, "round2", rank, world)
-        mesh = build_mesh(2, 2, "cpu")
+        mesh = build_mesh(2, 2, "cpu", "gloo")
         model, optimizer = sharded(mesh, seed=1)
         optimizer.param_groups[0]["lr"] = 0.5
     # As a round's entry syncs: node 0 holds the newest state, node 1 none; over the replicas.
@@ -298,7 +338,7 @@ def _checkpoint(rank: int, world: int, tmp: str) -> None:
     torch.set_num_threads(1)
     url = f"file://{tmp}/ckpt"
     join(tmp, "round1", rank, world)
-    model, optimizer = sharded(build_mesh(2, 2, "cpu"), seed=0)
+    model, optimizer = sharded(build_mesh(2, 2, "cpu", "gloo"), seed=0)
     train(model, optimizer, 0, rank, world)
     # As the trainer saves: the state's tensors (DTensors here), staged and written in the
     # background on a group beside the training group, then committed by rank 0.
@@ -315,7 +355,7 @@ def _checkpoint(rank: int, world: int, tmp: str) -> None:
         if rank >= nodes * per_node:
             continue
         join(tmp, f"{nodes}x{per_node}", rank, nodes * per_node)
-        model, optimizer = sharded(build_mesh(nodes, per_node, "cpu"), seed=1)
+        model, optimizer = sharded(build_mesh(nodes, per_node, "cpu", "gloo"), seed=1)
         info = CheckpointManager(url, keep=2).restore(TrainState(model, optimizer).tensors())
         assert info is not None and info.step == 1
         state = full_state(model, optimizer)
@@ -340,7 +380,7 @@ def test_checkpoint_loads_at_other_shapes(tmp_path: Path) -> None:
 def _mismatched(rank: int, world: int, tmp: str) -> None:
     torch.set_num_threads(1)
     join(tmp, "round1", rank, world)
-    mesh = build_mesh(2, 1, "cpu")
+    mesh = build_mesh(2, 1, "cpu", "gloo")
     torch.manual_seed(0)
     model = shard(make_model(), mesh, WRAP)
     optimizer = (

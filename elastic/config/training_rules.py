@@ -199,16 +199,17 @@ def comm_problems(cfg: Config) -> Iterator[str]:
 
 
 def parallel_problems(cfg: Config) -> Iterator[str]:
-    """What ``parallel.shard=node`` cannot run with: it is recovered in place on the CPU only."""
+    """What ``parallel.shard=node`` cannot run with: it is recovered in place over gloo only."""
     if cfg.parallel.shard is not Shard.node:
         return
-    if cfg.cluster.device is Device.cuda:
+    if cfg.cluster.device is Device.cuda and cfg.comm.backend is not CommBackend.gloo:
         yield problem(
             "parallel.shard",
             Shard.node,
             "the sharded path recovers in place through gloo groups it can abort, and has not yet "
             "run on NCCL (issue 51's GPU part)",
-            "use parallel.shard=none (DDP) on GPUs for now, or cluster.device=cpu",
+            "use parallel.shard=none (DDP) on GPUs for now, or cluster.device=cpu (on one GPU, "
+            "comm.backend=gloo runs it as a test aid)",
         )
     if cfg.trainer.precision is Precision.fp16:
         yield problem(
