@@ -9,6 +9,8 @@ the training set's: the same grammar, never the same sequence.
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 
 SUCCESSORS = 3  # likely next tokens per token
@@ -18,16 +20,23 @@ LIKELY = 0.9  # the probability that the next token is one of them
 class TokenSequences:
     """``count`` sequences of ``length`` tokens below ``vocab``, numbered from ``first``.
 
-    A sample is ``(tokens,)``, read by an ``(epoch, index)`` key (training) or an index."""
+    A sample is ``(tokens,)``, read by an ``(epoch, index)`` key (training) or an index.
+
+    The next token is, with probability :data:`LIKELY`, one of its predecessor's
+    :data:`SUCCESSORS` (by their weights), else any token alike. One uniform draw decides both:
+    below ``LIKELY`` it picks among the successors, above it among the whole vocabulary. The
+    grammar is ``vocab x SUCCESSORS``: a vocabulary of a real model's size costs kilobytes, where
+    a dense ``vocab x vocab`` table of the same distribution took 4 GB at 32,768."""
 
     def __init__(self, vocab: int, length: int, count: int, grammar_seed: int, first: int = 0):
-        self.length, self.count, self.first, self.seed = length, count, first, grammar_seed
+        self.vocab, self.length, self.count = vocab, length, count
+        self.first, self.seed = first, grammar_seed
         g = torch.Generator().manual_seed(grammar_seed)
         successors = torch.randint(0, vocab, (vocab, SUCCESSORS), generator=g)
         weights = torch.rand(vocab, SUCCESSORS, generator=g) + 0.5
-        table = torch.full((vocab, vocab), (1 - LIKELY) / vocab)
-        table.scatter_add_(1, successors, LIKELY * weights / weights.sum(1, keepdim=True))
-        self.cumulative = table.cumsum(1)  # each row's last entry is 1 (to rounding)
+        shares = (weights / weights.sum(1, keepdim=True)).cumsum(1) * LIKELY
+        self.successors: list[list[int]] = successors.tolist()
+        self.shares: list[list[float]] = shares.tolist()  # each row's last entry is LIKELY
 
     def __len__(self) -> int:
         return self.count
@@ -37,10 +46,16 @@ class TokenSequences:
         if not 0 <= index < self.count:
             raise IndexError(f"sequence {index} of {self.count}")
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.first + index)
-        draws = torch.rand(self.length, generator=g)
-        tokens = torch.empty(self.length, dtype=torch.int64)
-        tokens[0] = int(draws[0] * len(self.cumulative))
-        for i in range(1, self.length):
-            row = self.cumulative[tokens[i - 1]]
-            tokens[i] = torch.searchsorted(row, draws[i]).clamp_(max=len(row) - 1)
-        return (tokens,)
+        draws = torch.rand(self.length, generator=g).tolist()
+        tokens = [min(int(draws[0] * self.vocab), self.vocab - 1)]
+        for u in draws[1:]:
+            tokens.append(self._next(tokens[-1], u))
+        return (torch.tensor(tokens, dtype=torch.int64),)
+
+    def _next(self, token: int, u: float) -> int:
+        """The token after ``token`` for the uniform draw ``u``."""
+        shares = self.shares[token]
+        if u < shares[-1]:
+            return self.successors[token][bisect.bisect_right(shares, u)]
+        rest = (u - shares[-1]) / (1 - shares[-1])  # uniform in [0, 1) again
+        return min(int(rest * self.vocab), self.vocab - 1)
