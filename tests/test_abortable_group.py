@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from elastic.abortable_group import RoundMesh, build_abortable_mesh, mesh_groups
+from elastic.abortable_group import RoundMesh, build_abortable_mesh, cuda_device, mesh_groups
 from elastic.round_end import RoundAborted
 from elastic.sharding import MESH_DIMS, shard
 from tests.test_sharding import WRAP, join, local_tensors, make_model, make_optimizer, train
@@ -159,3 +159,17 @@ def test_frozen_rank_no_longer_holds_fsdp_collectives(tmp_path: Path) -> None:
         assert found["after_abort_s"] < ABORT_BOUND_S, found
         assert found["in_flight"] >= 1, found  # the gloo work itself still waits
         assert "on an aborted group" in found["later"], found
+
+
+def test_a_collective_is_on_cuda_by_its_first_tensor_found_in_its_arguments() -> None:
+    """What decides whether a collective's caller waits for a device event (gloo on CUDA)."""
+    cpu = torch.zeros(2)
+    assert cuda_device((cpu, cpu)) is None
+    assert cuda_device(([[cpu]], [cpu], object())) is None
+    assert cuda_device((object(), [])) is None  # a barrier: no tensor
+    meta = torch.zeros(2, device="meta")
+    assert cuda_device(([meta],)) is None
+    if torch.cuda.is_available():
+        gpu = torch.zeros(2, device="cuda")
+        assert cuda_device(([[gpu]], [gpu])) == gpu.device
+        assert cuda_device((cpu, gpu)) is None  # the first tensor decides
