@@ -6,7 +6,8 @@ them, background saves of GPU state staged in pinned memory and restored onto th
 on NCCL as the trainer runs it (DDP over the pinned loader and the prefetcher, a save on the
 round's save group, a restore over NCCL), the order between the all-reduce and whoever waits on
 the comm hook's future, an abort while steps run and the round after it, the shrink path, the
-evaluation on CUDA, and how many workers a GPU node runs.
+evaluation on CUDA, how many workers a GPU node runs, and a device-side assert
+(``torch._assert_async``) taken for the worker's own fault.
 
 CI has no GPU: every test here is marked ``gpu`` and skipped without CUDA. The work that builds
 process groups runs in two child processes (:func:`run_child`), one per module-scoped fixture,
@@ -27,6 +28,8 @@ import copy
 import json
 import math
 import os
+import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -67,7 +70,7 @@ from elastic.precision import MixedPrecision, resolve_channels_last, resolve_pre
 from elastic.round_end import round_end
 from elastic.state import TrainState, broadcast_tensors, sync_state
 from launcher.agent.slots import local_slots
-from tests.conftest import served_store
+from tests.conftest import REPO, served_store
 from tests.test_evaluate import LOSS, TOP1, TOP5, Logits, Recorder, identity_model
 
 pytestmark = [
@@ -758,3 +761,37 @@ def test_a_gpu_node_runs_one_worker_per_visible_gpu() -> None:
     """slots.py's CUDA branch, which the agent and the doctor take on a node with GPU device
     nodes: ``cluster.device=auto`` asks torch, and each visible GPU is a worker."""
     assert local_slots(Config()) == (torch.cuda.device_count(), "cuda")
+
+
+# A device-side assert in a process of its own: it poisons that process's CUDA context for good.
+DEVICE_ASSERT = """
+import torch
+from elastic.round_end import is_device_fault, round_end
+try:
+    torch._assert_async(torch.zeros((), device="cuda"))  # fails on the device: zero
+    torch.cuda.synchronize()
+    print("no error")
+except Exception as exc:
+    print(type(exc).__name__, is_device_fault(exc), round_end(False, None, exc).name)
+    try:
+        (torch.ones(1, device="cuda") + 1).cpu()
+        print("later call: works")
+    except Exception as again:
+        print("later call:", is_device_fault(again))
+"""
+
+
+def test_a_device_side_assert_is_the_workers_own_fault_and_sticks() -> None:
+    """torch._assert_async failing on the GPU surfaces at the next sync as an error of the
+    device: the worker's own fault (it exits, its agent restarts it with a strike), never a
+    round to recover in place, since every later CUDA call of the process fails too."""
+    done = subprocess.run(
+        [sys.executable, "-c", DEVICE_ASSERT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    lines = done.stdout.splitlines()
+    assert lines[:1] == ["AcceleratorError True LOCAL_FAULT"], (done.stdout, done.stderr[-2000:])
+    assert lines[1:] == ["later call: True"], (done.stdout, done.stderr[-2000:])
