@@ -38,9 +38,9 @@ recovery                 140  ``python -m chaos``: three simulated nodes share t
 checkpoint                35  ``bench/checkpoint.py --device cuda``: the ResNet-50 state saved
                               from GPU memory, our stall against ``torch.save`` + fsync and
                               DCP's ``async_save``
-throughput                80  ``bench/throughput.py``: ResNet-50, 224 px, bf16,
-                              channels_last, our trainer against a plain DDP loop, without
-                              and with a background checkpoint in the window, both on the
+throughput               110  ``bench/throughput.py``: ResNet-50, 224 px, bf16,
+                              channels_last, our trainer against a plain DDP loop, 2 pairs
+                              without checkpoints in the window, both on the
                               training split decoded once into memory
                               (``data.decode=once``): on the H100 the JPEGs' decoding fed
                               both at about 300 images/s, and a figure of the runtime's
@@ -243,9 +243,13 @@ def ranks_headline(output: str, ctx: Context) -> str:
 
 
 def throughput_argv(ctx: Context) -> list[str]:
-    common = ["--repeats=1", "--aggressive-every=0"]
+    common = ["--aggressive-every=0"]
     if ctx.device == "cuda":
         sizes = [
+            # Two pairs of the row issue 49's GPU goal is about: an interval, not one value
+            # (the checkpoint part measures the saves' stall from GPU memory).
+            "--repeats=2",
+            "--no-saves-only",
             "--model=resnet50",
             "--image-size=256",
             "--crop-size=224",
@@ -261,6 +265,7 @@ def throughput_argv(ctx: Context) -> list[str]:
         ]
     else:
         sizes = [
+            "--repeats=1",
             "--procs=1",
             "--model=resnet18",
             "--image-size=40",
@@ -282,7 +287,15 @@ def throughput_headline(output: str, ctx: Context) -> str:
     )
     if not rows:
         return last_line(output)
-    return "; ".join(f"{row}: {rate} samples/s" for row, rate in rows)
+    overhead = re.search(
+        r"^- ours \(no saves\) against plain DDP \(no saves\):\n\s+samples/s: ([^;\n]+)",
+        output,
+        re.M,
+    )
+    found = [f"{row}: {rate} samples/s" for row, rate in rows]
+    if overhead:
+        found.append(f"ours slower by {overhead.group(1)}")
+    return "; ".join(found)
 
 
 def checkpoint_argv(ctx: Context) -> list[str]:
@@ -393,8 +406,10 @@ PARTS = (
     ),
     Part(
         "throughput",
-        "our trainer against plain DDP, a checkpoint in the window; decoding on the device",
-        80,  # one pair at most: see the row above
+        "our trainer against plain DDP, no checkpoint in the window, data decoded once",
+        # Last, with what the parts before leave of the proof's budget (the H200's whole proof
+        # took 430 s of 525 on 2026-11-28): 4 launches, each mostly start-up.
+        110,
         throughput_argv,
         throughput_headline,
     ),

@@ -46,7 +46,8 @@ The rows, each run ``--repeats`` times for both runtimes:
 - no saves: neither runtime checkpoints in the window (ours checkpoints only after it);
 - saves every N: ``checkpoint.every_steps`` of the job's configuration (conf/checkpoint/
   default.yaml: 20), ours in the background, the peer with its synchronous save;
-- saves every ``--aggressive-every`` steps (default 5; 0 leaves the row out): the same, at an
+- saves every ``--aggressive-every`` steps (default 5; 0 leaves the row out; ``--no-saves-only``
+  leaves out both rows with saves): the same, at an
   interval where saves follow each other closely (on 2 cores a save may not finish before the
   next is due).
 
@@ -772,7 +773,11 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Setup:
         dataset_size=len(datasets.ImageFolder(str(train_root(cfg.data)))),
         warmup=args.warmup_steps,
         steps=args.steps,
-        intervals=(0, every, aggressive) if aggressive else (0, every),
+        intervals=(0,)
+        if args.no_saves_only
+        else (0, every, aggressive)
+        if aggressive
+        else (0, every),
         device_decode=args.device_decode,
         profile=args.profile,
     )
@@ -824,6 +829,7 @@ def reproduce(args: argparse.Namespace, setup: Setup) -> str:
         f"--repeats={args.repeats}",
         *([f"--max-minutes={args.max_minutes:g}"] if args.max_minutes is not None else []),
         f"--aggressive-every={args.aggressive_every}",
+        *(["--no-saves-only"] if args.no_saves_only else []),
         f"--target-ci-pct={args.target_ci_pct:g}",
         f"--model={cfg.model.name}",
         f"--batch-size={cfg.data.batch_size}",
@@ -1071,6 +1077,11 @@ def main() -> int:
         default=5,
         help="the aggressive row's checkpoint interval in steps; the other row's is "
         "checkpoint.every_steps; 0: no aggressive row (default: 5)",
+    )
+    parser.add_argument(
+        "--no-saves-only",
+        action="store_true",
+        help="only the no-saves row: the step's own cost, twice the pairs in the same time",
     )
     parser.add_argument(
         "--max-minutes",

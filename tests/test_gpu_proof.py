@@ -103,6 +103,21 @@ def test_the_throughput_headline_gives_each_rows_rate() -> None:
     )
 
 
+def test_the_throughput_headline_adds_the_no_saves_overhead_where_there_is_one() -> None:
+    """The GPU form's table has the no-saves row only, and its overhead with an interval."""
+    rows = "\n".join(THROUGHPUT_OUTPUT.splitlines()[:3])
+    overhead = (
+        "- ours (no saves) against plain DDP (no saves):\n"
+        "    samples/s: +0.8 % [-1.9, +3.5]; goal: unresolved: the interval spans 2 %\n"
+        "    CPU time per sample: +4.1 %\n"
+    )
+    ctx = gpu_proof.Context("cuda", Path("/tmp"), "python", {})
+    assert gpu_proof.throughput_headline(f"{rows}\n\n{overhead}", ctx) == (
+        "ours, no saves: 93.6 samples/s; plain DDP, no saves: 104.4 samples/s; "
+        "ours slower by +0.8 % [-1.9, +3.5]"
+    )
+
+
 def test_a_part_past_its_limit_is_killed_and_the_report_says_so(tmp_path: Path) -> None:
     sleeper = gpu_proof.Part(
         "sleeper",
