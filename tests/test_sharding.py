@@ -131,6 +131,18 @@ def assert_like_reference(got: dict[str, Any], steps: int) -> None:
     torch.testing.assert_close(got["optim"], want_optim, rtol=1e-4, atol=1e-8)
 
 
+def assert_whole_batch_gradients(
+    grads: dict[str, torch.Tensor], rtol: float, atol: float
+) -> nn.Module:
+    """``grads`` (gathered whole) are those of one process on step 0's whole batch; that model."""
+    torch.manual_seed(0)
+    model = make_model()
+    backward(model, 0, 0, 1)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=rtol, atol=atol)
+    return model
+
+
 def run_ranks(fn: Callable[[int, int, str], None], world: int, tmp: Path) -> None:
     """Run ``fn(rank, world, tmp)`` in ``world`` fresh processes; fail on error or timeout.
 
@@ -191,11 +203,7 @@ def test_hsdp_step_equals_one_process_step(tmp_path: Path) -> None:
     its peers'."""
     run_ranks(_hsdp_step, 4, tmp_path)
     got = torch.load(tmp_path / "hsdp.pt", weights_only=True)
-    torch.manual_seed(0)
-    model = make_model()
-    backward(model, 0, 0, 1)
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(got["grads"][name], p.grad, rtol=1e-5, atol=1e-7)
+    model = assert_whole_batch_gradients(got["grads"], rtol=1e-5, atol=1e-7)
     # The clip's and the finiteness check's norm, from the shards: the whole gradients' norm.
     whole = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
     torch.testing.assert_close(got["norm"], whole, rtol=1e-5, atol=0)
@@ -236,11 +244,7 @@ def test_sharded_step_on_cuda_over_abortable_gloo_groups(tmp_path: Path) -> None
         pytest.skip("no CUDA GPU")
     run_ranks(_hsdp_on_cuda, 2, tmp_path)
     got = torch.load(tmp_path / "cuda.pt", weights_only=True)
-    torch.manual_seed(0)
-    model = make_model()
-    backward(model, 0, 0, 1)
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(got["grads"][name], p.grad, rtol=1e-4, atol=1e-6)
+    assert_whole_batch_gradients(got["grads"], rtol=1e-4, atol=1e-6)
     want, _ = reference(1)
     torch.testing.assert_close(got["model"], want.state_dict(), rtol=1e-4, atol=1e-5)
 
