@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from chaos.cli import compose_campaign, split
+from launcher.compose import compose, validate_launch
+
 from .conftest import load_bench
 
 REPO = Path(__file__).resolve().parent.parent
@@ -23,7 +26,8 @@ gpu_proof = load_bench("gpu_proof")
 
 # The throughput part runs bench/throughput.py, four launches of a job (about 45 s here); its
 # command is checked against the bench's own parser and its headline against the bench's output
-# below, so the reduced form here leaves it out for CI's time.
+# below, so the reduced form here leaves it out for CI's time. So does it the hsdp part, whose
+# campaign tests/test_jobs.py runs at 3 x 2 on the CPU, and whose settings are checked below.
 CPU_PARTS = (
     "environment",
     "doctor",
@@ -36,7 +40,7 @@ CPU_PARTS = (
 
 
 def test_the_reduced_form_runs_every_built_part_and_reports_each(tmp_path: Path) -> None:
-    assert set(CPU_PARTS) == {p.name for p in gpu_proof.PARTS} - {"throughput"}
+    assert set(CPU_PARTS) == {p.name for p in gpu_proof.PARTS} - {"throughput", "hsdp"}
     out = tmp_path / "proof"
     done = subprocess.run(
         [
@@ -162,3 +166,14 @@ def test_the_throughput_window_of_each_form_is_one_the_bench_accepts(device: str
         int(option["--aggressive-every"]),
     )
     assert problem is None
+
+
+@pytest.mark.parametrize("which", sorted(gpu_proof.CAMPAIGN_SETS))
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_every_campaign_of_the_proof_is_one_python_m_chaos_takes(which: str, device: str) -> None:
+    """Composed and validated as ``python -m chaos`` does, with what run_campaigns adds: a
+    setting the GPU machine would refuse would cost a loan's only run."""
+    for _, _, overrides in gpu_proof.CAMPAIGN_SETS[which][device]:
+        campaign, job = split([*overrides, f"cluster.device={device}", "checkpoint.every_steps=10"])
+        compose_campaign(campaign)
+        validate_launch(compose([*job, "chaos.allow=true"]))
