@@ -423,3 +423,21 @@ def test_the_failing_collectives_hook_needs_chaos_allow_and_a_step(
     with pytest.raises(ConfigError, match=re.escape(refusal)):
         validate(composed(*overrides))
     validate(composed("chaos.allow=true", *overrides, "chaos.fail_collectives_step=1"))
+
+
+def test_decode_once_is_refused_at_launch_for_a_split_this_machine_cannot_hold(
+    tmp_path: Path,
+) -> None:
+    """Counted before any worker starts: the generated split from its settings, a folder by its
+    files; the fit one passes."""
+    huge = ["data.generate.classes=1000", "data.generate.images_per_class=1000000"]
+    with pytest.raises(ConfigError, match=re.escape("data.decode='once': it holds the training")):
+        validate_launch(composed("data.decode=once", "data.crop_size=224", *huge))
+    validate_launch(composed("data.decode=once"))
+    validate_launch(composed("data.decode=host", "data.crop_size=224", *huge))  # not held
+    for c in range(2):
+        (tmp_path / "train" / f"c{c}").mkdir(parents=True)
+        for i in range(3):
+            (tmp_path / "train" / f"c{c}" / f"{i}.jpg").write_bytes(b"")
+    folder = ("data=imagenet", f"data.root={tmp_path}", 'data.val_dir=""', "data.decode=once")
+    validate_launch(composed(*folder))

@@ -16,10 +16,12 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
+
 from elastic.cache import cached
 from elastic.config.cluster import Device
 from elastic.config.job import Config
-from elastic.config.model_data import DIGITS_PER_CLASS, DataSource, SyntheticDataConfig
+from elastic.config.model_data import DIGITS_PER_CLASS, DataSource, Decode, SyntheticDataConfig
 from elastic.config.optim import OptimConfig, Schedule
 from elastic.config.schema import problem
 from elastic.config.trainer import CommBackend, GradDtype, Precision, Shard
@@ -89,6 +91,28 @@ def once_memory_problem(images: int, crop_size: int, available: int) -> str | No
         "use data.decode=host (or device on a GPU) for a data set of this size, or a smaller "
         "data.crop_size",
     )
+
+
+def once_problems(cfg: Config) -> Iterator[str]:
+    """``data.decode=once``: the training split must fit, counted at launch.
+
+    The generated split's size is its settings'; a folder's is counted (its files, a second or
+    two for ImageNet's 1.3 million), so that a split too large is refused before any worker
+    starts and fails, against the memory this machine has available now. Each worker checks
+    again on its own machine (:class:`elastic.data.DecodedOnce`)."""
+    d = cfg.data
+    if d.decode is not Decode.once:
+        return
+    if d.synthetic:
+        images = d.generate.classes * d.generate.images_per_class
+    else:
+        train = Path(d.root) / d.train_dir
+        if not train.is_dir():
+            return  # data_problems says so
+        classes = [c.path for c in os.scandir(train) if c.is_dir()]
+        images = sum(1 for c in classes for f in os.scandir(c) if f.is_file())
+    if found := once_memory_problem(images, d.crop_size, psutil.virtual_memory().available):
+        yield found
 
 
 def digits_problems(g: SyntheticDataConfig, val_dir: str) -> list[str]:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from elastic.config import BNStats, Config, Decode
-from elastic.config.training_rules import data_problems, model_problems
+from elastic.config.training_rules import data_problems, model_problems, once_problems
 from elastic.job import Batch, EvalContext, Job, NoSettings
 
 if TYPE_CHECKING:
@@ -55,8 +55,8 @@ class ImageNetJob(Job[NoSettings]):
 
     @classmethod
     def problems(cls, cfg: Config, settings: NoSettings) -> list[str]:
-        """The data set's folders (or the generated digits' counts) and ``model.name``."""
-        return [*data_problems(cfg), *model_problems(cfg)]
+        """The data set's folders and counts, ``model.name``, and ``data.decode=once``'s size."""
+        return [*data_problems(cfg), *model_problems(cfg), *once_problems(cfg)]
 
     @classmethod
     def prepare(cls, cfg: Config, settings: NoSettings) -> None:
