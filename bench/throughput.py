@@ -106,7 +106,7 @@ runtime: the etcd's CPU share, printed for every row, now tells it at no cost.
     .venv/bin/python bench/throughput.py --steps 20 --warmup-steps 12 --repeats 2 \\
         checkpoint.every_steps=10                                       # quick look, CPU
     .venv/bin/python bench/throughput.py --device cuda --model resnet50 --batch-size 128 \\
-        --image-size 256 --crop-size 224 --loader-workers -1 --steps 100 --warmup-steps 30 \
+        --image-size 256 --crop-size 224 --loader-workers -1 --steps 100 --warmup-steps 30 \\
         data.decode=once
 
 The CPU defaults (3 rows x 2 runtimes x 6 repeats, 70 steps each) take about 15 minutes on 2
