@@ -74,6 +74,15 @@ def eval_transform(crop_size: int) -> transforms.Compose:
     )
 
 
+def image_folder(root: Path) -> datasets.ImageFolder:
+    """The training split's ImageFolder at ``root``: its files listed, none read."""
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"{root} is not a directory: data.root must hold <data.train_dir>/<class>/<image>"
+        )
+    return datasets.ImageFolder(str(root))
+
+
 def sample_seed(seed: int, epoch: int, index: int) -> int:
     """The seed of sample ``index``'s augmentation in ``epoch``: the same wherever it is read."""
     return (seed * 1_000_003 + epoch) * 100_000_007 + index
@@ -99,12 +108,7 @@ class SeededImageFolder(Dataset[tuple[torch.Tensor, int] | Encoded]):
     that a sample gets the same crop and flip wherever it is decoded."""
 
     def __init__(self, cfg: DataConfig, seed: int) -> None:
-        root = train_root(cfg)
-        if not root.is_dir():
-            raise FileNotFoundError(
-                f"{root} is not a directory: data.root must hold <data.train_dir>/<class>/<image>"
-            )
-        self.folder = datasets.ImageFolder(str(root))
+        self.folder = image_folder(train_root(cfg))
         self.transform = imagenet_transform(cfg.crop_size, cfg.min_crop_scale)
         self.seed = seed
         self.encoded = cfg.decode is Decode.device
@@ -153,11 +157,7 @@ class DecodedOnce(Dataset[tuple[torch.Tensor, int]]):
     """
 
     def __init__(self, root: Path, crop_size: int, seed: int, threads: int) -> None:
-        if not root.is_dir():
-            raise FileNotFoundError(
-                f"{root} is not a directory: data.root must hold <data.train_dir>/<class>/<image>"
-            )
-        folder = datasets.ImageFolder(str(root))  # lists the files, reads none
+        folder = image_folder(root)
         n = len(folder)
         if problem := once_memory_problem(n, crop_size, psutil.virtual_memory().available):
             raise MemoryError(problem)
