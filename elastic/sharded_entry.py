@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from elastic.config import ConfigError, problem
+from elastic.config.training_rules import SHARDED_ON_NCCL_FIX
 from elastic.control import Assignment
 from elastic.round_end import RoundAborted
 from elastic.sharding import (
@@ -45,8 +46,7 @@ def enter_mesh(w: Worker, a: Assignment) -> dist.ProcessGroup:
                 "node",
                 f"this worker computes on {w.device} over {w.comm.backend}, and the sharded path "
                 "recovers in place through gloo groups it can abort; it has not yet run on NCCL",
-                "use parallel.shard=none (DDP) on GPUs for now, or cluster.device=cpu (on one "
-                "GPU, comm.backend=gloo runs it as a test aid)",
+                SHARDED_ON_NCCL_FIX,
             )
         )
     per_node = w.env.local_world_size

@@ -222,6 +222,14 @@ def comm_problems(cfg: Config) -> Iterator[str]:
     yield from (p for b in backends if (p := grad_dtype_problem(b, comm.grad_dtype)))
 
 
+# How to run a job that parallel.shard=node cannot take on NCCL (here, and in a worker whose
+# cluster.device=auto found a GPU: elastic.sharded_entry).
+SHARDED_ON_NCCL_FIX = (
+    "use parallel.shard=none (DDP) on GPUs for now, or cluster.device=cpu (on one GPU, "
+    "comm.backend=gloo runs it as a test aid)"
+)
+
+
 def parallel_problems(cfg: Config) -> Iterator[str]:
     """What ``parallel.shard=node`` cannot run with: it is recovered in place over gloo only."""
     if cfg.parallel.shard is not Shard.node:
@@ -232,8 +240,7 @@ def parallel_problems(cfg: Config) -> Iterator[str]:
             Shard.node,
             "the sharded path recovers in place through gloo groups it can abort, and has not yet "
             "run on NCCL (issue 51's GPU part)",
-            "use parallel.shard=none (DDP) on GPUs for now, or cluster.device=cpu (on one GPU, "
-            "comm.backend=gloo runs it as a test aid)",
+            SHARDED_ON_NCCL_FIX,
         )
     if cfg.trainer.precision is Precision.fp16:
         yield problem(
