@@ -15,12 +15,9 @@ from launcher.agent.decisions import (
     Drain,
     Evict,
     Finish,
-    Fruitless,
     GiveUp,
     IdTaken,
     Leave,
-    Probe,
-    Reach,
     Rejoin,
     Restart,
     Standby,
@@ -31,26 +28,32 @@ from launcher.agent.decisions import (
     answer_fault_request,
     assignments,
     away_for,
-    evicts_now,
     follow_round,
-    fruitless,
     join_timed_out,
     keeps_workers,
     leaves_done_job,
-    no_one_to_blame,
     on_membership,
     on_node_id_in_use,
-    on_peer_lost,
     on_stop,
     on_straggler,
     on_worker_exits,
     others_go_on,
-    peers_to_evict,
     publishes_progress,
-    reaches_the_round,
     refusing_checks,
 )
 from launcher.agent.inbox import Inbox, RendezvousChanged, Signal, WorkerExited, WorkerPeerLost
+from launcher.agent.peer_decisions import (
+    Fruitless,
+    Probe,
+    Reach,
+    evicts_now,
+    fruitless,
+    no_one_to_blame,
+    on_peer_lost,
+    peers_to_evict,
+    reaches_the_round,
+    ring_neighbours,
+)
 from launcher.local_cluster import FINISHED_GRACE_S, still_waiting
 from launcher.rendezvous.membership import JobView, NodeRecord, Round, excluded_ranks
 
@@ -184,19 +187,34 @@ def test_peer_lost_probes_the_other_members_not_known_to_be_gone() -> None:
     assert on_peer_lost(rnd, 5, own, "a") == Probe(rnd, (rnd.member("b"), rnd.member("c")))
 
 
-def test_one_survivor_evicts_the_first_alive_in_rank_order_the_others_after_a_lease() -> None:
-    rnd = Round.build(5, [node("a", 1), node("b", 2), node("c", 3), node("d", 4)])
+def test_the_first_alive_and_a_dead_peers_ring_neighbours_evict_at_once_the_others_later() -> None:
+    rnd = Round.build(5, [node(n, i) for i, n in enumerate("abcde", start=1)])
     found = Probe(rnd, ())
-    reach = {"a": DEAD, "b": ALIVE, "c": ALIVE, "d": ALIVE}  # a (rank 0) is gone
-    assert evicts_now(found, reach, "b", waited_s=0.0, backup_s=3.0)
-    assert not evicts_now(found, reach, "c", waited_s=0.0, backup_s=3.0)
-    assert not evicts_now(found, reach, "d", waited_s=2.9, backup_s=3.0)
-    # b may be frozen (its port accepts): after a lease the others evict too.
-    assert evicts_now(found, reach, "d", waited_s=3.0, backup_s=3.0)
-    # A partition: cut off from b and c, d's side is a and d, and a evicts; cut off from all
-    # (peers_to_evict then evicts no one: d is the minority), d comes first on its side.
-    assert evicts_now(found, {"a": ALIVE, "b": CUT, "c": CUT}, "d", 0.0, 3.0) is False
-    assert evicts_now(found, {"a": CUT, "b": CUT, "c": CUT}, "d", 0.0, 3.0)
+    reach = {"a": ALIVE, "b": ALIVE, "c": DEAD, "d": ALIVE, "e": ALIVE}  # c is gone
+    # a comes first; b and d are c's neighbours (b sends to c, d receives from it).
+    assert [n for n in "abde" if evicts_now(found, reach, n, 0.0, backup_s=3.0)] == ["a", "b", "d"]
+    assert not evicts_now(found, reach, "e", waited_s=2.9, backup_s=3.0)
+    # a may be frozen (its port accepts), b and d may not have seen it: after a lease, all do.
+    assert evicts_now(found, reach, "e", waited_s=3.0, backup_s=3.0)
+    # Rank 0 gone: the ring wraps, so the last member is its neighbour, as is the next.
+    first_gone = {"a": DEAD, "b": ALIVE, "c": ALIVE, "d": ALIVE, "e": ALIVE}
+    assert [n for n in "bcde" if evicts_now(found, first_gone, n, 0.0, 3.0)] == ["b", "e"]
+    # A partition: cut off from b and c, e's side is a, d and e, and a evicts first, d as c's
+    # neighbour; cut off from all (peers_to_evict then evicts no one: e is the minority), e
+    # comes first on its side.
+    cut = {"a": ALIVE, "b": CUT, "c": CUT, "d": ALIVE}
+    assert [n for n in "ade" if evicts_now(found, cut, n, 0.0, 3.0)] == ["a", "d"]
+    assert evicts_now(found, {"a": CUT, "b": CUT, "c": CUT, "d": CUT}, "e", 0.0, 3.0)
+
+
+def test_ring_neighbours_are_the_live_members_next_to_a_gone_one_cyclic() -> None:
+    ids = list("abcdef")
+    assert ring_neighbours(ids, set(ids)) == set()
+    assert ring_neighbours(ids, set()) == set()
+    assert ring_neighbours(ids, set("abdef")) == {"b", "d"}
+    assert ring_neighbours(ids, set("bcdf")) == {"f", "b", "d"}  # a, e gone: a wraps to f
+    assert ring_neighbours(ids, set("ad")) == {"a", "d"}
+    assert ring_neighbours(ids, {"c"}) == {"c"}
 
 
 def test_a_broken_round_whose_peers_all_answer_is_left_after_a_lease() -> None:

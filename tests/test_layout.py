@@ -91,6 +91,7 @@ def test_elastic_imports_nothing_from_launcher() -> None:
 # the final save's pure words (elastic/final_save.py), and nothing that talks to etcd or processes.
 PURE = {
     "launcher.agent.decisions",
+    "launcher.agent.peer_decisions",
     "launcher.alerts",
     "launcher.rendezvous.round_plan",
     "launcher.rendezvous.membership",

@@ -13,7 +13,7 @@ import pytest
 from chaos.resources import WARMUP
 from elastic import event_types as ev
 from elastic.events import read_events
-from launcher.agent.decisions import Reach
+from launcher.agent.peer_decisions import Reach
 from launcher.agent.peers import WHY_EVICTED
 
 from .conftest import FAST_JOB, RESNET18, Gate, back_after_restart, load_bench

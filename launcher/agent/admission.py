@@ -17,6 +17,7 @@ from elastic import config
 from elastic import event_types as ev
 from elastic.events import EventLog
 from launcher.agent import decisions as decide
+from launcher.agent.peer_decisions import Reach
 from launcher.agent.peers import probe
 from launcher.agent.slots import layout_refusal
 from launcher.health.checks import run_checks
@@ -89,7 +90,7 @@ class Admission:
             except NodeIdInUse as exc:
                 holder = exc.holder
                 timeout = self._cfg.rendezvous.probe_timeout_s
-                alive = probe(holder.host, holder.store_port, timeout) is not decide.Reach.DEAD
+                alive = probe(holder.host, holder.store_port, timeout) is not Reach.DEAD
                 step = decide.on_node_id_in_use(
                     holder.host, self._host, alive, time.monotonic() > deadline
                 )

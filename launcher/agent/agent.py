@@ -42,6 +42,7 @@ from launcher.agent.inbox import (
     WorkerStrike,
 )
 from launcher.agent.parts import Node, assemble, connect_etcd, round_store, start_workers
+from launcher.agent.peer_decisions import Fruitless, Probe
 from launcher.agent.peers import PROBE_AGAIN_S
 from launcher.agent.progress_key import ProgressPublisher
 from launcher.agent.self_quarantine import SelfQuarantine
@@ -295,13 +296,13 @@ class Agent:
             if code := self._say_ready():
                 return code
             lost = self.peers.on_lost(self.act.current, view, self.workers.step)
-            if isinstance(lost, decide.Fruitless):
+            if isinstance(lost, Fruitless):
                 self.leave_reason = lost.message()
                 log.error("%s stops: %s", self.node_id, self.leave_reason)
                 return 1
             if isinstance(lost, str):
                 self.act.leave_round(lost)
-            probing = isinstance(lost, decide.Probe)
+            probing = isinstance(lost, Probe)
             self.act.follow_round(view)
             self.progress.tick(self.act.current)  # rank 0's node: the progress key, once a second
             now = time.monotonic()

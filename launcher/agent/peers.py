@@ -5,7 +5,7 @@ connection means the peer's process is gone, and its key is deleted at once (an 
 the leader forms a smaller round without waiting for the lease. A frozen peer still accepts (the
 kernel does) and is left to its lease. Before a node says it is ready, it checks that it reaches
 every live member of the round, so that a node cut off by the network does not join a round it
-cannot train in. The decisions are pure functions in :mod:`launcher.agent.decisions`.
+cannot train in. The decisions are pure functions in :mod:`launcher.agent.peer_decisions`.
 """
 
 from __future__ import annotations
@@ -19,14 +19,13 @@ from concurrent.futures import ThreadPoolExecutor
 from elastic import event_types as ev
 from elastic.config import RendezvousConfig
 from elastic.events import EventLog
-from launcher.agent import decisions as decide
+from launcher.agent import peer_decisions as decide
 from launcher.rendezvous.membership import JobView, Member, Round
 
 PROBE_AGAIN_S = 0.2  # after a failed collective, peers are probed this often until a new round
-# A survivor that is not the round's first live member evicts a dead peer itself after probing
-# this long (or a lease TTL, if shorter) with the round still standing. The first one may be
-# frozen, or may not have seen the failure at all: gloo's ring leaves a rank waiting on a live
-# neighbour that gave up, without an error, so its agent never probes.
+# A survivor that is neither the round's first live member nor next to the dead peer evicts it
+# itself after probing this long (or a lease TTL, if shorter) with the round still standing:
+# those may be frozen, or may not have seen the failure (peer_decisions.evicts_now).
 EVICT_BACKUP_S = 1.0
 # Rounds in a row left with no one to blame, at one step, after which a node stops: each costs
 # rendezvous.pg_timeout_s or a lease TTL, and a cause that outlives this many does not heal.
@@ -82,8 +81,8 @@ class Peers:
         Returns the probe while the round stands (the loop probes again in
         :data:`PROBE_AGAIN_S`). Returns the reason to leave the round when every peer answers yet
         the collectives failed, unless :data:`FRUITLESS_ROUNDS` such rounds in a row failed at
-        the workers' ``step`` (:func:`decisions.fruitless`: the node stops). None when there is
-        nothing to look at."""
+        the workers' ``step`` (:func:`~launcher.agent.peer_decisions.fruitless`: the node stops).
+        None when there is nothing to look at."""
         whole = self._whole(current) if current is not None else None
         found = decide.on_peer_lost(whole, self.lost_round, view, self._node_id)
         if found is None:
@@ -119,7 +118,8 @@ class Peers:
     def reaches_the_round(self, view: JobView) -> bool:
         """Whether this node reaches every live member of the current round, before saying ready.
 
-        See :func:`decisions.reaches_the_round`. An event says so once while it does not."""
+        See :func:`~launcher.agent.peer_decisions.reaches_the_round`. An event says so once
+        while it does not."""
         if view.round is None:
             return True
         rnd = self._whole(view.round)
