@@ -70,6 +70,11 @@ class WorkerEnv:
         return cls(**values)
 
 
+def local_world_size() -> int:
+    """The workers of this worker's node, from its environment (1 outside a worker)."""
+    return int(os.environ.get(WorkerEnv._NAMES["local_world_size"], "1"))
+
+
 @dataclass(frozen=True)
 class Assignment:
     """One worker's place in one round."""

@@ -154,12 +154,18 @@ class DecodedOnce(Dataset[tuple[torch.Tensor, int]]):
     bytes, and normalised there (:func:`elastic.pipeline.image_mover`). For a data set that fits
     in memory, and for measuring a step where decoding JPEGs would be slower than the GPU (the
     GPU proof's throughput part).
+
+    ``copies``: the workers of this node, each holding pixels of its own; the memory check
+    counts them all.
     """
 
-    def __init__(self, root: Path, crop_size: int, seed: int, threads: int) -> None:
+    def __init__(
+        self, root: Path, crop_size: int, seed: int, threads: int, copies: int = 1
+    ) -> None:
         folder = image_folder(root)
         n = len(folder)
-        if problem := once_memory_problem(n, crop_size, psutil.virtual_memory().available):
+        available = psutil.virtual_memory().available
+        if problem := once_memory_problem(n, crop_size, available, copies):
             raise MemoryError(problem)
         self.images = torch.empty((n, 3, crop_size, crop_size), dtype=torch.uint8)
         self.targets = torch.tensor(folder.targets, dtype=torch.int64)

@@ -402,6 +402,26 @@ def test_decode_once_is_refused_where_the_split_would_take_over_half_the_memory(
     half = 640 * 3 * 224 * 224 * 2
     assert once_memory_problem(640, 224, half) is None
     assert once_memory_problem(640, 224, half - 1) is not None
+    # Each worker of the machine holds a copy: 8 GPUs' workers need 8 times as much.
+    assert once_memory_problem(640, 224, 8 * half, copies=8) is None
+    eight = once_memory_problem(200_000, 224, 256 * gib, copies=8)
+    assert eight is not None and once_memory_problem(200_000, 224, 256 * gib) is None
+    assert "= 28.0 GiB, 224.3 GiB for the 8 workers on this machine, and that is more" in eight
+    assert eight.endswith("or a smaller data.crop_size, or fewer workers on a machine.")
+
+
+def test_the_workers_a_launch_counts_on_its_machine() -> None:
+    from elastic.config.training_rules import workers_on_this_machine
+
+    def count(*overrides: str) -> int:
+        return workers_on_this_machine(composed(*overrides))
+
+    assert count() == 2  # the local defaults: 2 nodes of one CPU worker
+    assert count("cluster.nodes=3", "cluster.cpu_workers=2", "cluster.device=cpu") == 6
+    assert count("cluster.nodes=3", "cluster.workers_per_node=4") == 12
+    assert count("cluster.nodes=3", "cluster.device=cuda") == 3  # CUDA's count: the workers'
+    bare = ("cluster.mode=bare_metal", "cluster.nodes=16", "cluster.workers_per_node=8")
+    assert count(*bare) == 8
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 
 from elastic.cache import cached
-from elastic.config.cluster import Device
+from elastic.config.cluster import ClusterMode, Device
 from elastic.config.job import Config
 from elastic.config.model_data import DIGITS_PER_CLASS, DataSource, Decode, SyntheticDataConfig
 from elastic.config.optim import OptimConfig, Schedule
@@ -75,22 +75,36 @@ def data_problems(cfg: Config) -> Iterator[str]:
 ONCE_MEMORY_SHARE = 0.5
 
 
-def once_memory_problem(images: int, crop_size: int, available: int) -> str | None:
+def once_memory_problem(images: int, crop_size: int, available: int, copies: int = 1) -> str | None:
     """Why ``images`` pixels of ``crop_size`` squares cannot be held (``data.decode=once``), if so.
 
-    ``available``: the bytes of memory available to this worker now."""
-    need = images * 3 * crop_size * crop_size
-    if need <= available * ONCE_MEMORY_SHARE:
+    ``available``: the bytes of memory available on this machine now; ``copies``: the workers
+    that hold the split on it, each its own."""
+    each = images * 3 * crop_size * crop_size
+    if each * copies <= available * ONCE_MEMORY_SHARE:
         return None
+    size = f"{images:,} images x 3 x {crop_size} x {crop_size} bytes = {each / 2**30:.1f} GiB"
+    if copies > 1:
+        size += f", {each * copies / 2**30:.1f} GiB for the {copies} workers on this machine,"
     return problem(
         "data.decode",
         "once",
-        f"it holds the training split in each worker's memory, {images:,} images x 3 x "
-        f"{crop_size} x {crop_size} bytes = {need / 2**30:.1f} GiB, and that is more than "
+        f"it holds the training split in each worker's memory, {size} and that is more than "
         f"{ONCE_MEMORY_SHARE:.0%} of the {available / 2**30:.1f} GiB available",
         "use data.decode=host (or device on a GPU) for a data set of this size, or a smaller "
-        "data.crop_size",
+        "data.crop_size" + (", or fewer workers on a machine" if copies > 1 else ""),
     )
+
+
+def workers_on_this_machine(cfg: Config) -> int:
+    """The workers that will run on the launching machine, as far as the settings tell.
+
+    A simulated cluster runs every node here; a bare-metal launch, this node. A GPU count that
+    only CUDA knows (``workers_per_node=0`` on a GPU) counts as one a node: the workers check
+    again themselves (:class:`elastic.data.DecodedOnce`)."""
+    c = cfg.cluster
+    per_node = c.workers_per_node or (c.cpu_workers if c.device is not Device.cuda else 1)
+    return per_node * (c.nodes if c.mode is ClusterMode.local else 1)
 
 
 def once_problems(cfg: Config) -> Iterator[str]:
@@ -98,8 +112,9 @@ def once_problems(cfg: Config) -> Iterator[str]:
 
     The generated split's size is its settings'; a folder's is counted (its files, a second or
     two for ImageNet's 1.3 million), so that a split too large is refused before any worker
-    starts and fails, against the memory this machine has available now. Each worker checks
-    again on its own machine (:class:`elastic.data.DecodedOnce`)."""
+    starts and fails, against the memory this machine has available now, for each of the
+    workers it will run (:func:`workers_on_this_machine`). Each worker checks again on its own
+    machine (:class:`elastic.data.DecodedOnce`)."""
     d = cfg.data
     if d.decode is not Decode.once:
         return
@@ -111,7 +126,8 @@ def once_problems(cfg: Config) -> Iterator[str]:
             return  # data_problems says so
         classes = [c.path for c in os.scandir(train) if c.is_dir()]
         images = sum(1 for c in classes for f in os.scandir(c) if f.is_file())
-    if found := once_memory_problem(images, d.crop_size, psutil.virtual_memory().available):
+    available = psutil.virtual_memory().available
+    if found := once_memory_problem(images, d.crop_size, available, workers_on_this_machine(cfg)):
         yield found
 
 

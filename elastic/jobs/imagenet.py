@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from elastic.config import BNStats, Config, Decode
 from elastic.config.training_rules import data_problems, model_problems, once_problems
+from elastic.control import local_world_size
 from elastic.job import Batch, EvalContext, Job, NoSettings
 
 if TYPE_CHECKING:
@@ -85,7 +86,8 @@ class ImageNetJob(Job[NoSettings]):
 
         data, seed = self.cfg.data, self.cfg.trainer.seed
         if data.decode is Decode.once:  # the decode pass takes this worker's share of the cores
-            return DecodedOnce(train_root(data), data.crop_size, seed, torch.get_num_threads())
+            threads, node_workers = torch.get_num_threads(), local_world_size()
+            return DecodedOnce(train_root(data), data.crop_size, seed, threads, node_workers)
         return SeededImageFolder(data, seed)
 
     def build_model(self) -> torch.nn.Module:
