@@ -33,6 +33,10 @@ from launcher.rendezvous.membership import NodeRecord
 from launcher.rendezvous.rendezvous import Rendezvous
 
 REPO = Path(__file__).resolve().parent.parent
+# How long a child process may take to start: importing torch took up to 2 minutes on cores
+# loaded far past CI's (docs/benchmarks.md, "Flake hunt"). A test's own bounds start once its
+# children said they started (:func:`ranks_started`), so they never count this.
+START_S = 300.0
 
 
 def load_bench(name: str) -> ModuleType:
@@ -178,6 +182,22 @@ def served_store() -> Iterator[int]:
         yield store.port
     finally:
         del store
+
+
+def rank_started(store: Any, rank: int) -> None:
+    """Say, in the test's :func:`served_store`, that this spawned rank has started."""
+    store.set(f"started/{rank}", "1")
+
+
+def ranks_started(port: int, ranks: int) -> None:
+    """Wait until ranks ``0..ranks-1`` said they started (:func:`rank_started`), up to
+    :data:`START_S`: the test's own bounds begin here, past the ranks' import of torch."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=START_S))
+    store.wait([f"started/{r}" for r in range(ranks)])
 
 
 @contextlib.contextmanager

@@ -28,7 +28,7 @@ from elastic.checkpoint import CheckpointManager
 from elastic.checkpoint_save import _ShardWriter
 from elastic.events import EventLog, read_events
 from elastic.manifest import MANIFEST
-from tests.conftest import served_store
+from tests.conftest import START_S, rank_started, ranks_started, served_store
 
 GROUP_TIMEOUT = timedelta(seconds=30)
 
@@ -39,9 +39,14 @@ def state(seed: int) -> dict[str, torch.Tensor]:
 
 
 def _join(rank: int, port: int) -> dist.ProcessGroup:
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=GROUP_TIMEOUT)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=GROUP_TIMEOUT)
-    return dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT)
+    """The ranks meet (each may take up to START_S to start), say so, and save over a group of
+    GROUP_TIMEOUT."""
+    start = timedelta(seconds=START_S)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=start)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=start)
+    group = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT)
+    rank_started(store, rank)
+    return group
 
 
 def _die() -> None:
@@ -93,6 +98,7 @@ def test_a_process_killed_at_each_phase_of_a_background_save_never_leaves_a_wron
     survivor = 0 if phase in ("staging", "write") else 1
     with served_store() as port:
         ranks = mp.spawn(_phase_main, args=(port, url, str(tmp_path), phase), nprocs=2, join=False)
+        ranks_started(port, 2)
         for p in ranks.processes:
             p.join(60)
     codes = [p.exitcode for p in ranks.processes]
@@ -147,6 +153,7 @@ def test_a_peer_frozen_mid_save_holds_only_the_save_and_an_abandoned_save_never_
         ranks = mp.spawn(_frozen_main, args=(port, url, str(tmp_path)), nprocs=2, join=False)
         frozen = ranks.processes[1]
         try:
+            ranks_started(port, 2)
             report = tmp_path / "rank0.json"
             deadline = time.monotonic() + 20
             while not report.exists() and time.monotonic() < deadline:

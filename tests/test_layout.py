@@ -21,6 +21,8 @@ from pathlib import Path
 
 from elastic import config
 
+from .conftest import START_S
+
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("elastic", "launcher")
 
@@ -199,7 +201,7 @@ def test_a_worker_loads_no_module_of_the_launcher() -> None:
         "print(sorted(m for m in sys.modules if m == 'launcher' or m.startswith('launcher.')))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=START_S
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "['launcher', 'launcher.torchrun']"
