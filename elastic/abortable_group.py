@@ -69,6 +69,14 @@ COLLECTIVES = (
     "recv",
 )
 
+# Coalesced collectives that torch's C++ side may call on this group, but that the gloo
+# backend's Python binding lacks (both in torch 2.14; torch 2.11, the GPU machine's, calls the
+# all-gather for DTensor's full_tensor): run as their base collective, once per tensor pair.
+PER_PAIR = {
+    "allgather_into_tensor_coalesced": "_allgather_base",
+    "reduce_scatter_tensor_coalesced": "_reduce_scatter_base",
+}
+
 
 class AbortableWork(dist.Work):
     """A collective in flight on an :class:`AbortableGroup`.
@@ -200,7 +208,7 @@ class AbortableGroup(dist.ProcessGroup):
         with self._lock:
             if self._reason is not None:
                 raise RoundAborted(f"{name} on an aborted group: {self._reason}")
-            work = getattr(self._backend, name)(*args, **kwargs)
+            work = start(self._backend, name, args, kwargs)
             device = cuda_device(args)
             launched = _Launched(work, torch.futures.Future(), torch.futures.Future(), device)
             self._pending = [p for p in self._pending if not p.ours.done()]
@@ -255,6 +263,31 @@ class AbortableGroup(dist.ProcessGroup):
             ready = torch.cuda.Event()
             ready.record()
             launched.ready = ready
+
+
+def start(backend: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dist.Work:
+    """Begin collective ``name`` on ``backend``: its own, or per tensor pair (:data:`PER_PAIR`)."""
+    if hasattr(backend, name) or name not in PER_PAIR:
+        return getattr(backend, name)(*args, **kwargs)
+    outputs, inputs, *options = args
+    base = getattr(backend, PER_PAIR[name])
+    return Works([base(o, i, *options, **kwargs) for o, i in zip(outputs, inputs, strict=True)])
+
+
+class Works(dist.Work):
+    """Several of the backend's works as one, which ends once all of them have."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        super().__init__()
+        self._works = works
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        for work in self._works:
+            work.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
 
 
 def cuda_device(args: tuple[Any, ...]) -> torch.device | None:

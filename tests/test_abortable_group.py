@@ -60,6 +60,7 @@ def _freeze(rank: int, world: int, tmp: str) -> None:
             # DTensor's own collectives (C++ functional ones) reach the group too
             "gathered": {n: p.full_tensor() for n, p in model.named_parameters()},
             "gathered_plain": {n: p.full_tensor() for n, p in plain[0].named_parameters()},
+            "coalesced": _coalesced(mesh.get_group("shard"), rank),
         },
         Path(tmp, f"step{rank}.pt"),
     )
@@ -82,6 +83,20 @@ def _freeze(rank: int, world: int, tmp: str) -> None:
             work.wait()  # ends when the backend's does: here, as the killed peer's sockets close
     assert not any(group.in_flight() for group in mesh_groups(mesh))
     dist.destroy_process_group()
+
+
+def _coalesced(group: dist.ProcessGroup, rank: int) -> list[torch.Tensor]:
+    """The coalesced all-gather and reduce-scatter, which gloo's binding lacks (PER_PAIR), of
+    two tensors each on a node's shard group."""
+    gathered = [torch.empty(4), torch.empty(2)]
+    group.allgather_into_tensor_coalesced(
+        gathered, [torch.full((2,), float(rank)), torch.full((1,), 10.0 + rank)]
+    ).wait()
+    reduced = [torch.empty(2), torch.empty(1)]
+    group.reduce_scatter_tensor_coalesced(
+        reduced, [torch.arange(4.0) + rank, torch.arange(2.0) + 10 * rank]
+    ).wait()
+    return gathered + reduced
 
 
 def _aborted_step(
@@ -126,7 +141,8 @@ def test_frozen_rank_no_longer_holds_fsdp_collectives(tmp_path: Path) -> None:
     """At 2 nodes x 2 workers, a step over abortable groups equals the plain groups' bit for bit.
     Then rank 3 is SIGSTOPped: rank 2 blocks in the forward all-gather (shard dim), ranks 0 and 1
     in the backward all-reduce (replicate dim); each raises RoundAborted within a second of its
-    abort from a thread, the gloo works left in flight, and later collectives are refused."""
+    abort from a thread, the gloo works left in flight, and later collectives are refused. The
+    coalesced collectives gloo's binding lacks run per tensor pair."""
     mp.set_forkserver_preload(["torch._dynamo", "tests.test_sharding"])
     context = mp.start_processes(
         _freeze, args=(WORLD, str(tmp_path)), nprocs=WORLD, join=False, start_method="forkserver"
@@ -152,6 +168,12 @@ def test_frozen_rank_no_longer_holds_fsdp_collectives(tmp_path: Path) -> None:
             assert torch.equal(step["abortable"][key], tensor), (rank, key)
         for name, tensor in step["gathered_plain"].items():
             assert torch.equal(step["gathered"][name], tensor), (rank, name)
+        first, k = rank - rank % 2, rank % 2  # the node's first rank; this rank's share
+        gathered_a, gathered_b, reduced_a, reduced_b = step["coalesced"]
+        assert gathered_a.tolist() == [first, first, first + 1, first + 1]
+        assert gathered_b.tolist() == [10 + first, 11 + first]
+        assert reduced_a.tolist() == [2 * i + 2 * first + 1 for i in (2 * k, 2 * k + 1)]
+        assert reduced_b.tolist() == [2 * k + 10 * (2 * first + 1)]
     for rank in survivors:
         found = torch.load(tmp_path / f"aborted{rank}.pt", weights_only=True)
         assert found["error"].startswith("collective abandoned: rank 3 froze"), found
