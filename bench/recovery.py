@@ -45,6 +45,7 @@ against the pace before the fault (chaos/recovery_figures.py), which the peers d
     ./dev.sh bench --faults kill,kill_rank0,freeze --repeats 3   # the peer comparisons
     ./dev.sh bench --faults kill,freeze --repeats 3 --peers torchrun,torchft
     ./dev.sh bench --faults kill --repeats 2 --skip-peer
+    ./dev.sh bench --faults kill --repeats 16 --skip-peer --keep runs/bench   # each run's events kept
 
 The torchrun peer's ``train.py`` is ``shared/bench/peer_torchrun/`` beside this checkout; it
 needs torchrun on PATH (./dev.sh bench puts the project's venv first). The torchft peer's is
@@ -292,6 +293,14 @@ def summary(outcomes: list[Outcome]) -> tuple[str, float | None]:
     )
 
 
+def work_dir(keep: Path | None) -> contextlib.AbstractContextManager[str]:
+    """Where the runs live: ``keep`` (made if need be, left behind), else a temporary folder."""
+    if keep is None:
+        return tempfile.TemporaryDirectory(prefix="bench-recovery-")
+    keep.mkdir(parents=True, exist_ok=True)
+    return contextlib.nullcontext(str(keep))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--faults", default=",".join(FAULTS), help="comma-separated kinds")
@@ -327,6 +336,11 @@ def main() -> None:
         "--peers", default="torchrun", help=f"comma-separated, of {', '.join(PEER_ROWS)}"
     )
     parser.add_argument("--skip-peer", action="store_true")
+    parser.add_argument(
+        "--keep",
+        type=Path,
+        help="keep every run's directory (events, logs) under this folder, to read afterwards",
+    )
     args = parser.parse_args()
     peers = [] if args.skip_peer else args.peers.split(",")
     if set(peers) - set(PEER_ROWS):
@@ -350,7 +364,7 @@ def main() -> None:
     ours: dict[str, list[Recovery]] = {f: [] for f in faults}
     peer: dict[str, dict[str, list[Outcome]]] = {f: {p.name: [] for p in rows} for f in faults}
     step_times: list[float] = []
-    with tempfile.TemporaryDirectory(prefix="bench-recovery-") as tmp:
+    with work_dir(args.keep) as tmp:
         for fault in faults:
             for i in range(args.repeats):
                 rec = run_ours(Path(tmp), fault, args)
