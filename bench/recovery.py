@@ -45,7 +45,7 @@ against the pace before the fault (chaos/recovery_figures.py), which the peers d
     ./dev.sh bench --faults kill,kill_rank0,freeze --repeats 3   # the peer comparisons
     ./dev.sh bench --faults kill,freeze --repeats 3 --peers torchrun,torchft
     ./dev.sh bench --faults kill --repeats 2 --skip-peer
-    ./dev.sh bench --faults kill --repeats 16 --skip-peer --keep runs/bench   # each run's events kept
+    ./dev.sh bench --faults kill --repeats 16 --skip-peer --keep runs/bench   # keeps the runs
 
 The torchrun peer's ``train.py`` is ``shared/bench/peer_torchrun/`` beside this checkout; it
 needs torchrun on PATH (./dev.sh bench puts the project's venv first). The torchft peer's is
