@@ -7,6 +7,9 @@
 #                                  (what CI runs)
 #   ./dev.sh bench [args...]       the recovery benchmark against the torchrun peer
 #   ./dev.sh gpu-wheels [DIR]      the wheels the offline GPU machine lacks, into DIR (gpu-wheels)
+#   ./dev.sh gpu-rehearsal [OUT]   here, before a loan: the GPU proof's reduced form and the
+#                                  tests that reach torch.distributed, under the GPU machine's
+#                                  torch in .venv-gpu/ (bench/gpu_rehearsal.py)
 #   ./dev.sh gpu-proof [OUT]       on the GPU machine: the GPU proof with its own python3 and the
 #                                  wheels of gpu-wheels/, no venv (bench/gpu_proof.py)
 set -euo pipefail
@@ -46,5 +49,6 @@ case "$command" in
   test) ruff check . && exec python -m pytest -q -rs -n "${ELASTIC_TEST_PROCS:-2}" --dist loadgroup "$@" ;;
   bench) exec python bench/recovery.py "$@" ;;
   gpu-wheels) exec python bench/gpu_wheels.py prepare "${1:-gpu-wheels}" ;;
-  *) echo "usage: ./dev.sh run|test|bench|gpu-wheels|gpu-proof [args...]" >&2; exit 2 ;;
+  gpu-rehearsal) exec python bench/gpu_rehearsal.py "$@" ;;
+  *) echo "usage: ./dev.sh run|test|bench|gpu-wheels|gpu-rehearsal|gpu-proof [args...]" >&2; exit 2 ;;
 esac

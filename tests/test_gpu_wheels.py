@@ -179,3 +179,15 @@ def test_install_names_a_wheel_missing_from_the_folder(wheels: Path, tmp_path: P
         gpu_wheels.install(here, tmp_path / "target")
     with pytest.raises(WheelsError, match="gpu-wheels"):
         gpu_wheels.install(tmp_path, tmp_path / "target")  # no manifest: never prepared
+
+
+def test_the_rehearsal_runs_tests_that_exist_and_leaves_out_only_those_it_names() -> None:
+    """bench/gpu_rehearsal.py: a renamed test file or test would silently drop out of it."""
+    rehearsal = load_bench("gpu_rehearsal")
+    assert all((REPO / test).is_file() for test in rehearsal.TESTS)
+    argv = rehearsal.pytest_argv(Path("/venv-gpu/bin/python"))
+    assert argv[:3] == ["/venv-gpu/bin/python", "-m", "pytest"]
+    for test, why in rehearsal.NOT_THERE.items():
+        path, name = test.split("::")
+        assert path in rehearsal.TESTS and f"def {name}(" in (REPO / path).read_text()
+        assert argv[argv.index(test) - 1] == "--deselect" and why
