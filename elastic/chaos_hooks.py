@@ -1,7 +1,7 @@
 """The faults ``python -m chaos`` asks a worker to make in itself.
 
 A NaN loss at chosen steps (``chaos.nan_steps``); a bit flipped in a parameter (SIGUSR1,
-``corrupt_replica``); a collective that fails by itself at a chosen step on a chosen node
+``corrupt_replica``); collectives that fail by themselves from a chosen step on a chosen node
 (``chaos.fail_collectives_node``, ``chaos.fail_collectives_step``).
 
 One seam, :class:`ChaosHooks`, which the trainer calls before and during each step. Without
@@ -55,12 +55,12 @@ class ChaosHooks:
     def fail_collectives(self, comm: Communicator, node: str, step: int) -> None:
         """Fail a collective of ``step`` by itself, on chaos.fail_collectives_node.
 
-        In every round that reaches the step: raised in the communicator's block, it is the
-        round's failed collective, as gloo's refusal of an operation it lacks was (PREMUL_SUM,
-        2026-11-29), while every peer still answers. Its agent finds no one to blame and forms
-        the round again, until it stops (``launcher/agent/peers.py``)."""
+        From chaos.fail_collectives_step on, in every round: raised in the communicator's block,
+        it is the round's failed collective, as gloo's refusal of an operation it lacks was
+        (PREMUL_SUM, 2026-11-29), while every peer still answers. Its agent finds no one to blame
+        and forms the round again, until it stops (``launcher/agent/peers.py``)."""
         c = self.cfg
-        if not c.allow or node != c.fail_collectives_node or step != c.fail_collectives_step:
+        if not c.allow or node != c.fail_collectives_node or step < c.fail_collectives_step:
             return
         with comm.collective("chaos.fail_collectives_step"):
             raise RuntimeError(f"chaos: a collective of step {step} fails by itself on {node}")

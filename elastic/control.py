@@ -116,10 +116,10 @@ class Channel:
     is about to leave: say after which step). Worker to agent: ``ready``, ``status`` (step,
     phase, round, and ``stood_by``: the ``seq`` of the last standby carried out, sent at once,
     or in a planned leave once the next round's members all reached its set-up),
-    ``peer_lost`` (round, error), ``leaving`` (after_step: the step the node can stop after),
-    ``straggler`` (step, slowdown: this rank found itself a straggler; the agent acts on
-    ``health.straggler``) and ``strike`` (reason: this rank found its node at fault, a corrupt
-    replica or a run of non-finite steps).
+    ``peer_lost`` (round, error, trained: its steps in that round), ``leaving`` (after_step:
+    the step the node can stop after), ``straggler`` (step, slowdown: this rank found itself a
+    straggler; the agent acts on ``health.straggler``) and ``strike`` (reason: this rank found
+    its node at fault, a corrupt replica or a run of non-finite steps).
     """
 
     def __init__(self, sock: socket.socket) -> None:

@@ -204,7 +204,8 @@ def leave_round(w: Worker, a: Assignment, exc: BaseException, end: RoundEnd) -> 
     if end is RoundEnd.PEER_LOST and failure is not None:
         # A collective failed before the agent knew anything: tell it, so that it checks which
         # peer is gone and drops it without waiting for the lease to expire.
-        w.link.channel.send("peer_lost", round=a.round, error=failure.error)
+        trained = w.trained_in_round()  # none, in rounds in a row: its agent may stop the node
+        w.link.channel.send("peer_lost", round=a.round, error=failure.error, trained=trained)
         w.events.emit(
             ev.WORKER_PEER_LOST,
             f"rank {a.rank} left round {a.round}: {failure}",
@@ -227,7 +228,9 @@ def train_round(w: Worker, a: Assignment) -> bool:
     Returns whether the final state is saved, the same on every rank."""
     cfg, events, rank, world = w.cfg, w.events, a.rank, a.world_size
     ckpt = CheckpointManager(cfg.checkpoint.url, cfg.checkpoint.keep, events, w.comm.collective)
+    w.entered_at = None
     start = enter_round(w, a, ckpt)
+    w.entered_at = start.progress.step
     # An evaluation the previous round broke off, or the end's when nothing is left to train.
     progress = evaluate_if_due(w, a, start.progress)
     steps = Steps(a, ckpt, start, progress=progress, saved=progress)

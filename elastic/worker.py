@@ -53,6 +53,7 @@ class Worker:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     progress: Progress | None = None  # None until this process holds a state
     trained_round: int = -1  # the round this state was last trained or synced in
+    entered_at: int | None = None  # the step this worker entered its round at (None: entering)
     interrupted_at: float | None = None  # when the previous round broke for this worker
     interrupted_by: RoundEnd | None = None  # and why
     nonfinite: NonFiniteSteps = field(default_factory=lambda: NonFiniteSteps(3))
@@ -66,6 +67,12 @@ class Worker:
 
         The state's digest is equal on the workers of the same shard index (the replicas)."""
         return self.env.local_rank if self.mesh is not None else 0
+
+    def trained_in_round(self) -> int:
+        """The steps this worker has trained in its round so far (0 while entering it)."""
+        if self.entered_at is None or self.progress is None:
+            return 0
+        return max(0, self.progress.step - self.entered_at)  # a rollback goes below
 
     def hold(self, state: TrainState) -> None:
         """Train ``state`` from now on: the tensors synced and saved, the buffers kept, the params.

@@ -43,6 +43,7 @@ from launcher.agent.decisions import (
 )
 from launcher.agent.inbox import Inbox, RendezvousChanged, Signal, WorkerExited, WorkerPeerLost
 from launcher.agent.peer_decisions import (
+    Blameless,
     Fruitless,
     Probe,
     Reach,
@@ -232,16 +233,23 @@ def test_a_broken_round_whose_peers_all_answer_is_left_after_a_lease() -> None:
     assert not no_one_to_blame(found, {"b": CUT, "c": ALIVE}, 9.0, 3.0)
 
 
-def test_rounds_left_with_no_one_to_blame_at_one_step_stop_the_node() -> None:
-    """A collective that fails by itself (an operation the backend lacks) fails every round at
-    the same step though every peer answers: after 5 such rounds in a row the node stops,
-    naming the step, instead of forming rounds without end. A step trained between two such
-    rounds starts the count again."""
-    assert fruitless([7, 7, 7, 7], 5) is None
-    stop = fruitless([3, 7, 7, 7, 7, 7], 5)
+def test_rounds_left_with_no_one_to_blame_and_trained_nothing_in_stop_the_node() -> None:
+    """A collective that fails by itself (an operation the backend lacks) fails every round
+    though every peer answers: after 5 such rounds in a row in which the node trained nothing it
+    stops, instead of forming rounds without end. The others may train alone between its rounds,
+    so its step moves on (in a 2-node CI run of 2026-11-30, node0 trained step 5 alone between
+    two of node1's rounds); a round it trained in starts the count again."""
+    none = [Blameless(7, 0)] * 4
+    assert fruitless(none, 5) is None
+    stop = fruitless([Blameless(3, 2), *none, Blameless(7, 0)], 5)
     assert stop == Fruitless(rounds=5, step=7)
-    assert "5 rounds in a row failed at step 7 though every peer answered" in stop.message()
-    assert fruitless([7, 7, 8, 8, 8, 8], 5) is None  # step 8 was begun: a round trained
+    assert stop.message().startswith(
+        "5 rounds in a row failed though every peer answered, and this node trained no step in "
+        "any of them (the last at step 7)"
+    )
+    moving = [Blameless(s, 0) for s in (5, 5, 6, 8, 9)]  # the others trained between
+    assert fruitless(moving, 5) == Fruitless(rounds=5, step=9)
+    assert fruitless([*none, Blameless(8, 1)], 5) is None  # it trained a step in the last
 
 
 def test_no_report_or_a_stale_one_probes_nothing() -> None:
@@ -505,7 +513,7 @@ def test_join_timeout() -> None:
 def test_the_inbox_hands_over_everything_queued_in_order() -> None:
     inbox = Inbox()
     assert inbox.take(0) == [] and inbox.take(0.01) == []
-    posted = [WorkerPeerLost(0, 3), WorkerExited(1, -9), RendezvousChanged()]
+    posted = [WorkerPeerLost(0, 3, 0), WorkerExited(1, -9), RendezvousChanged()]
     for msg in posted:
         inbox.put(msg)
     assert inbox.take(1.0) == posted

@@ -133,7 +133,7 @@ def chaos_problems(cfg: Config) -> Iterator[str]:
             "chaos.fail_collectives_step",
             c.fail_collectives_step,
             "no such step: steps count from 1",
-            "set the step whose collectives fail, e.g. chaos.fail_collectives_step=10",
+            "set the step from which collectives fail, e.g. chaos.fail_collectives_step=10",
         )
 
 

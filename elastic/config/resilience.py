@@ -162,7 +162,7 @@ class ChaosConfig:
     nan_steps: list[int] = field(default_factory=list)
     nan_rank: int = 0
     # Test hook, honoured only with allow=true: on node fail_collectives_node, a collective of
-    # step fail_collectives_step fails by itself in every round that reaches it, while every
+    # each step from fail_collectives_step on fails by itself, in every round, while every
     # peer answers, as an operation the backend lacks does (elastic.chaos_hooks).
     fail_collectives_node: str = ""
     fail_collectives_step: int = 0

@@ -224,7 +224,7 @@ class Agent:
         if isinstance(msg, Signal):
             self.stop_signal = msg.signum
         elif isinstance(msg, WorkerPeerLost):
-            self.peers.lost_round = max(self.peers.lost_round, msg.round)
+            self.peers.lost(msg.round, msg.trained)
         elif isinstance(msg, WorkerLeaving):
             self.leaving.answer(msg.local_rank, msg.after_step)
         elif isinstance(msg, FaultRequested):

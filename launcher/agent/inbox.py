@@ -31,6 +31,7 @@ class WorkerPeerLost:
 
     local_rank: int
     round: int  # stale once the agent is in a newer round
+    trained: int  # steps it trained in that round before the failure
 
 
 @dataclass(frozen=True)

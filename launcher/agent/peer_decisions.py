@@ -129,25 +129,43 @@ def no_one_to_blame(
 
 
 @dataclass(frozen=True)
+class Blameless:
+    """A round this node left with no one to blame.
+
+    Its workers' step then, and the steps they trained in it (the most any of them did)."""
+
+    step: int
+    trained: int
+
+
+@dataclass(frozen=True)
 class Fruitless:
-    """Rounds this node left with no one to blame, ``rounds`` in a row, all at ``step``."""
+    """Rounds this node left with no one to blame, ``rounds`` in a row, none of them trained in.
+
+    The last was left at ``step``."""
 
     rounds: int
     step: int
 
     def message(self) -> str:
         return (
-            f"{self.rounds} rounds in a row failed at step {self.step} though every peer answered: "
-            "a collective that fails by itself (an operation the backend lacks, a bug in the job) "
-            "or a data path blocked while the agents' ports answer (a firewall); forming rounds "
-            "again will not mend it, and the newest checkpoint stands"
+            f"{self.rounds} rounds in a row failed though every peer answered, and this node "
+            f"trained no step in any of them (the last at step {self.step}): a collective that "
+            "fails by itself (an operation the backend lacks, a bug in the job) or a data path "
+            "blocked while the agents' ports answer (a firewall); forming rounds again will not "
+            "mend it, and the newest checkpoint stands"
         )
 
 
-def fruitless(blameless_steps: Sequence[int], limit: int) -> Fruitless | None:
-    """Whether ``limit`` rounds in a row left with no one to blame, at one step, never train."""
-    recent = blameless_steps[-limit:]
-    return Fruitless(limit, recent[0]) if len(recent) == limit == recent.count(recent[0]) else None
+def fruitless(left: Sequence[Blameless], limit: int) -> Fruitless | None:
+    """Whether the last ``limit`` rounds left with no one to blame saw this node train nothing.
+
+    Counted by the node's own steps, not the job's: the others may train between its rounds,
+    alone, and then it fails a step further on each time, still without training one."""
+    recent = left[-limit:]
+    if len(recent) < limit or any(r.trained for r in recent):
+        return None
+    return Fruitless(limit, recent[-1].step)
 
 
 def reaches_the_round(round: Round | None, reach: Mapping[str, Reach], me: str) -> bool:

@@ -27,7 +27,7 @@ PROBE_AGAIN_S = 0.2  # after a failed collective, peers are probed this often un
 # itself after probing this long (or a lease TTL, if shorter) with the round still standing:
 # those may be frozen, or may not have seen the failure (peer_decisions.evicts_now).
 EVICT_BACKUP_S = 1.0
-# Rounds in a row left with no one to blame, at one step, after which a node stops: each costs
+# Rounds in a row left with no one to blame, none trained in, after which a node stops: each costs
 # rendezvous.pg_timeout_s or a lease TTL, and a cause that outlives this many does not heal.
 FRUITLESS_ROUNDS = 5
 WHY_EVICTED = {
@@ -68,10 +68,18 @@ class Peers:
         self._node_id, self._cfg, self._events, self._evict = node_id, cfg, events, evict
         self._whole = whole  # a round with every member (a node keeps only its own)
         self.lost_round = 0  # the newest round in which a local worker saw a collective fail
+        self.trained_in_lost = 0  # the most steps a local worker trained in lost_round
         self._probing_since: float | None = None  # monotonic: when probing for lost_round began
         self._cut_off = False  # it could not reach the round's members when it last looked
-        # The workers' step at each of the latest rounds left with no one to blame.
-        self._blameless: list[int] = []
+        # The latest rounds left with no one to blame.
+        self._blameless: list[decide.Blameless] = []
+
+    def lost(self, round_number: int, trained: int) -> None:
+        """A local worker saw a collective of ``round_number`` fail, ``trained`` steps into it."""
+        if round_number > self.lost_round:
+            self.lost_round, self.trained_in_lost = round_number, trained
+        elif round_number == self.lost_round:
+            self.trained_in_lost = max(self.trained_in_lost, trained)
 
     def on_lost(
         self, current: Round | None, view: JobView, step: int
@@ -80,8 +88,9 @@ class Peers:
 
         Returns the probe while the round stands (the loop probes again in
         :data:`PROBE_AGAIN_S`). Returns the reason to leave the round when every peer answers yet
-        the collectives failed, unless :data:`FRUITLESS_ROUNDS` such rounds in a row failed at
-        the workers' ``step`` (:func:`~launcher.agent.peer_decisions.fruitless`: the node stops).
+        the collectives failed, unless :data:`FRUITLESS_ROUNDS` such rounds in a row saw this
+        node train nothing (:func:`~launcher.agent.peer_decisions.fruitless`: the node stops);
+        ``step`` is its workers'.
         None when there is nothing to look at."""
         whole = self._whole(current) if current is not None else None
         found = decide.on_peer_lost(whole, self.lost_round, view, self._node_id)
@@ -94,7 +103,7 @@ class Peers:
         waited = now - self._probing_since
         if decide.no_one_to_blame(found, reach, waited, self._cfg.lease_ttl_s):
             self._probing_since = None
-            self._blameless.append(step)
+            self._blameless.append(decide.Blameless(step, self.trained_in_lost))
             del self._blameless[:-FRUITLESS_ROUNDS]  # only the latest count
             if stop := decide.fruitless(self._blameless, FRUITLESS_ROUNDS):
                 return stop

@@ -115,7 +115,7 @@ class WorkerSlot:
             with self._lock:
                 self.watchdog.heartbeat(msg, now)  # the agent asks the watchdog on its own time
         elif kind == "peer_lost":
-            self._post(WorkerPeerLost(rank, int(msg["round"])))
+            self._post(WorkerPeerLost(rank, int(msg["round"]), int(msg["trained"])))
         elif kind == "leaving":
             self._post(WorkerLeaving(rank, int(msg["after_step"])))
         elif kind == "straggler":
