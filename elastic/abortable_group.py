@@ -267,7 +267,7 @@ class AbortableGroup(dist.ProcessGroup):
 
 def start(backend: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dist.Work:
     """Begin collective ``name`` on ``backend``: its own, or per tensor pair (:data:`PER_PAIR`)."""
-    if hasattr(backend, name) or name not in PER_PAIR:
+    if name not in PER_PAIR or hasattr(backend, name):  # a dict lookup first: every collective
         return getattr(backend, name)(*args, **kwargs)
     outputs, inputs, *options = args
     base = getattr(backend, PER_PAIR[name])

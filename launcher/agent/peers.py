@@ -90,8 +90,7 @@ class Peers:
         :data:`PROBE_AGAIN_S`). Returns the reason to leave the round when every peer answers yet
         the collectives failed, unless :data:`FRUITLESS_ROUNDS` such rounds in a row saw this
         node train nothing (:func:`~launcher.agent.peer_decisions.fruitless`: the node stops);
-        ``step`` is its workers'.
-        None when there is nothing to look at."""
+        ``step`` is its workers'. None when there is nothing to look at."""
         whole = self._whole(current) if current is not None else None
         found = decide.on_peer_lost(whole, self.lost_round, view, self._node_id)
         if found is None:
